@@ -1,0 +1,230 @@
+"""The whole boundary between the HTTP server and the engine.
+
+Pure Python (no torch): server/ imports this module and nothing else from engine/. An engine is
+anything that implements `EngineClient`; the real one lives in engine/client.py, the tests have a
+fake one. Everything crossing the boundary is a plain dataclass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+ChatMessage = Mapping[str, Any]
+"""One chat message as OpenAI sends it: {"role": ..., "content": str | list of text parts}."""
+
+Prompt = str | Sequence[ChatMessage]
+"""A completion prompt (str, used verbatim) or chat messages (rendered by the chat template)."""
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors. The server maps each to one OpenAI-shaped HTTP error.
+# ---------------------------------------------------------------------------------------------
+
+
+class EngineError(Exception):
+    """Base of every error the engine raises across the boundary."""
+
+
+class InvalidRequest(EngineError):
+    """Bad input the server could not see (unknown strategy knob, bad stop list...). -> 400."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTooLong(InvalidRequest):
+    """The prompt exceeds what the engine accepts (window, or the memory hard cap). -> 400."""
+
+
+class EngineOverloaded(EngineError):
+    """The waiting queue is full. -> 429 with Retry-After."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class SessionNotFound(EngineError):
+    """The engine holds no memory for this session id. -> 404."""
+
+
+class EngineDead(EngineError):
+    """A fatal error stopped the worker; /ready fails until the process restarts. -> 503."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """OpenAI's sampling semantics, plus top_k. One choice: the server fans out n > 1 itself.
+
+    temperature == 0 means greedy. top_k == 0 means no top-k cut. seed makes the choice
+    reproducible on the same engine. stop strings are never part of the returned text.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    """Which memory strategy a session or request uses, and its knobs (named as in the papers:
+    k, w, c, m, r, u ...). The engine validates the knobs and raises InvalidRequest."""
+
+    strategy: str = "segments"
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """Numbers the engine reports on a request's last delta; server/metrics.py records them."""
+
+    queue_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    retrieval_seconds: float = 0.0
+    strategy: str | None = None
+    memory_tokens: int = 0
+    ingest_tokens: int = 0
+    ingest_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class GenerationDelta:
+    """What one decode step (or a few) added to a choice.
+
+    text holds only whole UTF-8 characters, never any part of a stop string. completion_tokens
+    is cumulative. finish_reason and stats are set on the last delta only.
+    """
+
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    stats: RequestStats | None = None
+
+
+@dataclass(frozen=True)
+class IngestProgress:
+    """Progress of one document being read into a session's memory."""
+
+    tokens_done: int
+    tokens_total: int
+    seconds: float
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    ok: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    sessions_active: int = 0
+    memory_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    id: str
+    max_model_len: int
+    strategies: tuple[str, ...] = ()
+    created: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The contract.
+# ---------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """What the server may ask of an engine. Every call is safe from the asyncio loop."""
+
+    @property
+    def model(self) -> ModelInfo: ...
+
+    def generate(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        sampling: SamplingParams,
+        *,
+        session_id: str | None = None,
+        memory: MemorySpec | None = None,
+    ) -> AsyncIterator[GenerationDelta]:
+        """Queue a generation and stream its deltas. Raises EngineOverloaded when the waiting
+        queue is full (before anything is yielded), PromptTooLong / InvalidRequest on bad input.
+        Closing the iterator early aborts the request in the worker."""
+        ...
+
+    async def count_tokens(self, prompt: Prompt) -> int:
+        """Tokens the prompt takes after chat templating (for limits and usage)."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request now; its iterator ends with finish_reason "abort". Idempotent."""
+        ...
+
+    async def create_session(self, session_id: str, memory: MemorySpec | None = None) -> None:
+        """Give a session an empty memory. InvalidRequest for a bad MemorySpec."""
+        ...
+
+    async def drop_session(self, session_id: str) -> None:
+        """Free a session's memory at once (cancelling its ingestion). Idempotent."""
+        ...
+
+    def ingest(
+        self, request_id: str, session_id: str, text: str
+    ) -> AsyncIterator[IngestProgress]:
+        """Read a document into a session's memory segment by segment, streaming progress.
+        SessionNotFound if the session has no memory. Closing the iterator cancels it."""
+        ...
+
+    async def health(self) -> EngineHealth: ...
+
+    def stats(self) -> EngineStats: ...
+
+    async def shutdown(self) -> None: ...
