@@ -1,0 +1,173 @@
+"""The `longserve` console script. Subcommands only build settings and start things.
+
+The engine (torch, transformers) is imported lazily inside `serve`, so `longserve --help` and
+the other subcommands stay light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from server.settings import ServerSettings
+
+EXIT_BAD_CONFIG = 2
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# ---------------------------------------------------------------------------------------------
+# serve
+# ---------------------------------------------------------------------------------------------
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port (default 8000)")
+    parser.add_argument("--model", help="local model directory or hub id (default: SmolLM2)")
+    parser.add_argument("--served-model-name", help="the model id clients send")
+    parser.add_argument("--device", help="auto, cpu, cuda, cuda:1 ...")
+    parser.add_argument("--dtype", help="auto, float32, bfloat16, float16")
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        dest="api_keys",
+        metavar="KEY",
+        help="an accepted API key (repeatable); also LONGSERVE_API_KEYS=k1,k2",
+    )
+    parser.add_argument("--max-waiting-requests", type=int)
+    parser.add_argument("--max-running-requests", type=int)
+    parser.add_argument(
+        "--memory-store",
+        dest="memory_store_url",
+        metavar="URL",
+        help="memory service URL (default: embedded)",
+    )
+    parser.add_argument("--data-dir", help="where the embedded memory store persists")
+    parser.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """CLI flags override LONGSERVE_* environment variables, which override defaults."""
+    fields = (
+        "host",
+        "port",
+        "model",
+        "served_model_name",
+        "device",
+        "dtype",
+        "api_keys",
+        "max_waiting_requests",
+        "max_running_requests",
+        "memory_store_url",
+        "data_dir",
+    )
+    overrides: dict[str, Any] = {
+        name: getattr(args, name) for name in fields if getattr(args, name, None) is not None
+    }
+    return ServerSettings(**overrides)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        messages = "; ".join(_error_text(e) for e in exc.errors())
+        print(f"longserve: invalid configuration: {messages}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+
+    import uvicorn
+
+    from engine.client import LocalEngine
+    from engine.config import EngineConfig
+    from server.app import build_app
+
+    config = EngineConfig(
+        model=settings.model,
+        served_model_name=settings.served_model_name,
+        device=settings.device,
+        dtype=settings.dtype,
+        max_waiting_requests=settings.max_waiting_requests,
+        max_running_requests=settings.max_running_requests,
+    )
+    logging.getLogger(__name__).info("loading the engine (%s)", settings.model or "default")
+    engine = LocalEngine(config)
+    app = build_app(settings, engine)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        workers=1,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=int(settings.drain_timeout_seconds),
+    )
+    return 0
+
+
+def _error_text(error: Any) -> str:
+    message = str(error.get("msg", "invalid"))
+    loc = ".".join(str(part) for part in error.get("loc", ()))
+    return f"{loc}: {message}" if loc else message.removeprefix("Value error, ")
+
+
+# ---------------------------------------------------------------------------------------------
+# The subcommand table. Other parts register theirs here, each as a Subcommand whose
+# add_arguments/run live next to the code they start, imported lazily so that one subcommand
+# never loads another's dependencies. `ingest` is still to come.
+# ---------------------------------------------------------------------------------------------
+
+
+def _lazy(module: str, attribute: str) -> Callable[..., Any]:
+    def call(*args: Any) -> Any:
+        return getattr(importlib.import_module(module), attribute)(*args)
+
+    return call
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "serve": Subcommand("run the OpenAI-compatible HTTP server", add_serve_arguments, run_serve),
+    "memory-store": Subcommand(
+        "run the memory service (encoder-output store, Larimar memory)",
+        _lazy("memory_store.cli", "add_arguments"),
+        _lazy("memory_store.cli", "run"),
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="longserve",
+        description="OpenAI-compatible server for documents longer than the model's window.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, subcommand in SUBCOMMANDS.items():
+        sub = commands.add_parser(name, help=subcommand.help, description=subcommand.help)
+        subcommand.add_arguments(sub)
+        sub.set_defaults(run=subcommand.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

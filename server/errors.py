@@ -1,0 +1,196 @@
+"""The one place where every error becomes OpenAI's shape:
+{"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.protocol import (
+    EngineDead,
+    EngineError,
+    EngineOverloaded,
+    InvalidRequest,
+    SessionNotFound,
+)
+from server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+_HTTP_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error the server raises itself; carries everything the response needs."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type or _HTTP_ERROR_TYPES.get(status_code, "invalid_request_error")
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+def invalid_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(
+        404,
+        f"The model `{model}` does not exist or you do not have access to it.",
+        type="invalid_request_error",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def invalid_api_key(message: str) -> APIError:
+    return APIError(
+        401,
+        message,
+        type="authentication_error",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(413, f"Request body exceeds {limit} bytes.", code="request_too_large")
+
+
+def error_body(error: APIError) -> dict[str, Any]:
+    info = ErrorInfo(message=error.message, type=error.type, param=error.param, code=error.code)
+    return ErrorResponse(error=info).model_dump()
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error_body(error), status_code=error.status_code, headers=error.headers)
+
+
+def from_exception(exc: BaseException) -> APIError:
+    """Map any exception (ours, the engine's, pydantic's) to an APIError."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestValidationError | ValidationError):
+        return _from_validation_errors(exc.errors())
+    if isinstance(exc, InvalidRequest):  # PromptTooLong included
+        return APIError(400, str(exc), param=exc.param)
+    if isinstance(exc, EngineOverloaded):
+        retry_after = str(max(1, math.ceil(exc.retry_after)))
+        return APIError(
+            429,
+            str(exc) or "The server is overloaded; retry later.",
+            code="overloaded",
+            headers={"Retry-After": retry_after},
+        )
+    if isinstance(exc, SessionNotFound):
+        return APIError(
+            404, str(exc) or "Session not found.", param="session_id", code="session_not_found"
+        )
+    if isinstance(exc, EngineDead):
+        return APIError(503, f"The engine is not available: {exc}", code="engine_dead")
+    if isinstance(exc, EngineError):
+        logger.error("engine error: %r", exc)
+        return APIError(500, f"Engine error: {exc}")
+    logger.error("unexpected error", exc_info=exc)
+    return APIError(500, "Internal server error.")
+
+
+_TYPE_TAGS = {
+    "str",
+    "int",
+    "float",
+    "bool",
+    "list",
+    "dict",
+    "none",
+    "function-after",
+    "function-before",
+    "function-wrap",
+    "literal",
+    "union",
+    "tagged-union",
+}
+
+
+def _param_from_loc(loc: Sequence[int | str]) -> str | None:
+    """("body", "messages", 0, "content", "str") -> "messages[0].content"."""
+    parts = list(loc[1:] if loc and loc[0] in ("body", "query", "path") else loc)
+    param = ""
+    for part in parts:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part.isidentifier() and part not in _TYPE_TAGS:
+            param += f".{part}" if param else part
+        else:
+            break  # a pydantic union tag ("list[str]", "function-after[...]"): stop here
+    return param or None
+
+
+def _from_validation_errors(errors: Sequence[Any]) -> APIError:
+    if not errors:
+        return invalid_request("Invalid request.")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return invalid_request("The request body is not valid JSON.")
+    loc = first.get("loc", ())
+    param = _param_from_loc(loc)
+    if first.get("type") == "missing":
+        message = f"Missing required parameter: '{param}'."
+    else:
+        message = f"Invalid value for '{param}': {first.get('msg', 'invalid')}."
+    return invalid_request(message, param=param)
+
+
+async def _handle(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(from_exception(exc))
+
+
+async def _handle_http(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 404:
+        message = f"Unknown route: {request.method} {request.url.path}"
+    else:
+        message = str(exc.detail)
+    headers = dict(exc.headers) if exc.headers else None
+    return error_response(APIError(exc.status_code, message, headers=headers))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _handle)
+    app.add_exception_handler(ValidationError, _handle)
+    app.add_exception_handler(APIError, _handle)
+    app.add_exception_handler(EngineError, _handle)
+    app.add_exception_handler(StarletteHTTPException, _handle_http)
+    app.add_exception_handler(Exception, _handle)

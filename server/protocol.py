@@ -1,0 +1,241 @@
+"""OpenAI's wire format as pydantic models: requests, responses, stream chunks, errors.
+
+Fields follow OpenAI's order; longserve's extensions sit in one marked block at the end of each
+request model. Unknown fields are ignored, as OpenAI does. Limits that depend on the server's
+settings (max n, max tokens, stop list length) are checked in server/serving.py, not here.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared request pieces.
+# ---------------------------------------------------------------------------------------------
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool | None = False
+
+
+class MemoryRequest(OpenAIModel):
+    """longserve extension: the memory strategy and its knobs (k, w, c, m, r, u ...)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    strategy: str = "segments"
+
+    def knobs(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class TextContentPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(OpenAIModel):
+    type: str = "text"
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests.
+# ---------------------------------------------------------------------------------------------
+
+
+class ChatCompletionRequest(OpenAIModel):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=1, ge=1)
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    response_format: ResponseFormat | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    user: str | None = None
+
+    # --- longserve extensions -----------------------------------------------------------------
+    session_id: str | None = None
+    memory: MemoryRequest | None = None
+    top_k: int | None = Field(default=None, ge=-1)
+    ignore_eos: bool | None = False
+
+
+class CompletionRequest(OpenAIModel):
+    model: str
+    prompt: str | list[str] | list[int] | list[list[int]]
+    best_of: int | None = Field(default=None, ge=1)
+    echo: bool | None = False
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_tokens: int | None = Field(default=16, ge=1)
+    n: int | None = Field(default=1, ge=1)
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
+    user: str | None = None
+
+    # --- longserve extensions -----------------------------------------------------------------
+    session_id: str | None = None
+    memory: MemoryRequest | None = None
+    top_k: int | None = Field(default=None, ge=-1)
+    ignore_eos: bool | None = False
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses.
+# ---------------------------------------------------------------------------------------------
+
+
+class UsageInfo(OpenAIModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class TopLogprob(OpenAIModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatCompletionTokenLogprob(OpenAIModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(OpenAIModel):
+    content: list[ChatCompletionTokenLogprob] | None = None
+
+
+class ChatCompletionMessage(OpenAIModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(OpenAIModel):
+    index: int
+    message: ChatCompletionMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletion(OpenAIModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class ChoiceDelta(OpenAIModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatCompletionChunkChoice(OpenAIModel):
+    index: int
+    delta: ChoiceDelta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(OpenAIModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionLogprobs(OpenAIModel):
+    """The legacy completions shape: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class Completion(OpenAIModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(OpenAIModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "longserve"
+    # --- longserve extensions -----------------------------------------------------------------
+    max_model_len: int | None = None
+    strategies: list[str] = Field(default_factory=list)
+
+
+class ModelList(OpenAIModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(OpenAIModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(OpenAIModel):
+    error: ErrorInfo

@@ -1,0 +1,19 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from server.auth import require_tenant
+from server.protocol import ChatCompletion, ChatCompletionRequest
+from server.serving_chat import create_chat_completion
+
+router = APIRouter(prefix="/v1")
+
+
+@router.post("/chat/completions", response_model=ChatCompletion)
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, tenant: str = Depends(require_tenant)
+) -> ChatCompletion | Response:
+    return await create_chat_completion(request.app.state.serving, body, request, tenant)

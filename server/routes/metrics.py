@@ -1,0 +1,15 @@
+"""GET /metrics (Prometheus text format)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from server.metrics import CONTENT_TYPE
+
+router = APIRouter()
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.serving.metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,35 @@
+"""GET /v1/models, GET /v1/models/{id}."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+
+from engine.protocol import EngineClient
+from server.auth import require_tenant
+from server.errors import model_not_found
+from server.protocol import ModelCard, ModelList
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_tenant)])
+
+
+def _card(engine: EngineClient) -> ModelCard:
+    info = engine.model
+    return ModelCard(
+        id=info.id,
+        created=info.created,
+        max_model_len=info.max_model_len,
+        strategies=list(info.strategies),
+    )
+
+
+@router.get("/models", response_model=ModelList)
+async def list_models(request: Request) -> ModelList:
+    return ModelList(data=[_card(request.app.state.serving.engine)])
+
+
+@router.get("/models/{model_id:path}", response_model=ModelCard)
+async def retrieve_model(model_id: str, request: Request) -> ModelCard:
+    card = _card(request.app.state.serving.engine)
+    if model_id != card.id:
+        raise model_not_found(model_id)
+    return card

@@ -1,0 +1,214 @@
+"""POST /v1/chat/completions: build the engine requests, gather or stream the choices."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from sse_starlette import EventSourceResponse
+
+from engine.protocol import ChatMessage as EngineChatMessage
+from engine.protocol import GenerationDelta, SamplingParams, TokenLogprob
+from server.errors import invalid_request
+from server.protocol import (
+    ChatCompletion,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionChunkChoice,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatCompletionTokenLogprob,
+    ChoiceDelta,
+    ChoiceLogprobs,
+    TopLogprob,
+)
+from server.serving import (
+    HEADERS_DEADLINE_SECONDS,
+    ChoiceStreams,
+    Job,
+    ServingContext,
+    UsageCounter,
+    check_max_tokens,
+    check_model,
+    check_n,
+    check_prompt_length,
+    engine_memory,
+    fan_out,
+    new_id,
+    sse_events,
+    sse_response,
+    stop_sequences,
+    top_k_of,
+    until_disconnected,
+)
+
+
+def chat_logprobs(logprobs: list[TokenLogprob] | None) -> ChoiceLogprobs | None:
+    if logprobs is None:
+        return None
+    return ChoiceLogprobs(
+        content=[
+            ChatCompletionTokenLogprob(
+                token=lp.token,
+                logprob=lp.logprob,
+                bytes=lp.bytes,
+                top_logprobs=[
+                    TopLogprob(token=t.token, logprob=t.logprob, bytes=t.bytes)
+                    for t in lp.top_logprobs
+                ],
+            )
+            for lp in logprobs
+        ]
+    )
+
+
+def _check_unsupported(request: ChatCompletionRequest) -> None:
+    if request.tools:
+        raise invalid_request("Tool calling is not supported.", param="tools")
+    if request.response_format is not None and request.response_format.type != "text":
+        raise invalid_request(
+            "Only response_format type 'text' is supported.", param="response_format"
+        )
+    if request.logit_bias:
+        raise invalid_request("logit_bias is not supported.", param="logit_bias")
+
+
+def _jobs(ctx: ServingContext, request: ChatCompletionRequest, chat_id: str) -> list[Job]:
+    settings = ctx.settings
+    _check_unsupported(request)
+    n = check_n(settings, request.n)
+    if request.max_completion_tokens is not None:
+        max_tokens = check_max_tokens(
+            settings, request.max_completion_tokens, "max_completion_tokens"
+        )
+    else:
+        max_tokens = check_max_tokens(settings, request.max_tokens, "max_tokens")
+    top_logprobs = request.top_logprobs or 0
+    if top_logprobs and not request.logprobs:
+        raise invalid_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
+    if top_logprobs > settings.max_top_logprobs:
+        raise invalid_request(
+            f"top_logprobs must be at most {settings.max_top_logprobs}.", param="top_logprobs"
+        )
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=top_k_of(request.top_k),
+        seed=request.seed,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        stop=stop_sequences(settings, request.stop),
+        ignore_eos=bool(request.ignore_eos),
+        logprobs=bool(request.logprobs),
+        top_logprobs=top_logprobs,
+    )
+    messages: list[EngineChatMessage] = []
+    for message in request.messages:
+        rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
+        if message.name:
+            rendered["name"] = message.name
+        messages.append(rendered)
+    return fan_out(chat_id, [messages], n, sampling)
+
+
+async def create_chat_completion(
+    ctx: ServingContext, request: ChatCompletionRequest, raw_request: Request, tenant: str
+) -> ChatCompletion | EventSourceResponse:
+    model = check_model(ctx.engine, request.model)
+    chat_id = new_id("chatcmpl")
+    jobs = _jobs(ctx, request, chat_id)
+    chars = sum(len(m.text()) for m in request.messages)
+    await check_prompt_length(ctx, jobs[0].prompt, chars, "messages")
+    session_id, memory = engine_memory(tenant, request.session_id, request.memory)
+    streams = await ChoiceStreams.start(ctx, jobs, session_id, memory)
+
+    if not request.stream:
+        try:
+            return await until_disconnected(raw_request, _gather(streams, chat_id, model))
+        finally:
+            await streams.aclose()
+
+    try:
+        await streams.prime(HEADERS_DEADLINE_SECONDS)
+    except BaseException:
+        await streams.aclose()
+        raise
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    chunks = _stream_chunks(streams, chat_id, model, include_usage)
+    return sse_response(ctx, streams, sse_events(streams, chunks))
+
+
+async def _gather(streams: ChoiceStreams, chat_id: str, model: str) -> ChatCompletion:
+    jobs = {job.index: job for job in streams.jobs}
+    texts: dict[int, list[str]] = {i: [] for i in jobs}
+    logprobs: dict[int, list[TokenLogprob] | None] = {i: None for i in jobs}
+    finish: dict[int, str | None] = {i: None for i in jobs}
+    usage = UsageCounter()
+    async for index, delta in streams:
+        texts[index].append(delta.text)
+        if delta.logprobs is not None:
+            logprobs[index] = (logprobs[index] or []) + delta.logprobs
+        if delta.finish_reason is not None:
+            finish[index] = delta.finish_reason
+        usage.add(jobs[index], delta)
+    choices = [
+        ChatCompletionChoice(
+            index=i,
+            message=ChatCompletionMessage(content="".join(texts[i])),
+            logprobs=chat_logprobs(logprobs[i]),
+            finish_reason=finish[i],
+        )
+        for i in sorted(jobs)
+    ]
+    return ChatCompletion(id=chat_id, model=model, choices=choices, usage=usage.usage())
+
+
+async def _stream_chunks(
+    streams: ChoiceStreams, chat_id: str, model: str, include_usage: bool
+) -> AsyncIterator[str]:
+    jobs = {job.index: job for job in streams.jobs}
+    usage = UsageCounter()
+    created = int(time.time())
+
+    def chunk(
+        index: int,
+        delta: ChoiceDelta,
+        delta_logprobs: ChoiceLogprobs | None,
+        finish_reason: str | None,
+    ) -> str:
+        # Serialized with exclude_unset: what is not set here (role, usage) stays off the wire.
+        fields: dict[str, Any] = {
+            "id": chat_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [
+                ChatCompletionChunkChoice(
+                    index=index, delta=delta, logprobs=delta_logprobs, finish_reason=finish_reason
+                )
+            ],
+        }
+        if include_usage:
+            fields["usage"] = None
+        return ChatCompletionChunk(**fields).model_dump_json(exclude_unset=True)
+
+    for index in sorted(jobs):
+        yield chunk(index, ChoiceDelta(role="assistant", content=""), None, None)
+    async for index, delta in streams:
+        usage.add(jobs[index], delta)
+        if delta.text or delta.logprobs:
+            yield chunk(index, _content(delta), chat_logprobs(delta.logprobs), None)
+        if delta.finish_reason is not None:
+            yield chunk(index, ChoiceDelta(), None, delta.finish_reason)
+    if include_usage:
+        final = ChatCompletionChunk(
+            id=chat_id, created=created, model=model, choices=[], usage=usage.usage()
+        )
+        yield final.model_dump_json()
+
+
+def _content(delta: GenerationDelta) -> ChoiceDelta:
+    return ChoiceDelta(content=delta.text)

@@ -1,0 +1,195 @@
+"""POST /v1/completions (legacy): text prompts, n choices per prompt, legacy logprobs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from sse_starlette import EventSourceResponse
+
+from engine.protocol import SamplingParams, TokenLogprob
+from server.errors import invalid_request
+from server.protocol import (
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+)
+from server.serving import (
+    HEADERS_DEADLINE_SECONDS,
+    ChoiceStreams,
+    Job,
+    ServingContext,
+    UsageCounter,
+    check_max_tokens,
+    check_model,
+    check_n,
+    check_prompt_length,
+    engine_memory,
+    fan_out,
+    new_id,
+    sse_events,
+    sse_response,
+    stop_sequences,
+    top_k_of,
+    until_disconnected,
+)
+
+
+def _prompts(request: CompletionRequest) -> list[str]:
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise invalid_request("prompt must not be empty.", param="prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return [p for p in prompt if isinstance(p, str)]
+    raise invalid_request("Token-id prompts are not supported; send text.", param="prompt")
+
+
+def _jobs(ctx: ServingContext, request: CompletionRequest, completion_id: str) -> list[Job]:
+    settings = ctx.settings
+    if request.echo:
+        raise invalid_request("echo is not supported.", param="echo")
+    if request.suffix:
+        raise invalid_request("suffix is not supported.", param="suffix")
+    if request.logit_bias:
+        raise invalid_request("logit_bias is not supported.", param="logit_bias")
+    n = check_n(settings, request.n)
+    if request.best_of is not None and request.best_of != n:
+        raise invalid_request("best_of is not supported (it must equal n).", param="best_of")
+    prompts = _prompts(request)
+    if len(prompts) * n > settings.max_n:
+        raise invalid_request(f"len(prompt) * n must be at most {settings.max_n}.", param="prompt")
+    logprobs = request.logprobs
+    if logprobs is not None and logprobs > settings.max_top_logprobs:
+        raise invalid_request(
+            f"logprobs must be at most {settings.max_top_logprobs}.", param="logprobs"
+        )
+    sampling = SamplingParams(
+        max_tokens=check_max_tokens(settings, request.max_tokens, "max_tokens"),
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=top_k_of(request.top_k),
+        seed=request.seed,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        stop=stop_sequences(settings, request.stop),
+        ignore_eos=bool(request.ignore_eos),
+        logprobs=logprobs is not None,
+        top_logprobs=logprobs or 0,
+    )
+    return fan_out(completion_id, list(prompts), n, sampling)
+
+
+class _LegacyLogprobs:
+    """Builds the legacy parallel-list logprobs of one choice, keeping text offsets."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+
+    def convert(self, logprobs: list[TokenLogprob]) -> CompletionLogprobs:
+        offsets = []
+        for lp in logprobs:
+            offsets.append(self.offset)
+            self.offset += len(lp.token)
+        return CompletionLogprobs(
+            tokens=[lp.token for lp in logprobs],
+            token_logprobs=[lp.logprob for lp in logprobs],
+            top_logprobs=[
+                {t.token: t.logprob for t in lp.top_logprobs} or {lp.token: lp.logprob}
+                for lp in logprobs
+            ],
+            text_offset=offsets,
+        )
+
+
+async def create_completion(
+    ctx: ServingContext, request: CompletionRequest, raw_request: Request, tenant: str
+) -> Completion | EventSourceResponse:
+    model = check_model(ctx.engine, request.model)
+    completion_id = new_id("cmpl")
+    jobs = _jobs(ctx, request, completion_id)
+    for p, prompt in enumerate(_prompts(request)):
+        await check_prompt_length(ctx, prompt, len(prompt), "prompt" if p == 0 else f"prompt[{p}]")
+    session_id, memory = engine_memory(tenant, request.session_id, request.memory)
+    streams = await ChoiceStreams.start(ctx, jobs, session_id, memory)
+
+    if not request.stream:
+        try:
+            return await until_disconnected(raw_request, _gather(streams, completion_id, model))
+        finally:
+            await streams.aclose()
+
+    try:
+        await streams.prime(HEADERS_DEADLINE_SECONDS)
+    except BaseException:
+        await streams.aclose()
+        raise
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    chunks = _stream_chunks(streams, completion_id, model, include_usage)
+    return sse_response(ctx, streams, sse_events(streams, chunks))
+
+
+async def _gather(streams: ChoiceStreams, completion_id: str, model: str) -> Completion:
+    jobs = {job.index: job for job in streams.jobs}
+    texts: dict[int, list[str]] = {i: [] for i in jobs}
+    logprobs: dict[int, CompletionLogprobs | None] = {i: None for i in jobs}
+    builders = {i: _LegacyLogprobs() for i in jobs}
+    finish: dict[int, str | None] = {i: None for i in jobs}
+    usage = UsageCounter()
+    async for index, delta in streams:
+        texts[index].append(delta.text)
+        if delta.logprobs is not None:
+            part = builders[index].convert(delta.logprobs)
+            whole = logprobs[index] or CompletionLogprobs()
+            logprobs[index] = CompletionLogprobs(
+                tokens=whole.tokens + part.tokens,
+                token_logprobs=whole.token_logprobs + part.token_logprobs,
+                top_logprobs=whole.top_logprobs + part.top_logprobs,
+                text_offset=whole.text_offset + part.text_offset,
+            )
+        if delta.finish_reason is not None:
+            finish[index] = delta.finish_reason
+        usage.add(jobs[index], delta)
+    choices = [
+        CompletionChoice(
+            index=i, text="".join(texts[i]), logprobs=logprobs[i], finish_reason=finish[i]
+        )
+        for i in sorted(jobs)
+    ]
+    return Completion(id=completion_id, model=model, choices=choices, usage=usage.usage())
+
+
+async def _stream_chunks(
+    streams: ChoiceStreams, completion_id: str, model: str, include_usage: bool
+) -> AsyncIterator[str]:
+    jobs = {job.index: job for job in streams.jobs}
+    builders = {i: _LegacyLogprobs() for i in jobs}
+    usage = UsageCounter()
+    created = int(time.time())
+
+    def chunk(choices: list[CompletionChoice], usage_info: Any = None) -> str:
+        fields: dict[str, Any] = {
+            "id": completion_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+        }
+        if include_usage:
+            fields["usage"] = usage_info
+        return Completion(**fields).model_dump_json(exclude_unset=True)
+
+    async for index, delta in streams:
+        usage.add(jobs[index], delta)
+        logprobs = builders[index].convert(delta.logprobs) if delta.logprobs else None
+        if delta.text or logprobs or delta.finish_reason is not None:
+            choice = CompletionChoice(
+                index=index, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason
+            )
+            yield chunk([choice])
+    if include_usage:
+        yield chunk([], usage.usage())

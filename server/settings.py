@@ -1,0 +1,81 @@
+"""The HTTP server's settings (env prefix LONGSERVE_). The CLI only builds this class."""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+DEFAULT_TENANT = "default"
+LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def tenant_of(api_key: str) -> str:
+    """A short, stable, non-reversible tenant id for an API key."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:12]
+
+
+class ServerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LONGSERVE_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+
+    # Engine (passed on to engine.config.EngineConfig by the CLI).
+    model: str | None = None
+    served_model_name: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    max_waiting_requests: int = Field(default=64, ge=1)
+    max_running_requests: int = Field(default=8, ge=1)
+
+    # Request limits, checked before anything reaches the engine.
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    max_tokens_limit: int = Field(default=4096, ge=1)
+    max_n: int = Field(default=8, ge=1)
+    max_prompt_tokens: int = Field(default=2_000_000, ge=1)
+    max_stop_sequences: int = Field(default=8, ge=0)
+    max_top_logprobs: int = Field(default=20, ge=0, le=20)
+
+    memory_store_url: str | None = None
+    data_dir: str = "./data"
+    drain_timeout_seconds: float = Field(default=30.0, ge=0)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        """LONGSERVE_API_KEYS="k1,k2" (commas), or a list from code or the CLI."""
+        if value is None:
+            return []
+        if isinstance(value, str):
+            value = value.split(",")
+        if isinstance(value, list | tuple):
+            return [str(key).strip() for key in value if str(key).strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _refuse_open_public_bind(self) -> ServerSettings:
+        if not self.api_keys and not is_loopback(self.host):
+            raise ValueError(
+                f"refusing to serve on non-loopback host {self.host!r} without an API key: "
+                "set LONGSERVE_API_KEYS (comma-separated) or pass --api-key, "
+                "or bind to 127.0.0.1"
+            )
+        return self
+
+    def tenants(self) -> dict[str, str]:
+        """API key -> tenant id. Empty when no key is configured (single tenant "default")."""
+        return {key: tenant_of(key) for key in self.api_keys}

@@ -1,0 +1,226 @@
+"""A deterministic EngineClient for the server tests: no model, no torch.
+
+Generation: with temperature 0 (or no seed) the engine echoes the words of the last message /
+the prompt, one word-token per delta, and stops ("stop") after echoing them once unless
+ignore_eos; with a seed it draws words from a small vocabulary with random.Random(seed).
+Every test knob is a plain attribute: `overloaded`, `dead`, `fail_after_tokens`, `gate`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.protocol import (
+    EngineDead,
+    EngineError,
+    EngineHealth,
+    EngineOverloaded,
+    EngineStats,
+    GenerationDelta,
+    IngestProgress,
+    InvalidRequest,
+    MemorySpec,
+    ModelInfo,
+    Prompt,
+    RequestStats,
+    SamplingParams,
+    SessionNotFound,
+    TokenLogprob,
+    TopLogprob,
+)
+
+VOCAB = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
+STRATEGIES = ("segments", "tokens", "neurocache")
+
+
+@dataclass(frozen=True)
+class Call:
+    request_id: str
+    prompt: Prompt
+    sampling: SamplingParams
+    session_id: str | None
+    memory: MemorySpec | None
+
+
+def prompt_words(prompt: Prompt) -> list[str]:
+    if isinstance(prompt, str):
+        return prompt.split()
+    return " ".join(str(m.get("content") or "") for m in prompt).split()
+
+
+def last_text(prompt: Prompt) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return str(prompt[-1].get("content") or "")
+
+
+class FakeEngine:
+    def __init__(self, model_id: str = "fake-model", token_delay: float = 0.0) -> None:
+        self._model = ModelInfo(
+            id=model_id, max_model_len=2048, strategies=STRATEGIES, created=1_700_000_000
+        )
+        self.token_delay = token_delay
+        self.calls: list[Call] = []
+        self.aborted: set[str] = set()
+        self.finished: set[str] = set()
+        self.running: set[str] = set()
+        self.sessions: set[str] = set()
+        self.overloaded = False
+        self.dead = False
+        self.fail_after_tokens: int | None = None
+        self.shutdown_called = False
+        # Cleared: every request waits before each token until it is set again.
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.first_token_sent = asyncio.Event()
+        self._abort_requested: set[str] = set()
+
+    @property
+    def model(self) -> ModelInfo:
+        return self._model
+
+    def generate(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        sampling: SamplingParams,
+        *,
+        session_id: str | None = None,
+        memory: MemorySpec | None = None,
+    ) -> AsyncIterator[GenerationDelta]:
+        if self.dead:
+            raise EngineDead("fake engine is dead")
+        if self.overloaded:
+            raise EngineOverloaded("waiting queue is full", retry_after=2.5)
+        if memory is not None and memory.strategy not in STRATEGIES:
+            raise InvalidRequest(f"unknown strategy {memory.strategy!r}", param="memory.strategy")
+        if session_id is not None and session_id not in self.sessions:
+            raise SessionNotFound(f"no session {session_id!r}")
+        self.calls.append(Call(request_id, prompt, sampling, session_id, memory))
+        return self._run(request_id, prompt, sampling, memory)
+
+    def _words(self, prompt: Prompt, sampling: SamplingParams) -> tuple[list[str], bool]:
+        """The words to emit and whether the last one is followed by EOS."""
+        if sampling.temperature > 0 and sampling.seed is not None:
+            rng = random.Random(sampling.seed)
+            return [rng.choice(VOCAB) for _ in range(sampling.max_tokens)], False
+        words = last_text(prompt).split() or ["empty"]
+        if sampling.ignore_eos:
+            return [words[i % len(words)] for i in range(sampling.max_tokens)], False
+        return words, True
+
+    async def _run(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        sampling: SamplingParams,
+        memory: MemorySpec | None,
+    ) -> AsyncIterator[GenerationDelta]:
+        prompt_tokens = len(prompt_words(prompt))
+        words, eos = self._words(prompt, sampling)
+        text = ""
+        emitted = 0
+        done = False
+        self.running.add(request_id)
+        try:
+            for i, word in enumerate(words[: sampling.max_tokens]):
+                await self.gate.wait()
+                if self.token_delay:
+                    await asyncio.sleep(self.token_delay)
+                else:
+                    await asyncio.sleep(0)
+                if request_id in self._abort_requested:
+                    done = True
+                    yield GenerationDelta("", [], prompt_tokens, i, finish_reason="abort")
+                    return
+                if self.fail_after_tokens is not None and i >= self.fail_after_tokens:
+                    raise EngineError("fake engine failed mid-generation")
+                piece = word if i == 0 else " " + word
+                candidate = text + piece
+                stop_at = min(
+                    (candidate.find(s) for s in sampling.stop if s in candidate), default=-1
+                )
+                last = i + 1 == min(len(words), sampling.max_tokens)
+                finish = None
+                if stop_at >= 0:
+                    piece, finish = candidate[len(text) : stop_at], "stop"
+                elif last:
+                    finish = "stop" if eos and len(words) <= sampling.max_tokens else "length"
+                text += piece
+                emitted = i + 1
+                logprobs = [self._logprob(word, sampling)] if sampling.logprobs else None
+                stats = None
+                if finish is not None:
+                    strategy = memory.strategy if memory else "segments"
+                    stats = RequestStats(
+                        queue_seconds=0.001,
+                        prefill_seconds=0.002,
+                        retrieval_seconds=0.0005,
+                        strategy=strategy,
+                        memory_tokens=prompt_tokens,
+                    )
+                self.first_token_sent.set()
+                done = finish is not None  # the consumer may close us at this last yield
+                yield GenerationDelta(
+                    piece,
+                    [1000 + i],
+                    prompt_tokens,
+                    emitted,
+                    logprobs=logprobs,
+                    finish_reason=finish,
+                    stats=stats,
+                )
+                if done:
+                    return
+        finally:
+            self.running.discard(request_id)
+            if done:
+                self.finished.add(request_id)
+            else:
+                self.aborted.add(request_id)  # closed early: the real engine aborts here
+
+    @staticmethod
+    def _logprob(word: str, sampling: SamplingParams) -> TokenLogprob:
+        tops = [TopLogprob(word, -0.25, list(word.encode()))]
+        tops += [
+            TopLogprob(f"alt{j}", -2.0 - j, list(f"alt{j}".encode()))
+            for j in range(max(0, sampling.top_logprobs - 1))
+        ]
+        return TokenLogprob(word, -0.25, list(word.encode()), tops[: sampling.top_logprobs])
+
+    async def count_tokens(self, prompt: Prompt) -> int:
+        return len(prompt_words(prompt))
+
+    async def abort(self, request_id: str) -> None:
+        self._abort_requested.add(request_id)
+
+    async def create_session(self, session_id: str, memory: MemorySpec | None = None) -> None:
+        self.sessions.add(session_id)
+
+    async def drop_session(self, session_id: str) -> None:
+        self.sessions.discard(session_id)
+
+    async def ingest(
+        self, request_id: str, session_id: str, text: str
+    ) -> AsyncIterator[IngestProgress]:
+        if session_id not in self.sessions:
+            raise SessionNotFound(session_id)
+        total = len(text.split())
+        yield IngestProgress(tokens_done=total, tokens_total=total, seconds=0.01, done=True)
+
+    async def health(self) -> EngineHealth:
+        return EngineHealth(ok=not self.dead, detail="dead" if self.dead else "")
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_requests_running=len(self.running),
+            num_requests_waiting=0,
+            sessions_active=len(self.sessions),
+            memory_tokens=123,
+        )
+
+    async def shutdown(self) -> None:
+        self.shutdown_called = True

@@ -1,0 +1,67 @@
+"""GET /metrics: Prometheus text that parses, with counters that move."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import MODEL
+from tests.server.fake_engine import FakeEngine
+
+
+async def scrape(client: httpx.AsyncClient) -> dict[tuple[str, tuple], float]:
+    response = await client.get("/metrics", headers={"Authorization": ""})
+    assert response.status_code == 200
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+async def test_metrics_move(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    before = await scrape(client)
+    assert before[("longserve:prompt_tokens_total", ())] == 0
+    assert before[("longserve:memory_tokens", ())] == 123  # read from engine.stats()
+    assert ("longserve:num_requests_running", ()) in before
+    assert ("longserve:num_requests_waiting", ()) in before
+    assert ("longserve:sessions_active", ()) in before
+
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "a b c"}],
+        "temperature": 0,
+        "n": 2,
+    }
+    assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    body = {**body, "stream": True, "n": 1, "max_tokens": 2}
+    assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+
+    after = await scrape(client)
+    assert after[("longserve:prompt_tokens_total", ())] == 9
+    assert after[("longserve:generation_tokens_total", ())] == 8
+    assert after[("longserve:request_success_total", (("finished_reason", "stop"),))] == 2
+    assert after[("longserve:request_success_total", (("finished_reason", "length"),))] == 1
+    assert after[("longserve:time_to_first_token_seconds_count", ())] == 3
+    assert after[("longserve:inter_token_latency_seconds_count", ())] == 5
+    assert after[("longserve:e2e_request_latency_seconds_count", ())] == 3
+    assert after[("longserve:retrieval_seconds_count", (("strategy", "segments"),))] == 3
+    assert any(name.startswith("process_") for name, _ in after)
+
+
+async def test_aborted_and_failed_requests_are_counted(
+    client: httpx.AsyncClient, engine: FakeEngine
+) -> None:
+    engine.fail_after_tokens = 1
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a b c"}]}
+    assert (await client.post("/v1/chat/completions", json=body)).status_code == 500
+    after = await scrape(client)
+    assert after[("longserve:request_success_total", (("finished_reason", "error"),))] == 1
+
+
+async def test_each_app_has_its_own_registry(client: httpx.AsyncClient) -> None:
+    from server.app import build_app
+    from server.settings import ServerSettings
+
+    other = build_app(ServerSettings(), FakeEngine(MODEL))  # no duplicate-metric error
+    assert other.state.serving.metrics.registry is not None

@@ -1,0 +1,81 @@
+"""Settings refuse unsafe binds; the CLI builds them and exits 2 on bad configuration."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from server.cli import build_parser, main, settings_from_args
+from server.settings import ServerSettings, tenant_of
+
+
+def test_non_loopback_without_key_is_refused() -> None:
+    with pytest.raises(ValidationError, match="non-loopback"):
+        ServerSettings(host="0.0.0.0")
+    assert ServerSettings(host="0.0.0.0", api_keys=["k"]).host == "0.0.0.0"
+    for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
+        assert ServerSettings(host=host).api_keys == []
+
+
+def test_api_keys_from_env_comma_separated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LONGSERVE_API_KEYS", "k1, k2,,k3")
+    monkeypatch.setenv("LONGSERVE_HOST", "0.0.0.0")
+    settings = ServerSettings()
+    assert settings.api_keys == ["k1", "k2", "k3"]
+    assert settings.tenants() == {k: tenant_of(k) for k in ("k1", "k2", "k3")}
+    assert len(set(settings.tenants().values())) == 3
+
+
+def test_single_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LONGSERVE_API_KEYS", "only")
+    assert ServerSettings().api_keys == ["only"]
+
+
+def test_cli_overrides_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LONGSERVE_PORT", "9000")
+    monkeypatch.setenv("LONGSERVE_MODEL", "from-env")
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--port",
+            "9100",
+            "--api-key",
+            "a",
+            "--api-key",
+            "b",
+            "--host",
+            "0.0.0.0",
+            "--memory-store",
+            "redis://x:6379",
+        ]
+    )
+    settings = settings_from_args(args)
+    assert settings.port == 9100
+    assert settings.model == "from-env"
+    assert settings.api_keys == ["a", "b"]
+    assert settings.memory_store_url == "redis://x:6379"
+
+
+def test_cli_refuses_public_host_without_key(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LONGSERVE_API_KEYS", raising=False)
+    assert main(["serve", "--host", "0.0.0.0"]) == 2
+    assert "non-loopback" in capsys.readouterr().err
+
+
+def test_server_package_does_not_import_torch() -> None:
+    code = (
+        "import sys, server.app, server.cli, server.serving_chat, server.serving_completion\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "{'torch', 'transformers', 'faiss'} or (m.startswith('engine.') and "
+        "m != 'engine.protocol'))\n"
+        "print(','.join(bad))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == ""
