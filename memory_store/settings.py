@@ -1,0 +1,71 @@
+"""Settings of the memory service (`longserve memory-store`), from LONGSERVE_MEMORY_STORE_* env."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+from pathlib import Path
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from memory_store.backends import DEFAULT_PIECE_BYTES, Backend, RetryPolicy, build_backend
+
+logger = logging.getLogger(__name__)
+
+
+def default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "share"
+    )
+    return Path(base) / "longserve" / "memory_store"
+
+
+class MemoryStoreSettings(BaseSettings):
+    """One of `redis_url` / `data_dir`; neither means the embedded backend in `default_data_dir()`."""
+
+    model_config = SettingsConfigDict(env_prefix="LONGSERVE_MEMORY_STORE_", frozen=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8001, ge=1, le=65535)
+    redis_url: str | None = None
+    data_dir: Path | None = None
+    max_blob_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)
+    redis_piece_bytes: int = Field(default=DEFAULT_PIECE_BYTES, ge=1024, le=512 * 1024 * 1024)
+    retry_attempts: int = Field(default=4, ge=1, le=20)
+    retry_base_delay_s: float = Field(default=0.05, gt=0)
+    embedder_device: str = "cpu"
+    larimar_prefix_length: int = Field(default=4, ge=1)
+    log_level: str = "info"
+
+    @model_validator(mode="after")
+    def _one_backend(self) -> MemoryStoreSettings:
+        if self.redis_url is not None and self.data_dir is not None:
+            raise ValueError("set redis_url or data_dir, not both")
+        if self.redis_url is not None and not self.redis_url.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ValueError("redis_url must be a redis://, rediss:// or unix:// URL")
+        return self
+
+    @property
+    def backend_name(self) -> str:
+        return "redis" if self.redis_url else "embedded"
+
+    @property
+    def binds_loopback(self) -> bool:
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+    def build_backend(self) -> Backend:
+        retry = RetryPolicy(attempts=self.retry_attempts, base_delay_s=self.retry_base_delay_s)
+        if self.redis_url is not None:
+            return build_backend(
+                redis_url=self.redis_url, piece_bytes=self.redis_piece_bytes, retry=retry
+            )
+        return build_backend(data_dir=self.data_dir or default_data_dir())

@@ -1,0 +1,239 @@
+"""The HTTP service and both client implementations, over real backends."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+from pydantic import ValidationError
+
+from memory_store.app import build_app
+from memory_store.backends import (
+    Backend,
+    EmbeddedBackend,
+    InvalidRequest,
+    KeySpace,
+    NotFound,
+    RedisBackend,
+    RetryPolicy,
+    StoreUnavailable,
+)
+from memory_store.cli import add_arguments, settings_from_args
+from memory_store.client import MemoryStoreClient, wait_until_ready
+from memory_store.encodings import DocumentManifest, chain_hashes
+from memory_store.settings import MemoryStoreSettings
+
+from .conftest import FAST_RETRY, HashingEncoder, RedisProcess, free_port
+from .test_encodings import FP, make_chunk
+
+FAST_HTTP_RETRY = RetryPolicy(attempts=3, base_delay_s=0.02, max_delay_s=0.1)
+
+
+def settings(tmp_path: Path, **kw: object) -> MemoryStoreSettings:
+    return MemoryStoreSettings(data_dir=tmp_path / "unused", **kw)  # type: ignore[arg-type]
+
+
+def asgi_client(app, calls: list[tuple[str, str, str]] | None = None) -> MemoryStoreClient:
+    def hook(op: str, backend: str, status: str, seconds: float) -> None:
+        if calls is not None:
+            calls.append((op, backend, status))
+
+    return MemoryStoreClient.http(
+        "http://memory-store",
+        transport=httpx.ASGITransport(app=app),
+        retry=FAST_HTTP_RETRY,
+        on_request=hook,
+    )
+
+
+@pytest.fixture(params=["in_process", "http"])
+async def client(
+    request: pytest.FixtureRequest, backend: Backend, tmp_path: Path
+) -> AsyncIterator[tuple[MemoryStoreClient, list[tuple[str, str, str]]]]:
+    calls: list[tuple[str, str, str]] = []
+    if request.param == "in_process":
+        c = MemoryStoreClient.in_process(
+            backend,
+            encoder=HashingEncoder(),
+            on_request=lambda op, b, s, t: calls.append((op, b, s)),
+        )
+    else:
+        c = asgi_client(
+            build_app(settings(tmp_path), backend=backend, encoder=HashingEncoder()), calls
+        )
+    yield c, calls
+    if request.param == "http":
+        await c.close()
+
+
+async def test_client_round_trip(client: tuple[MemoryStoreClient, list]) -> None:
+    c, calls = client
+    await c.ping()
+    chunks = [make_chunk(seed=i) for i in range(2)]
+    hashes = chain_hashes([ch.token_ids for ch in chunks])
+    assert await c.put_chunk(FP, hashes[0], chunks[0]) is True
+    assert await c.put_chunk(FP, hashes[0], chunks[0]) is False
+    assert await c.put_chunk(FP, hashes[1], chunks[1], quantization="int8") is True
+    assert await c.has_chunk(FP, hashes[0]) and not await c.has_chunk(FP, "0" * 64)
+    got = await c.get_chunk(FP, hashes[0])
+    np.testing.assert_array_equal(got.values[1], chunks[0].values[1].astype(np.float16))
+    assert got.text == chunks[0].text
+    with pytest.raises(NotFound):
+        await c.get_chunk(FP, "0" * 64)
+
+    await c.put_manifest("sess-1", "doc", DocumentManifest("doc", FP, tuple(hashes), "d.txt", 32))
+    assert (await c.get_manifest("sess-1", "doc")).chunk_hashes == tuple(hashes)
+    assert [m.name for m in await c.list_documents("sess-1")] == ["d.txt"]
+
+    emb = np.stack([ch.embedding for ch in chunks])
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    assert await c.add_to_collection("books", FP, hashes, emb) == 2
+    refs = await c.select_chunks("books", emb[1], top_k=1)
+    assert refs[0].chain_hash == hashes[1] and refs[0].score == pytest.approx(1.0, abs=1e-5)
+
+    text = "The grass is green. The pass key is 9054. Remember it."
+    assert await c.larimar_write("sess-1", text=text, save=True) == 3
+    hits = await c.larimar_read("sess-1", "The pass key is", top_k=2)
+    assert hits[0].texts == ("The pass key is 9054.",)
+    assert (await c.larimar_load("sess-1"))["segments"] == 3
+
+    assert await c.delete_session("sess-1") >= 2
+    assert await c.list_documents("sess-1") == []
+    with pytest.raises(NotFound):
+        await c.larimar_read("sess-1", "The pass key is")
+    with pytest.raises(InvalidRequest):
+        await c.get_manifest("bad id!", "doc")
+
+    statuses = {(op, status) for op, _, status in calls}
+    assert ("put_chunk", "ok") in statuses and ("get_chunk", "not_found") in statuses
+
+
+async def test_metrics_and_probes(embedded_backend: EmbeddedBackend, tmp_path: Path) -> None:
+    app = build_app(settings(tmp_path), backend=embedded_backend, encoder=HashingEncoder())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
+        assert (await h.get("/health")).json() == {"status": "ok"}
+        assert (await h.get("/ready")).status_code == 200
+        assert (await h.get(f"/v1/chunks/{FP}/{'0' * 64}")).status_code == 404
+        text = (await h.get("/metrics")).text
+    assert (
+        'longserve:memory_store_requests_total{backend="embedded",op="get_chunk",status="not_found"} 1.0'
+        in text
+    )
+    assert (
+        'longserve:memory_store_request_seconds_bucket{backend="embedded",le="0.001",op="ping"}'
+        in text
+    )
+
+
+async def test_bad_input_is_an_openai_shaped_4xx(
+    embedded_backend: EmbeddedBackend, tmp_path: Path
+) -> None:
+    app = build_app(settings(tmp_path, max_blob_bytes=2048), backend=embedded_backend)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
+        r = await h.put(f"/v1/chunks/{FP}/abc", content=b"not a chunk")
+        assert r.status_code == 400
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        r = await h.put(f"/v1/chunks/{FP}/abc", content=b"x" * 5000)
+        assert r.status_code == 413
+        r = await h.post("/v1/sessions/s/larimar/read", json={"top_k": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "query"
+    assert not await embedded_backend.has_blob(KeySpace.chunk(FP, "abc"))
+
+
+async def test_backend_down_is_503_and_recovers(redis_server: RedisProcess, tmp_path: Path) -> None:
+    backend = RedisBackend(redis_server.url, retry=FAST_RETRY, socket_timeout_s=1.0)
+    app = build_app(settings(tmp_path), backend=backend, encoder=HashingEncoder())
+    c = asgi_client(app)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
+        chunk = make_chunk()
+        [h0] = chain_hashes([chunk.token_ids])
+        await c.put_chunk(FP, h0, chunk)
+
+        redis_server.kill()
+        r = await h.get("/ready")
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "memory_store_unavailable"
+        r = await h.get(f"/v1/chunks/{FP}/{h0}")
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+        with pytest.raises(StoreUnavailable):
+            await c.get_chunk(FP, h0)
+
+        redis_server.start()
+        assert (await h.get("/ready")).status_code == 200
+        got = await c.get_chunk(FP, h0)  # acknowledged before the kill -> still there (AOF)
+        np.testing.assert_array_equal(got.keys[0], chunk.keys[0].astype(np.float16))
+    await c.close()
+    await backend.close()
+
+
+class ThreadedServer:
+    """uvicorn on a real port in a thread, stoppable and restartable on the same port."""
+
+    def __init__(self, app, port: int) -> None:
+        self.app, self.port = app, port
+        self.server: uvicorn.Server | None = None
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        config = uvicorn.Config(
+            self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        assert self.server is not None and self.thread is not None
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+async def test_http_client_reconnects_after_service_restart(tmp_path: Path) -> None:
+    port = free_port()
+    app = build_app(
+        settings(tmp_path), backend=EmbeddedBackend(tmp_path / "store"), encoder=HashingEncoder()
+    )
+    server = ThreadedServer(app, port)
+    server.start()
+    c = MemoryStoreClient.http(f"http://127.0.0.1:{port}", retry=FAST_HTTP_RETRY, timeout_s=5)
+    try:
+        manifest = DocumentManifest("d", FP, ("h1",))
+        await c.put_manifest("s", "d", manifest)
+        await asyncio.to_thread(server.stop)
+        with pytest.raises(StoreUnavailable) as info:
+            await c.get_manifest("s", "d")
+        assert isinstance(info.value.__cause__, httpx.TransportError)
+        await asyncio.to_thread(server.start)
+        await wait_until_ready(c, timeout_s=5)
+        assert (await c.get_manifest("s", "d")).chunk_hashes == ("h1",)
+    finally:
+        await c.close()
+        await asyncio.to_thread(server.stop)
+
+
+def test_cli_arguments_build_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    monkeypatch.setenv("LONGSERVE_MEMORY_STORE_REDIS_URL", "redis://from-env:6379/0")
+    s = settings_from_args(parser.parse_args(["--port", "9001", "--data-dir", str(tmp_path)]))
+    assert (s.port, s.data_dir, s.redis_url, s.backend_name) == (9001, tmp_path, None, "embedded")
+    s = settings_from_args(parser.parse_args([]))
+    assert (s.port, s.redis_url, s.backend_name) == (8001, "redis://from-env:6379/0", "redis")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--redis-url", "redis://x", "--data-dir", "/tmp/x"])
+    with pytest.raises(ValidationError):
+        MemoryStoreSettings(redis_url="redis://x", data_dir=tmp_path)
+    with pytest.raises(ValidationError):
+        MemoryStoreSettings(redis_url="http://x")
