@@ -1,0 +1,85 @@
+"""End-to-end fixtures: real `longserve serve` processes on free ports, talked to over HTTP."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+API_KEY = "e2e-key"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    base_url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    @property
+    def api_base(self) -> str:
+        return f"{self.base_url}/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=10) as response:
+            return response.read().decode()
+
+
+def start_server(tmp_path: Path, *extra: str, timeout: float = 240.0) -> ServerProcess:
+    port = free_port()
+    log_path = tmp_path / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--api-key", API_KEY, "--data-dir", str(tmp_path / f"data-{port}"), *extra]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    log = log_path.open("wb")
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                               cwd=Path(__file__).resolve().parents[2])
+    server = ServerProcess(f"http://127.0.0.1:{port}", process, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+        try:
+            with urllib.request.urlopen(f"{server.base_url}/ready", timeout=2) as response:
+                if response.status == 200:
+                    return server
+        except OSError:
+            pass
+        time.sleep(0.5)
+    stop_server(server)
+    raise TimeoutError(f"server not ready after {timeout}s:\n{server.log()}")
+
+
+def stop_server(server: ServerProcess) -> None:
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
+        try:
+            server.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+            server.process.wait()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> Iterator[ServerProcess]:
+    """The embedded SmolLM2-135M-Instruct behind a real server process, shared by the module."""
+    proc = start_server(tmp_path_factory.mktemp("e2e"))
+    yield proc
+    stop_server(proc)
