@@ -12,8 +12,9 @@ from engine.protocol import EngineClient
 from server.errors import install_error_handlers
 from server.limits import BodySizeLimit
 from server.metrics import Metrics
-from server.routes import chat, completions, health, metrics, models
+from server.routes import chat, completions, health, metrics, models, sessions
 from server.serving import ServingContext
+from server.sessions import SessionRegistry
 from server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -24,19 +25,22 @@ def build_app(settings: ServerSettings, engine: EngineClient) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        registry.start()  # the TTL sweeper
         try:
             yield
         finally:
+            await registry.close()
             logger.info("shutting the engine down")
             await engine.shutdown()
 
     app = FastAPI(title="longserve", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
-    app.state.serving = ServingContext(
-        engine=engine, settings=settings, metrics=Metrics(engine.stats)
-    )
+    app_metrics = Metrics(engine.stats)
+    registry = SessionRegistry(engine, settings, app_metrics)
+    app.state.serving = ServingContext(engine=engine, settings=settings, metrics=app_metrics)
+    app.state.sessions = registry
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
-    for module in (health, metrics, models, chat, completions):
+    for module in (health, metrics, models, chat, completions, sessions):
         app.include_router(module.router)
     return app

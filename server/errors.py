@@ -32,7 +32,9 @@ _HTTP_ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
@@ -87,6 +89,58 @@ def invalid_api_key(message: str) -> APIError:
 
 def body_too_large(limit: int) -> APIError:
     return APIError(413, f"Request body exceeds {limit} bytes.", code="request_too_large")
+
+
+# --- sessions and documents ---------------------------------------------------------------------
+
+
+def session_not_found(session_id: str) -> APIError:
+    # Also the answer for another tenant's session: its existence is not revealed (never 403).
+    return APIError(
+        404,
+        f"No session found with id '{session_id}'.",
+        param="session_id",
+        code="session_not_found",
+    )
+
+
+def document_not_found(document_id: str) -> APIError:
+    return APIError(
+        404,
+        f"No document found with id '{document_id}'.",
+        param="document_id",
+        code="document_not_found",
+    )
+
+
+def session_busy(message: str) -> APIError:
+    return APIError(409, message, param="session_id", code="session_busy")
+
+
+def limit_reached(code: str, message: str) -> APIError:
+    """A per-tenant quota (session_limit, document_limit, memory_limit...): 429, no Retry-After,
+    since waiting alone does not free it."""
+    return APIError(429, message, code=code)
+
+
+def unsupported_media_type(message: str) -> APIError:
+    return APIError(415, message, param="file", code="unsupported_media_type")
+
+
+def invalid_encoding(message: str) -> APIError:
+    return APIError(400, message, param="file", code="invalid_encoding")
+
+
+def empty_document(message: str = "The document contains no text.") -> APIError:
+    return APIError(400, message, param="file", code="empty_document")
+
+
+def invalid_document(message: str) -> APIError:
+    return APIError(400, message, param="file", code="invalid_document")
+
+
+def document_too_large(message: str) -> APIError:
+    return APIError(413, message, param="file", code="document_too_large")
 
 
 def error_body(error: APIError) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from server.serving import (
     top_k_of,
     until_disconnected,
 )
+from server.sessions import registry_of
 
 
 def chat_logprobs(logprobs: list[TokenLogprob] | None) -> ChoiceLogprobs | None:
@@ -122,6 +123,8 @@ async def create_chat_completion(
     jobs = _jobs(ctx, request, chat_id)
     chars = sum(len(m.text()) for m in request.messages)
     await check_prompt_length(ctx, jobs[0].prompt, chars, "messages")
+    if request.session_id:
+        await registry_of(raw_request).before_generate(tenant, request.session_id, raw_request)
     session_id, memory = engine_memory(tenant, request.session_id, request.memory)
     streams = await ChoiceStreams.start(ctx, jobs, session_id, memory)
 

@@ -36,6 +36,7 @@ from server.serving import (
     top_k_of,
     until_disconnected,
 )
+from server.sessions import registry_of
 
 
 def _prompts(request: CompletionRequest) -> list[str]:
@@ -114,6 +115,8 @@ async def create_completion(
     jobs = _jobs(ctx, request, completion_id)
     for p, prompt in enumerate(_prompts(request)):
         await check_prompt_length(ctx, prompt, len(prompt), "prompt" if p == 0 else f"prompt[{p}]")
+    if request.session_id:
+        await registry_of(raw_request).before_generate(tenant, request.session_id, raw_request)
     session_id, memory = engine_memory(tenant, request.session_id, request.memory)
     streams = await ChoiceStreams.start(ctx, jobs, session_id, memory)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -50,6 +50,23 @@ class ServerSettings(BaseSettings):
     max_stop_sequences: int = Field(default=8, ge=0)
     max_top_logprobs: int = Field(default=20, ge=0, le=20)
 
+    # Sessions and their documents (server/sessions.py, server/documents.py).
+    max_sessions_per_tenant: int = Field(default=32, ge=1)
+    max_documents_per_session: int = Field(default=64, ge=1)
+    max_document_bytes: int = Field(default=20 * 1024 * 1024, ge=1)
+    max_document_chars: int = Field(default=20_000_000, ge=1)  # text extracted from one upload
+    max_pdf_pages: int = Field(default=2000, ge=1)
+    document_extract_timeout_seconds: float = Field(default=30.0, gt=0)
+    # Uploaded text waiting for ingestion sits in RAM; this bounds it per tenant.
+    max_pending_document_bytes_per_tenant: int = Field(default=256 * 1024 * 1024, ge=1)
+    max_memory_tokens_per_tenant: int = Field(default=4_000_000, ge=1)
+    default_session_ttl_seconds: int = Field(default=3600, ge=1)
+    max_session_ttl_seconds: int = Field(default=7 * 24 * 3600, ge=1)
+    session_sweep_interval_seconds: float = Field(default=30.0, gt=0)
+    # A chat naming a session whose documents are still being read: wait for them, or 409.
+    session_busy_policy: Literal["wait", "reject"] = "wait"
+    session_wait_timeout_seconds: float = Field(default=300.0, ge=0)
+
     memory_store_url: str | None = None
     data_dir: str = "./data"
     drain_timeout_seconds: float = Field(default=30.0, ge=0)
@@ -73,6 +90,21 @@ class ServerSettings(BaseSettings):
                 f"refusing to serve on non-loopback host {self.host!r} without an API key: "
                 "set LONGSERVE_API_KEYS (comma-separated) or pass --api-key, "
                 "or bind to 127.0.0.1"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _refuse_unusable_session_limits(self) -> ServerSettings:
+        if self.default_session_ttl_seconds > self.max_session_ttl_seconds:
+            raise ValueError(
+                f"default_session_ttl_seconds ({self.default_session_ttl_seconds}) exceeds "
+                f"max_session_ttl_seconds ({self.max_session_ttl_seconds})"
+            )
+        if self.max_document_bytes > self.max_pending_document_bytes_per_tenant:
+            raise ValueError(
+                f"max_document_bytes ({self.max_document_bytes}) exceeds "
+                f"max_pending_document_bytes_per_tenant "
+                f"({self.max_pending_document_bytes_per_tenant}): no document could be uploaded"
             )
         return self
 

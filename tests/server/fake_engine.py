@@ -4,6 +4,11 @@ Generation: with temperature 0 (or no seed) the engine echoes the words of the l
 the prompt, one word-token per delta, and stops ("stop") after echoing them once unless
 ignore_eos; with a seed it draws words from a small vocabulary with random.Random(seed).
 Every test knob is a plain attribute: `overloaded`, `dead`, `fail_after_tokens`, `gate`.
+
+Sessions: create_session refuses unknown strategies (InvalidRequest); ingest counts one token
+per word and reports progress per chunk of `ingest_chunk_tokens`, sleeping `ingest_delay` and
+waiting on `ingest_gate` before each chunk; it stops with SessionNotFound when its session is
+dropped and records closed-early ingestions in `ingest_cancelled`.
 """
 
 from __future__ import annotations
@@ -77,6 +82,17 @@ class FakeEngine:
         self.gate.set()
         self.first_token_sent = asyncio.Event()
         self._abort_requested: set[str] = set()
+        self.session_memory: dict[str, MemorySpec | None] = {}
+        self.ingest_chunk_tokens = 4
+        self.ingest_delay = 0.0
+        self.ingest_gate = asyncio.Event()  # cleared: ingestion waits before each chunk
+        self.ingest_gate.set()
+        self.ingest_started = asyncio.Event()
+        self.ingest_fail_after_chunks: int | None = None
+        self.ingested: dict[str, list[str]] = {}  # session id -> documents read, in order
+        self.ingest_running: set[str] = set()
+        self.ingest_cancelled: set[str] = set()
+        self.dropped: list[str] = []
 
     @property
     def model(self) -> ModelInfo:
@@ -198,18 +214,60 @@ class FakeEngine:
         self._abort_requested.add(request_id)
 
     async def create_session(self, session_id: str, memory: MemorySpec | None = None) -> None:
+        if self.dead:
+            raise EngineDead("fake engine is dead")
+        if memory is not None and memory.strategy not in STRATEGIES:
+            raise InvalidRequest(f"unknown strategy {memory.strategy!r}", param="memory.strategy")
         self.sessions.add(session_id)
+        self.session_memory[session_id] = memory
 
     async def drop_session(self, session_id: str) -> None:
         self.sessions.discard(session_id)
+        self.session_memory.pop(session_id, None)
+        self.dropped.append(session_id)
 
-    async def ingest(
+    def ingest(self, request_id: str, session_id: str, text: str) -> AsyncIterator[IngestProgress]:
+        # Like the real engine: an unknown session fails at the call, before any iteration.
+        if self.dead:
+            raise EngineDead("fake engine is dead")
+        if session_id not in self.sessions:
+            raise SessionNotFound(f"session {session_id!r} has no memory")
+        return self._ingest(request_id, session_id, text)
+
+    async def _ingest(
         self, request_id: str, session_id: str, text: str
     ) -> AsyncIterator[IngestProgress]:
-        if session_id not in self.sessions:
-            raise SessionNotFound(session_id)
         total = len(text.split())
-        yield IngestProgress(tokens_done=total, tokens_total=total, seconds=0.01, done=True)
+        chunk = max(1, self.ingest_chunk_tokens)
+        done = 0
+        finished = False
+        self.ingest_running.add(request_id)
+        self.ingest_started.set()
+        try:
+            finished = total == 0
+            yield IngestProgress(0, total, 0.0, done=finished)
+            chunks = 0
+            while done < total:
+                await self.ingest_gate.wait()
+                await asyncio.sleep(self.ingest_delay)
+                if session_id not in self.sessions:
+                    raise SessionNotFound(f"session {session_id!r} was dropped")
+                if (
+                    self.ingest_fail_after_chunks is not None
+                    and chunks >= self.ingest_fail_after_chunks
+                ):
+                    raise EngineError("fake engine failed while ingesting")
+                done = min(total, done + chunk)
+                chunks += 1
+                finished = done == total
+                if finished:
+                    self.ingested.setdefault(session_id, []).append(text)
+                yield IngestProgress(done, total, 0.01 * chunks, done=finished)
+            finished = True
+        finally:
+            self.ingest_running.discard(request_id)
+            if not finished:
+                self.ingest_cancelled.add(request_id)
 
     async def health(self) -> EngineHealth:
         return EngineHealth(ok=not self.dead, detail="dead" if self.dead else "")

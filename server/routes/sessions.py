@@ -1,0 +1,125 @@
+"""/v1/sessions and /v1/sessions/{id}/documents (longserve's own API; the openai SDK reaches it
+with plain HTTP). Every route looks the session up by (tenant, id) first, so another tenant's
+session is a 404 before its body is even read."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+from sse_starlette import EventSourceResponse
+from starlette.datastructures import UploadFile
+
+from server.auth import require_tenant
+from server.documents import Upload, split_content_type
+from server.errors import invalid_request, unsupported_media_type
+from server.protocol import (
+    DocumentCreateRequest,
+    SessionCreateRequest,
+    SessionDeleted,
+    SessionDocument,
+    SessionDocumentList,
+    SessionList,
+    SessionObject,
+)
+from server.sessions import SessionRegistry, registry_of
+
+router = APIRouter(prefix="/v1")
+
+
+@router.post("/sessions", response_model=SessionObject)
+async def create_session(
+    request: Request,
+    body: SessionCreateRequest | None = None,
+    tenant: str = Depends(require_tenant),
+) -> SessionObject:
+    session = await registry_of(request).create(tenant, body or SessionCreateRequest())
+    return session.view()
+
+
+@router.get("/sessions", response_model=SessionList)
+async def list_sessions(request: Request, tenant: str = Depends(require_tenant)) -> SessionList:
+    return SessionList(data=[s.view() for s in registry_of(request).sessions(tenant)])
+
+
+@router.get("/sessions/{session_id}", response_model=SessionObject)
+async def retrieve_session(
+    session_id: str, request: Request, tenant: str = Depends(require_tenant)
+) -> SessionObject:
+    return registry_of(request).get(tenant, session_id).view()
+
+
+@router.delete("/sessions/{session_id}", response_model=SessionDeleted)
+async def delete_session(
+    session_id: str, request: Request, tenant: str = Depends(require_tenant)
+) -> SessionDeleted:
+    await registry_of(request).delete(tenant, session_id)
+    return SessionDeleted(id=session_id)
+
+
+@router.post("/sessions/{session_id}/documents", response_model=SessionDocument)
+async def add_document(
+    session_id: str, request: Request, tenant: str = Depends(require_tenant)
+) -> SessionDocument:
+    registry = registry_of(request)
+    registry.get(tenant, session_id)
+    upload = await read_upload(request, registry)
+    doc = await registry.add_document(tenant, session_id, upload)
+    return doc.view()
+
+
+@router.get("/sessions/{session_id}/documents", response_model=SessionDocumentList)
+async def list_documents(
+    session_id: str, request: Request, tenant: str = Depends(require_tenant)
+) -> SessionDocumentList:
+    session = registry_of(request).get(tenant, session_id)
+    return SessionDocumentList(data=[d.view() for d in session.documents.values()])
+
+
+@router.get("/sessions/{session_id}/documents/{document_id}", response_model=SessionDocument)
+async def retrieve_document(
+    session_id: str,
+    document_id: str,
+    request: Request,
+    stream: bool = False,
+    tenant: str = Depends(require_tenant),
+) -> SessionDocument | Response:
+    registry = registry_of(request)
+    doc = registry.document(tenant, session_id, document_id)
+    if not stream:
+        return doc.view()
+    return EventSourceResponse(_progress_events(registry.watch(doc)), sep="\n")
+
+
+async def _progress_events(views: AsyncIterator[SessionDocument]) -> AsyncIterator[str]:
+    async for view in views:
+        yield view.model_dump_json()
+    yield "[DONE]"
+
+
+async def read_upload(request: Request, registry: SessionRegistry) -> Upload:
+    """JSON {"text", "name"} or multipart/form-data with `file` (and optional `name`)."""
+    media, _ = split_content_type(request.headers.get("content-type"))
+    if media == "application/json":
+        body = DocumentCreateRequest.model_validate_json(await request.body())
+        return Upload(name=body.name, text=body.text)
+    if media == "multipart/form-data":
+        max_bytes = registry.reader.limits.max_bytes
+        async with request.form(max_files=1, max_fields=4) as form:
+            file = form.get("file")
+            if not isinstance(file, UploadFile):
+                raise invalid_request("Missing required parameter: 'file'.", param="file")
+            name = form.get("name")
+            # One byte past the limit is enough to know it is too large.
+            data = await file.read(max_bytes + 1)
+            return Upload(
+                name=name if isinstance(name, str) else None,
+                data=data,
+                content_type=file.content_type,
+                filename=file.filename,
+            )
+    raise unsupported_media_type(
+        'Send the document as JSON {"text": ..., "name": ...} or as multipart/form-data '
+        "with a 'file' part."
+    )
