@@ -5,12 +5,15 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 
 from engine.protocol import EngineClient
+from server.drain import DrainGate, DrainState
 from server.errors import install_error_handlers
-from server.limits import BodySizeLimit
+from server.limits import BodySizeLimit, HeadSizeLimit, RefuseEncodedBodies
 from server.metrics import Metrics
 from server.routes import chat, completions, health, metrics, models, sessions
 from server.serving import ServingContext
@@ -39,8 +42,30 @@ def build_app(settings: ServerSettings, engine: EngineClient) -> FastAPI:
     registry = SessionRegistry(engine, settings, app_metrics)
     app.state.serving = ServingContext(engine=engine, settings=settings, metrics=app_metrics)
     app.state.sessions = registry
+    app.state.drain = DrainState(settings.drain_timeout_seconds)
     install_error_handlers(app)
+    # Outermost last: a draining server refuses before anything else; then head size, body
+    # encoding, body size.
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(RefuseEncodedBodies)
+    app.add_middleware(HeadSizeLimit)
+    app.add_middleware(DrainGate, state=app.state.drain)
     for module in (health, metrics, models, chat, completions, sessions):
         app.include_router(module.router)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, made honest: validation errors are OpenAI-shaped 400s (declared on
+    each router), never FastAPI's 422, so the 422 responses and their schemas go."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        components = schema.get("components", {}).get("schemas", {})
+        components.pop("HTTPValidationError", None)
+        components.pop("ValidationError", None)
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from server.settings import ServerSettings
 
 EXIT_BAD_CONFIG = 2
+EXIT_STARTUP_FAILURE = 3  # uvicorn's own code for a failed start-up
 
 
 @dataclass(frozen=True)
@@ -93,11 +94,10 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"longserve: invalid configuration: {messages}", file=sys.stderr)
         return EXIT_BAD_CONFIG
 
-    import uvicorn
-
     from engine.client import LocalEngine
     from engine.config import EngineConfig
     from server.app import build_app
+    from server.drain import serve
 
     config = EngineConfig(
         model=settings.model,
@@ -110,15 +110,8 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.getLogger(__name__).info("loading the engine (%s)", settings.model or "default")
     engine = LocalEngine(config)
     app = build_app(settings, engine)
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        workers=1,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=int(settings.drain_timeout_seconds),
-    )
-    return 0
+    started = serve(app, app.state.drain, settings.host, settings.port, args.log_level)
+    return 0 if started else EXIT_STARTUP_FAILURE
 
 
 def _error_text(error: Any) -> str:

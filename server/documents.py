@@ -220,6 +220,7 @@ def html_to_text(html: str) -> str:
 
 def pdf_to_text(data: bytes, limits: DocumentLimits, deadline: float) -> str:
     from pypdf import PdfReader  # imported on first use: most servers never see a PDF
+    from pypdf.errors import LimitReachedError
 
     try:
         reader = PdfReader(io.BytesIO(data), strict=False)
@@ -228,6 +229,8 @@ def pdf_to_text(data: bytes, limits: DocumentLimits, deadline: float) -> str:
         pages = len(reader.pages)
     except APIError:
         raise
+    except LimitReachedError:
+        raise _expands_too_far() from None
     except Exception as exc:
         raise invalid_document(f"The file is not a readable PDF ({type(exc).__name__}).") from None
     if pages > limits.max_pdf_pages:
@@ -241,6 +244,8 @@ def pdf_to_text(data: bytes, limits: DocumentLimits, deadline: float) -> str:
             raise _too_slow(limits)
         try:
             text = reader.pages[number].extract_text() or ""
+        except LimitReachedError:
+            raise _expands_too_far() from None
         except Exception as exc:
             raise invalid_document(
                 f"Page {number + 1} of the PDF cannot be read ({type(exc).__name__})."
@@ -290,6 +295,12 @@ def _too_many_bytes(limits: DocumentLimits) -> APIError:
 
 def _too_many_chars(limits: DocumentLimits) -> APIError:
     return document_too_large(f"The document's text exceeds {limits.max_chars} characters.")
+
+
+def _expands_too_far() -> APIError:
+    return document_too_large(
+        "A compressed stream in the PDF expands past the decompression limit (a PDF bomb?)."
+    )
 
 
 def _too_slow(limits: DocumentLimits) -> APIError:

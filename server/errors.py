@@ -36,6 +36,7 @@ _HTTP_ERROR_TYPES = {
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
 }
@@ -91,6 +92,38 @@ def body_too_large(limit: int) -> APIError:
     return APIError(413, f"Request body exceeds {limit} bytes.", code="request_too_large")
 
 
+def headers_too_large(limit: int) -> APIError:
+    return APIError(
+        431,
+        f"The request's path, query and headers exceed {limit} bytes.",
+        code="request_header_fields_too_large",
+        headers={"Connection": "close"},
+    )
+
+
+def unsupported_content_encoding(encoding: str) -> APIError:
+    return APIError(
+        415,
+        f"Content-Encoding '{encoding}' is not accepted; send the request body uncompressed.",
+        code="unsupported_content_encoding",
+    )
+
+
+# Seconds a client is told to wait before retrying on another instance while this one drains.
+DRAIN_RETRY_AFTER_SECONDS = 1
+
+
+def server_shutting_down() -> APIError:
+    """A new request while the server drains: 503, and the connection is closed so that the
+    client's retry opens a new one (to another instance, behind a load balancer)."""
+    return APIError(
+        503,
+        "The server is shutting down; retry the request.",
+        code="server_shutting_down",
+        headers={"Retry-After": str(DRAIN_RETRY_AFTER_SECONDS), "Connection": "close"},
+    )
+
+
 # --- sessions and documents ---------------------------------------------------------------------
 
 
@@ -141,6 +174,28 @@ def invalid_document(message: str) -> APIError:
 
 def document_too_large(message: str) -> APIError:
     return APIError(413, message, param="file", code="document_too_large")
+
+
+_STATUS_DESCRIPTIONS = {
+    400: "Invalid request (body, parameter, or a limit such as n or max_tokens).",
+    401: "Missing or incorrect API key.",
+    404: "Unknown model, session or document (another tenant's included).",
+    409: "The session is still reading documents (session_busy).",
+    413: "The request body, or the document in it, is too large.",
+    415: "Unsupported media type or Content-Encoding.",
+    429: "Overloaded (with Retry-After), or a per-key quota is reached.",
+    431: "The request's path, query and headers are too large.",
+    500: "The engine failed.",
+    503: "The engine is not available, or the server is shutting down (with Retry-After).",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for the errors a route can answer, each in OpenAI's error shape."""
+    return {
+        status: {"model": ErrorResponse, "description": _STATUS_DESCRIPTIONS[status]}
+        for status in statuses
+    }
 
 
 def error_body(error: APIError) -> dict[str, Any]:
@@ -217,9 +272,14 @@ def _from_validation_errors(errors: Sequence[Any]) -> APIError:
         return invalid_request("Invalid request.")
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return invalid_request("The request body is not valid JSON.")
+        reason = (first.get("ctx") or {}).get("error")
+        detail = f" ({reason})" if reason and reason != "Expecting value" else ""
+        return invalid_request(f"The request body is not valid JSON{detail}.")
     loc = first.get("loc", ())
     param = _param_from_loc(loc)
+    if param is None and tuple(loc) in (("body",), ()):
+        # The body as a whole: missing, or not an object (a list, a string, null...).
+        return invalid_request("The request body must be a JSON object.")
     if first.get("type") == "missing":
         message = f"Missing required parameter: '{param}'."
     else:

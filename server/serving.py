@@ -32,7 +32,14 @@ from engine.protocol import (
     SamplingParams,
 )
 from server.auth import tenant_session_id
-from server.errors import APIError, error_body, from_exception, invalid_request, model_not_found
+from server.errors import (
+    APIError,
+    error_body,
+    from_exception,
+    invalid_request,
+    model_not_found,
+    server_shutting_down,
+)
 from server.metrics import Metrics
 from server.protocol import MemoryRequest, UsageInfo
 from server.settings import ServerSettings
@@ -44,6 +51,27 @@ T = TypeVar("T")
 # A stream's headers wait this long for the first deltas, so that errors the engine raises at
 # once (queue full, bad knob) still become HTTP statuses; a slow prefill does not hold them.
 HEADERS_DEADLINE_SECONDS = 1.0
+
+# When the server stops with streams still open (its drain timed out), each stream gets this
+# long to send its error event and [DONE] before sse-starlette cuts it. Less than
+# server.drain.SHUTDOWN_GRACE_SECONDS, after which uvicorn cancels whatever still runs.
+STREAM_SHUTDOWN_GRACE_SECONDS = 1.0
+
+# OpenAPI: a 200 is a JSON object or, with "stream": true, an SSE stream of `data:` events (a
+# JSON chunk each, the last one "[DONE]").
+STREAM_OK: dict[int | str, dict[str, Any]] = {
+    200: {
+        "content": {
+            "text/event-stream": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"data": {"type": "string"}},
+                    "required": ["data"],
+                }
+            }
+        }
+    }
+}
 
 
 @dataclass
@@ -299,6 +327,11 @@ class ChoiceStreams:
             else:
                 yield index, item
 
+    def interrupt(self, error: Exception) -> None:
+        """End the iteration with `error` (raised by the iterator), whatever is still running."""
+        self._queue.put_nowait((-1, error))
+        self._buffer.clear()
+
     async def aclose(self) -> None:
         for task in self._tasks:
             task.cancel()
@@ -345,22 +378,27 @@ class UsageCounter:
 # ---------------------------------------------------------------------------------------------
 
 
-def sse_response(
-    ctx: ServingContext, streams: ChoiceStreams, events: AsyncIterator[str]
-) -> EventSourceResponse:
-    grace = max(0.0, ctx.settings.drain_timeout_seconds - 1.0)
+def sse_response(streams: ChoiceStreams, chunks: AsyncIterator[str]) -> EventSourceResponse:
+    """The SSE response for serialized chunks. sse-starlette sets `shutdown` when the server
+    stops (after its drain, server/drain.py): the stream then ends like any failed one."""
+    shutdown = anyio.Event()
     # The background close covers a client gone before the event generator ever started.
     return EventSourceResponse(
-        events,
+        sse_events(streams, chunks, shutdown),
         sep="\n",
-        shutdown_grace_period=grace,
+        shutdown_event=shutdown,
+        shutdown_grace_period=STREAM_SHUTDOWN_GRACE_SECONDS,
         background=BackgroundTask(streams.aclose),
     )
 
 
-async def sse_events(streams: ChoiceStreams, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Frame serialized chunks as SSE data; an error becomes one error event, then [DONE].
-    Closing (client gone) closes the engine iterators, which aborts the engine requests."""
+async def sse_events(
+    streams: ChoiceStreams, chunks: AsyncIterator[str], shutdown: anyio.Event | None = None
+) -> AsyncIterator[str]:
+    """Frame serialized chunks as SSE data; an error (the server stopping included) becomes one
+    error event, then [DONE]. Closing (client gone) closes the engine iterators, which aborts
+    the engine requests."""
+    watcher = asyncio.create_task(_interrupt_on(shutdown, streams)) if shutdown else None
     try:
         try:
             async for chunk in chunks:
@@ -370,8 +408,15 @@ async def sse_events(streams: ChoiceStreams, chunks: AsyncIterator[str]) -> Asyn
             yield json.dumps(error_body(error))
         yield "[DONE]"
     finally:
+        if watcher is not None:
+            watcher.cancel()
         with anyio.CancelScope(shield=True):
             await streams.aclose()
+
+
+async def _interrupt_on(shutdown: anyio.Event, streams: ChoiceStreams) -> None:
+    await shutdown.wait()
+    streams.interrupt(server_shutting_down())
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

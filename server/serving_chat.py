@@ -37,7 +37,6 @@ from server.serving import (
     engine_memory,
     fan_out,
     new_id,
-    sse_events,
     sse_response,
     stop_sequences,
     top_k_of,
@@ -141,7 +140,7 @@ async def create_chat_completion(
         raise
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     chunks = _stream_chunks(streams, chat_id, model, include_usage)
-    return sse_response(ctx, streams, sse_events(streams, chunks))
+    return sse_response(streams, chunks)
 
 
 async def _gather(streams: ChoiceStreams, chat_id: str, model: str) -> ChatCompletion:

@@ -30,7 +30,6 @@ from server.serving import (
     engine_memory,
     fan_out,
     new_id,
-    sse_events,
     sse_response,
     stop_sequences,
     top_k_of,
@@ -133,7 +132,7 @@ async def create_completion(
         raise
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     chunks = _stream_chunks(streams, completion_id, model, include_usage)
-    return sse_response(ctx, streams, sse_events(streams, chunks))
+    return sse_response(streams, chunks)
 
 
 async def _gather(streams: ChoiceStreams, completion_id: str, model: str) -> Completion:

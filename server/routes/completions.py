@@ -6,13 +6,20 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from server.auth import require_tenant
+from server.errors import error_responses
+from server.limits import JSONBodyRoute
 from server.protocol import Completion, CompletionRequest
+from server.serving import STREAM_OK
 from server.serving_completion import create_completion
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(
+    prefix="/v1",
+    route_class=JSONBodyRoute,
+    responses=error_responses(400, 401, 404, 409, 413, 415, 429, 431, 500, 503),
+)
 
 
-@router.post("/completions", response_model=Completion)
+@router.post("/completions", response_model=Completion, responses=STREAM_OK)
 async def completions(
     body: CompletionRequest, request: Request, tenant: str = Depends(require_tenant)
 ) -> Completion | Response:

@@ -1,4 +1,5 @@
-"""GET /health (liveness: 200 while the process lives), GET /ready (the engine can serve)."""
+"""GET /health (liveness: 200 while the process lives), GET /ready (the engine can serve and
+the server is not draining)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,17 @@ async def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/ready")
+@router.get(
+    "/ready",
+    responses={
+        200: {"description": "The engine can serve."},
+        503: {"description": "The engine is not available, or the server is draining."},
+    },
+)
 async def ready(request: Request) -> JSONResponse:
+    if request.app.state.drain.draining:  # load balancers: stop sending here
+        body = {"status": "draining", "detail": "the server is shutting down"}
+        return JSONResponse(body, status_code=503)
     engine = request.app.state.serving.engine
     try:
         state = await engine.health()

@@ -10,6 +10,10 @@ from server.metrics import CONTENT_TYPE
 router = APIRouter()
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+)
 async def metrics(request: Request) -> Response:
     return Response(request.app.state.serving.metrics.render(), media_type=CONTENT_TYPE)

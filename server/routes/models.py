@@ -6,10 +6,14 @@ from fastapi import APIRouter, Depends, Request
 
 from engine.protocol import EngineClient
 from server.auth import require_tenant
-from server.errors import model_not_found
+from server.errors import error_responses, model_not_found
 from server.protocol import ModelCard, ModelList
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_tenant)])
+router = APIRouter(
+    prefix="/v1",
+    dependencies=[Depends(require_tenant)],
+    responses=error_responses(401, 404, 431, 500, 503),
+)
 
 
 def _card(engine: EngineClient) -> ModelCard:

@@ -5,6 +5,7 @@ session is a 404 before its body is even read."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
@@ -13,7 +14,8 @@ from starlette.datastructures import UploadFile
 
 from server.auth import require_tenant
 from server.documents import Upload, split_content_type
-from server.errors import invalid_request, unsupported_media_type
+from server.errors import error_responses, invalid_request, unsupported_media_type
+from server.limits import JSONBodyRoute
 from server.protocol import (
     DocumentCreateRequest,
     SessionCreateRequest,
@@ -23,9 +25,34 @@ from server.protocol import (
     SessionList,
     SessionObject,
 )
+from server.serving import STREAM_OK
 from server.sessions import SessionRegistry, registry_of
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(
+    prefix="/v1",
+    route_class=JSONBodyRoute,
+    responses=error_responses(400, 401, 404, 413, 415, 429, 431, 500, 503),
+)
+
+# The documents route reads its body itself (JSON or multipart), so it declares it here.
+DOCUMENT_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": DocumentCreateRequest.model_json_schema()},
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "name": {"type": "string"},
+                    },
+                    "required": ["file"],
+                }
+            },
+        },
+    }
+}
 
 
 @router.post("/sessions", response_model=SessionObject)
@@ -58,7 +85,9 @@ async def delete_session(
     return SessionDeleted(id=session_id)
 
 
-@router.post("/sessions/{session_id}/documents", response_model=SessionDocument)
+@router.post(
+    "/sessions/{session_id}/documents", response_model=SessionDocument, openapi_extra=DOCUMENT_BODY
+)
 async def add_document(
     session_id: str, request: Request, tenant: str = Depends(require_tenant)
 ) -> SessionDocument:
@@ -77,7 +106,11 @@ async def list_documents(
     return SessionDocumentList(data=[d.view() for d in session.documents.values()])
 
 
-@router.get("/sessions/{session_id}/documents/{document_id}", response_model=SessionDocument)
+@router.get(
+    "/sessions/{session_id}/documents/{document_id}",
+    response_model=SessionDocument,
+    responses=STREAM_OK,
+)
 async def retrieve_document(
     session_id: str,
     document_id: str,
