@@ -150,6 +150,9 @@ class IngestProgress:
     tokens_total: int
     seconds: float
     done: bool = False
+    tokens_from_store: int = 0
+    """Of tokens_done, how many were rebuilt from the memory store's encodings instead of being
+    run through the model (ingest_tokens_total counts only the others)."""
 
 
 @dataclass(frozen=True)
