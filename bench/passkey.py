@@ -1,0 +1,134 @@
+"""Passkey retrieval accuracy by context length and memory strategy.
+
+The landmark format of Mohtashami & Jaggi, as quoted in the Larimar paper's footnote: a random
+5-digit pass key planted at a uniform random depth in repeated filler, and the question "What is
+the pass key? The pass key is". The answer is scored by the first number generated (greedy).
+
+Every cell runs through the engine's SessionMemory (the whole prompt is appended into the memory,
+then a few tokens are decoded), and the same run measures the model's own full attention at a
+length that fits its window (the baseline). One JSON line per cell on stdout:
+
+    python -m bench.passkey --lengths 4096 16384 32768 --strategies segments tokens neurocache -n 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+import time
+
+import torch
+
+from engine.config import EngineConfig
+from engine.loader import load_model
+from engine.memory.session import STRATEGIES, SessionMemory
+from engine.protocol import MemorySpec
+
+INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
+    "them. I will quiz you about the important information there."
+)
+FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+QUESTION = " What is the pass key? The pass key is"
+
+
+def passkey_prompt(tokenizer, n_tokens: int, key: str, depth: float) -> list[int]:
+    """Token ids of a prompt of about n_tokens with the key planted at `depth` (0..1)."""
+    needle = f" The pass key is {key}. Remember it. {key} is the pass key."
+    fixed = len(tokenizer(INTRO + needle + QUESTION, add_special_tokens=False).input_ids)
+    per_filler = len(tokenizer(FILLER * 20, add_special_tokens=False).input_ids) / 20
+    repeats = max(1, int((n_tokens - fixed) / per_filler))
+    before = int(round(repeats * depth))
+    text = INTRO + FILLER * before + needle + FILLER * (repeats - before) + QUESTION
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def first_number(text: str) -> str | None:
+    match = re.search(r"\d+", text)
+    return match.group(0) if match else None
+
+
+@torch.inference_mode()
+def answer_with_memory(model, tokenizer, ids: list[int], spec: MemorySpec, new_tokens: int):
+    memory = SessionMemory(model, spec)
+    device = next(model.parameters()).device
+    logits = memory.append(torch.tensor(ids, device=device))
+    out: list[int] = []
+    for _ in range(new_tokens):
+        token = int(logits.argmax())
+        out.append(token)
+        logits = memory.append(torch.tensor([token], device=device))
+    return tokenizer.decode(out), memory
+
+
+@torch.inference_mode()
+def answer_full_attention(model, tokenizer, ids: list[int], new_tokens: int) -> str:
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([ids], device=device)
+    out = model.generate(
+        input_ids, max_new_tokens=new_tokens, do_sample=False, attention_mask=torch.ones_like(input_ids)
+    )
+    return tokenizer.decode(out[0, len(ids) :])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="model dir or hub id (default: embedded)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
+    parser.add_argument("--baseline-length", type=int, default=2048)
+    parser.add_argument("-n", "--samples", type=int, default=10)
+    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                        help="strategy knob, e.g. --param k=16 (applies to every strategy)")
+    args = parser.parse_args(argv)
+
+    params = {}
+    for item in args.param:
+        key, _, value = item.partition("=")
+        params[key] = json.loads(value)
+
+    loaded = load_model(EngineConfig(model=args.model))
+    model, tokenizer = loaded.model, loaded.tokenizer
+    rng = random.Random(args.seed)
+    cases = [(str(rng.randint(10000, 99999)), rng.random()) for _ in range(args.samples)]
+
+    def emit(record: dict) -> None:
+        print(json.dumps(record), flush=True)
+
+    hits, started = 0, time.perf_counter()
+    for key, depth in cases:
+        ids = passkey_prompt(tokenizer, args.baseline_length, key, depth)
+        hits += first_number(answer_full_attention(model, tokenizer, ids, args.new_tokens)) == key
+    emit({"bench": "passkey", "strategy": "full_attention", "tokens": args.baseline_length,
+          "n": len(cases), "accuracy": hits / len(cases),
+          "seconds": round(time.perf_counter() - started, 2)})
+
+    for strategy in args.strategies:
+        for length in args.lengths:
+            hits, started, misses = 0, time.perf_counter(), []
+            memory_bytes, memory_tokens = 0, 0
+            for key, depth in cases:
+                ids = passkey_prompt(tokenizer, length, key, depth)
+                text, memory = answer_with_memory(
+                    model, tokenizer, ids, MemorySpec(strategy, params), args.new_tokens
+                )
+                got = first_number(text)
+                hits += got == key
+                if got != key:
+                    misses.append({"depth": round(depth, 3), "key": key, "answer": text})
+                memory_bytes, memory_tokens = memory.nbytes(), memory.num_tokens
+                del memory
+            emit({"bench": "passkey", "strategy": strategy, "params": params, "tokens": length,
+                  "n": len(cases), "accuracy": hits / len(cases),
+                  "seconds": round(time.perf_counter() - started, 2),
+                  "memory_bytes_per_token": round(memory_bytes / max(memory_tokens, 1), 1),
+                  "misses": misses[:5]})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

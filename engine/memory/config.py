@@ -1,0 +1,208 @@
+"""Hyperparameters of the memory strategies: one frozen dataclass per strategy.
+
+Knob names follow the papers (k, u, w, c, m, r, d). Every config shares the frame knobs
+(`sinks`, `local_window`, `chunk_size`) and says how many retrieved tokens it may put in the
+frame (`retrieval_budget`); `parse_memory_spec` turns a client's `MemorySpec` into one of these,
+refusing unknown knobs, bad values and frames that would not fit in the model's window with
+`InvalidRequest(param="memory.<knob>")`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from engine.protocol import InvalidRequest, MemorySpec
+
+
+@dataclass(frozen=True)
+class FrameConfig:
+    """The frame every forward attends to: [sinks | retrieved | local window | current chunk].
+
+    sinks: first tokens of the session, always attended (attention sinks).
+    local_window: most recent tokens, always attended; older ones go to memory.
+    chunk_size: tokens per forward while reading a prompt or document.
+    block: tokens moved from the local window to memory at a time (and, for `segments`, the
+        unit retrieved).
+    m: memory capacity in tokens (FIFO, as in Neurocache); 0 keeps everything.
+    tail: the last `tail` tokens of an append longer than that are forwarded on their own, so
+        the tokens whose logits are returned (the end of a question) retrieve for themselves
+        instead of sharing a retrieval with a whole chunk of document; 0 disables it.
+    """
+
+    sinks: int = 64
+    local_window: int = 1024
+    chunk_size: int = 512
+    block: int = 64
+    m: int = 0
+    tail: int = 32
+
+    @property
+    def retrieval_budget(self) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class SegmentsConfig(FrameConfig):
+    """CacheFormer: top-k segments (blocks of `block` tokens), scored on compressed summaries,
+    retrieved uncompressed together with u neighbouring segments on each side.
+
+    score: block summary used for scoring. "bound" (default) is a Quest-style upper bound of
+        the best token score in the block (per-dimension max/min of its keys); "mean" is
+        CacheFormer's compressed segment (the mean pre-rotary key of the block, per KV head).
+        Measured on SmolLM2-135M (passkey at ~1000 of 3200 tokens, local window 512, k=4, u=1):
+        "mean" put the passkey block in the frame for 46 of 90 (layer, KV head) pairs and the
+        answer was wrong; "bound" for 90 of 90, and the answer was right.
+    Defaults: sinks 64, block 64, k 8, u 1, local window 1024, chunk 512: frame
+    64 + 8*3*64 + 1024 + 512 = 3136 tokens.
+    """
+
+    k: int = 8
+    u: int = 1
+    score: str = "bound"
+
+    @property
+    def retrieval_budget(self) -> int:
+        return self.k * (2 * self.u + 1) * self.block
+
+
+@dataclass(frozen=True)
+class TokensConfig(FrameConfig):
+    """Unlimiformer for decoder-only models: per augmented layer and KV head, the top-k
+    individual memory tokens from a kNN index over pre-rotary keys.
+
+    layers: augmented layers ("all", "upper" = upper half, or a comma list "20,22,24").
+    index: "auto" | "torch" | "faiss-flat" | "faiss-hnsw" | "faiss-ivf" (see index.py).
+    overlap: tokens of the previous chunk re-read (not re-stored) at the start of each prompt
+        chunk, so the first tokens of a chunk still see local context.
+    max_queries: query rows of a chunk used to search (evenly spaced, the last one always in).
+
+    Unlimiformer's overlapping chunk encoding needs no knob here: every chunk attends to the
+    local window (the previous `local_window` tokens), which is the overlap, and each token is
+    stored exactly once, when it first leaves the window (the "keep every non-overlapping token"
+    rule).
+    """
+
+    k: int = 256
+    layers: str = "all"
+    index: str = "auto"
+    max_queries: int = 64
+
+    @property
+    def retrieval_budget(self) -> int:
+        return self.k
+
+
+@dataclass(frozen=True)
+class NeurocacheConfig(FrameConfig):
+    """Neurocache: compressed states c = W_p h_r at layer r (d dims), one kNN retrieval per
+    forward, each hit extended by the retrieval window w (the hit and its w-1 right
+    neighbours), plus the retrievals of the previous c-1 forwards; layers j > r attend to the
+    retrieved positions. m (FIFO capacity) defaults to unbounded here.
+
+    r: layer whose output is compressed; -1 means 3/4 of the depth (the paper's choice).
+    d: compressed size; 0 means hidden/4.
+    fit_tokens: W_p is the PCA of the session's first fit_tokens memory states (fitted once).
+    projection_path: a torch file with {"weight": (d, hidden), "mean": (hidden,)} to use instead.
+    """
+
+    k: int = 16
+    w: int = 2
+    c: int = 2
+    r: int = -1
+    d: int = 0
+    fit_tokens: int = 1024
+    projection_path: str = ""
+    max_queries: int = 64
+
+    @property
+    def retrieval_budget(self) -> int:
+        return self.k * self.w * self.c
+
+
+CONFIGS: dict[str, type[FrameConfig]] = {
+    "segments": SegmentsConfig,
+    "tokens": TokensConfig,
+    "neurocache": NeurocacheConfig,
+}
+
+_CHOICES = {
+    "score": ("mean", "bound"),
+    "index": ("auto", "torch", "faiss-flat", "faiss-hnsw", "faiss-ivf"),
+}
+_MAY_BE_ZERO = {"m", "u", "d", "fit_tokens", "tail"}
+_MAY_BE_NEGATIVE = {"r"}
+
+
+def parse_memory_spec(spec: MemorySpec | None, *, max_positions: int) -> FrameConfig:
+    """Validate a client's MemorySpec against the strategy's config and the model's window."""
+    spec = spec or MemorySpec()
+    if spec.strategy not in CONFIGS:
+        raise InvalidRequest(
+            f"unknown memory strategy {spec.strategy!r}; choose one of {sorted(CONFIGS)}",
+            param="memory.strategy",
+        )
+    cls = CONFIGS[spec.strategy]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for name, value in dict(spec.params or {}).items():
+        if name not in fields:
+            raise InvalidRequest(
+                f"unknown knob {name!r} for memory strategy {spec.strategy!r}",
+                param=f"memory.{name}",
+            )
+        values[name] = _check_value(name, value, type(fields[name].default))
+    config = cls(**values)
+    _check_config(config, max_positions)
+    return config
+
+
+def _check_value(name: str, value: Any, kind: type) -> Any:
+    param = f"memory.{name}"
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidRequest(f"memory.{name} must be an integer", param=param)
+        if name in _MAY_BE_NEGATIVE:
+            return value
+        if value < 0 or (value == 0 and name not in _MAY_BE_ZERO):
+            raise InvalidRequest(f"memory.{name} must be positive", param=param)
+        return value
+    if not isinstance(value, str):
+        raise InvalidRequest(f"memory.{name} must be a string", param=param)
+    if name in _CHOICES and value not in _CHOICES[name]:
+        raise InvalidRequest(f"memory.{name} must be one of {_CHOICES[name]}", param=param)
+    return value
+
+
+def _check_config(config: FrameConfig, max_positions: int) -> None:
+    frame = config.sinks + config.retrieval_budget + config.local_window + config.chunk_size
+    if frame > max_positions:
+        raise InvalidRequest(
+            f"the frame (sinks + retrieval budget + local_window + chunk_size = {frame}) exceeds "
+            f"the model's window of {max_positions} positions",
+            param="memory.local_window",
+        )
+    if config.local_window < config.block:
+        raise InvalidRequest("memory.local_window must be at least one block", param="memory.block")
+    if config.m and config.m < config.block:
+        raise InvalidRequest("memory.m must be 0 or at least one block", param="memory.m")
+
+
+def parse_layers(layers: str, num_layers: int, param: str = "memory.layers") -> tuple[int, ...]:
+    """'all', 'upper' (upper half) or a comma list of layer indices (negatives count back)."""
+    if layers == "all":
+        return tuple(range(num_layers))
+    if layers == "upper":
+        return tuple(range(num_layers // 2, num_layers))
+    try:
+        picked = sorted({int(x) % num_layers for x in layers.split(",") if x.strip()})
+        if any(not -num_layers <= int(x) < num_layers for x in layers.split(",") if x.strip()):
+            raise ValueError
+    except ValueError as e:
+        raise InvalidRequest(
+            "memory.layers must be 'all', 'upper' or a comma list of layer indices", param=param
+        ) from e
+    if not picked:
+        raise InvalidRequest("memory.layers names no layer", param=param)
+    return tuple(picked)

@@ -1,0 +1,284 @@
+"""The frame every forward attends to, and the per-layer stores behind it.
+
+```
+[ sinks | retrieved memory, in document order | local window | current tokens ]
+  S       R (the strategy's budget)              W              T
+```
+
+Each layer keeps pre-rotary keys and values of its sinks, local window and memory. A forward
+chunk attends to all of the sinks and local window, to the memory tokens its strategy selects,
+and causally to itself. After the forward (`commit`), the chunk's keys and values join the
+sinks (until S are held), then the local window; whenever the window holds more than W tokens,
+its oldest `block` tokens move to memory, so memory grows in whole blocks and the window keeps
+between W - block + 1 and W tokens. With a capacity m, the oldest memory blocks are dropped.
+
+Positions. While nothing has reached memory, the frame is the plain context and every token
+sits at its document position: the forward is then the model's own attention. Once memory is
+in use, positions are budgets: sinks at 0..S-1, retrieved tokens at S.. in document order,
+the local window right-aligned to end at S+R+W-1 (so its distances to the current tokens are
+the true ones), and current token t at S+R+W+t. Unused budget is a gap.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from engine.memory.config import FrameConfig
+from engine.memory.rotary import RotaryTable
+
+
+class GrowingBuffer:
+    """(heads, n, dim) with amortised O(1) appends along n and O(n) drops from the front."""
+
+    def __init__(self, heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.data = torch.empty(heads, 0, dim, dtype=dtype, device=device)
+        self.size = 0
+
+    def append(self, x: torch.Tensor) -> None:  # x (heads, n, dim)
+        n = x.shape[1]
+        if self.size + n > self.data.shape[1]:
+            capacity = max(2 * self.data.shape[1], self.size + n, 256)
+            grown = self.data.new_empty(self.data.shape[0], capacity, self.data.shape[2])
+            grown[:, : self.size] = self.data[:, : self.size]
+            self.data = grown
+        self.data[:, self.size : self.size + n] = x
+        self.size += n
+
+    def drop_front(self, n: int) -> None:
+        kept = self.data[:, n : self.size].clone()
+        self.data[:, : kept.shape[1]] = kept
+        self.size -= n
+
+    def view(self) -> torch.Tensor:
+        return self.data[:, : self.size]
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+@dataclass
+class LayerStore:
+    """One layer's pre-rotary keys and values, each (kv_heads, n, head_dim)."""
+
+    sink_k: torch.Tensor
+    sink_v: torch.Tensor
+    local_k: torch.Tensor
+    local_v: torch.Tensor
+    mem_k: GrowingBuffer
+    mem_v: GrowingBuffer
+
+    def nbytes(self) -> int:
+        small = (self.sink_k, self.sink_v, self.local_k, self.local_v)
+        return (
+            sum(t.numel() * t.element_size() for t in small)
+            + self.mem_k.nbytes()
+            + (self.mem_v.nbytes())
+        )
+
+
+class Selector(Protocol):
+    """What a strategy plugs into the frame."""
+
+    def select(
+        self, layer: int, q_pre: torch.Tensor, store: LayerStore, scaling: float
+    ) -> torch.Tensor | None:
+        """q_pre (kv_heads, group, T, head_dim) pre-rotary queries of the chunk -> memory
+        indices (kv_heads, R) ascending per head, -1 for padding; None for nothing."""
+        ...
+
+    def on_memory_added(self, layer: int, k_pre: torch.Tensor, v: torch.Tensor) -> None:
+        """A block (kv_heads, block, head_dim) joined the end of this layer's memory."""
+        ...
+
+    def on_memory_dropped(self, layer: int, n: int) -> None:
+        """The n oldest memory tokens of this layer were dropped (FIFO)."""
+        ...
+
+    def nbytes(self) -> int: ...
+
+    # Optional: on_commit(num_new, to_sinks) before a chunk joins the frame, on_abort() when a
+    # forward failed, pop_seconds() for retrieval time spent outside `select`.
+
+
+@dataclass
+class _Pending:
+    k_pre: dict[int, torch.Tensor] = field(default_factory=dict)
+    v: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class FrameState:
+    """A session's frame: the stores of every layer, and the chunk being forwarded."""
+
+    def __init__(
+        self,
+        config: FrameConfig,
+        selector: Selector,
+        rotary: RotaryTable,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.selector = selector
+        self.rotary = rotary
+        self.kv_heads = kv_heads
+        empty = torch.empty(kv_heads, 0, head_dim, dtype=dtype, device=device)
+        self.layers = [
+            LayerStore(
+                empty,
+                empty,
+                empty,
+                empty,
+                GrowingBuffer(kv_heads, head_dim, dtype, device),
+                GrowingBuffer(kv_heads, head_dim, dtype, device),
+            )
+            for _ in range(num_layers)
+        ]
+        self.n_sinks = 0
+        self.n_local = 0
+        self.n_memory = 0  # tokens in memory now
+        self.memory_used = False  # memory has ever held a token: positions are budgets from now
+        self.num_tokens = 0
+        self.retrieval_seconds = 0.0
+        self.last_selected: dict[int, torch.Tensor] = {}  # layer -> (kv_heads, R), for tests
+        self._positions: torch.Tensor | None = None
+        self._pending = _Pending()
+        self._device = device
+
+    # -- positions ---------------------------------------------------------------------------
+
+    def begin(self, num_new: int) -> torch.Tensor:
+        """Fix the frame positions of the next chunk of num_new tokens, (num_new,)."""
+        c = self.config
+        if self.memory_used:
+            first = c.sinks + c.retrieval_budget + c.local_window
+        else:
+            first = self.n_sinks + self.n_local
+        self._positions = torch.arange(first, first + num_new, device=self._device)
+        self._pending = _Pending()
+        return self._positions
+
+    def _local_positions(self) -> torch.Tensor:
+        c = self.config
+        end = (
+            c.sinks + c.retrieval_budget + c.local_window
+            if self.memory_used
+            else (self.n_sinks + self.n_local)
+        )
+        return torch.arange(end - self.n_local, end, device=self._device)
+
+    # -- the attention of one layer ----------------------------------------------------------
+
+    def attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+    ) -> torch.Tensor:
+        """query (1, H, T, d), key/value (1, kv_heads, T, d), rotated at the chunk's positions
+        -> attention output (1, T, H, d)."""
+        assert self._positions is not None, "FrameState.begin() was not called"
+        positions = self._positions
+        store = self.layers[layer]
+        kvh, T = key.shape[1], key.shape[2]
+        group = query.shape[1] // kvh
+        self._pending.k_pre[layer] = self.rotary.unrotate(key[0], positions)
+        self._pending.v[layer] = value[0]
+
+        keys = [self.rotary.rotate(store.sink_k, torch.arange(self.n_sinks, device=self._device))]
+        values = [store.sink_v]
+        prefix_ok = [torch.ones(kvh, self.n_sinks, dtype=torch.bool, device=self._device)]
+
+        if self.n_memory:
+            start = time.perf_counter()
+            q_pre = self.rotary.unrotate(query[0], positions)
+            q_pre = q_pre.view(kvh, group, T, -1)
+            idx = self.selector.select(layer, q_pre, store, scaling)
+            self.retrieval_seconds += time.perf_counter() - start
+            if idx is not None and idx.shape[1]:
+                self.last_selected[layer] = idx
+                ok = idx >= 0
+                gather = idx.clamp(min=0)[..., None].expand(-1, -1, key.shape[-1])
+                mem_k = store.mem_k.view().gather(1, gather)
+                mem_v = store.mem_v.view().gather(1, gather)
+                frame_pos = self.config.sinks + torch.arange(idx.shape[1], device=self._device)
+                keys.append(self.rotary.rotate(mem_k, frame_pos))
+                values.append(mem_v)
+                prefix_ok.append(ok)
+
+        keys.append(self.rotary.rotate(store.local_k, self._local_positions()))
+        values.append(store.local_v)
+        prefix_ok.append(torch.ones(kvh, self.n_local, dtype=torch.bool, device=self._device))
+        keys.append(key[0])
+        values.append(value[0])
+
+        k_frame = torch.cat(keys, dim=1)[None]  # (1, kv_heads, F, d)
+        v_frame = torch.cat(values, dim=1)[None]
+        prefix = torch.cat(prefix_ok, dim=1)  # (kv_heads, F - T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=self._device).tril()
+        mask = torch.cat(
+            (prefix[:, None, :].expand(kvh, T, -1), causal[None].expand(kvh, T, T)), dim=2
+        )  # (kv_heads, T, F)
+        mask = mask.repeat_interleave(group, dim=0)[None]  # (1, H, T, F)
+        out = F.scaled_dot_product_attention(
+            query, k_frame, v_frame, attn_mask=mask, scale=scaling, enable_gqa=group > 1
+        )
+        return out.transpose(1, 2)
+
+    # -- after the forward -------------------------------------------------------------------
+
+    def abort(self) -> None:
+        if hasattr(self.selector, "on_abort"):
+            self.selector.on_abort()
+        self._pending = _Pending()
+        self._positions = None
+
+    def commit(self) -> None:
+        """Move the forwarded chunk into sinks / local window / memory, in every layer."""
+        assert self._positions is not None
+        num_new = self._positions.shape[0]
+        c = self.config
+        to_sinks = min(num_new, c.sinks - self.n_sinks)
+        if hasattr(self.selector, "on_commit"):
+            self.selector.on_commit(num_new, to_sinks)
+        for layer, store in enumerate(self.layers):
+            k_pre, v = self._pending.k_pre[layer], self._pending.v[layer]
+            if to_sinks:
+                store.sink_k = torch.cat((store.sink_k, k_pre[:, :to_sinks]), dim=1)
+                store.sink_v = torch.cat((store.sink_v, v[:, :to_sinks]), dim=1)
+            store.local_k = torch.cat((store.local_k, k_pre[:, to_sinks:]), dim=1)
+            store.local_v = torch.cat((store.local_v, v[:, to_sinks:]), dim=1)
+        self.n_sinks += to_sinks
+        self.n_local += num_new - to_sinks
+        self.num_tokens += num_new
+        while self.n_local > c.local_window:
+            for layer, store in enumerate(self.layers):
+                blk_k, blk_v = store.local_k[:, : c.block], store.local_v[:, : c.block]
+                store.mem_k.append(blk_k)
+                store.mem_v.append(blk_v)
+                self.selector.on_memory_added(layer, blk_k, blk_v)
+                store.local_k = store.local_k[:, c.block :]
+                store.local_v = store.local_v[:, c.block :]
+            self.n_local -= c.block
+            self.n_memory += c.block
+            self.memory_used = True
+        while c.m and self.n_memory > c.m:
+            for layer, store in enumerate(self.layers):
+                store.mem_k.drop_front(c.block)
+                store.mem_v.drop_front(c.block)
+                self.selector.on_memory_dropped(layer, c.block)
+            self.n_memory -= c.block
+        self._pending = _Pending()
+        self._positions = None
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.layers) + self.selector.nbytes()

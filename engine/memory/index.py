@@ -1,0 +1,169 @@
+"""Nearest-neighbour search over a growing set of vectors, behind one interface.
+
+    index = make_index(dim, backend="auto", metric="ip", device=device)
+    index.add(x)                           # x (n, dim); ids are 0, 1, 2, ... in add order
+    scores, ids = index.search(q, k)       # q (r, dim) -> (r, k) each, best first, ids -1 if none
+    index.drop_front(n)                    # forget the n oldest vectors (FIFO); ids shift down
+
+Backends:
+- "torch": exact matmul + topk (or negative squared L2) in torch, on the vectors' device. What
+  "auto" picks on a GPU (exact beats ANN recall at per-session sizes) and for small CPU sets.
+- "faiss-flat": exact faiss IndexFlatIP / IndexFlatL2 (faiss-gpu when importable and the
+  vectors live on a GPU; faiss-GPU caps k at 2048, so k is clipped there).
+- "faiss-hnsw": HNSW (M=32, efSearch=max(128, 2k)) - approximate, grows without training.
+- "faiss-ivf": IVF-Flat trained on the vectors held when it is first searched (nlist ~
+  4*sqrt(n), nprobe = nlist/4); retrained whenever the set has doubled since.
+- "auto": torch on a GPU; on CPU torch exact up to `threshold` vectors, faiss HNSW past it.
+
+Every backend keeps the vectors in a torch buffer as well, so faiss indices can be rebuilt on
+drops and backend switches; scores are inner products ("ip") or negative squared L2 ("l2").
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import faiss
+except ImportError:  # pragma: no cover - faiss-cpu is a dependency
+    faiss = None
+
+FAISS_GPU_MAX_K = 2048
+AUTO_THRESHOLD = 1 << 16
+
+
+class VectorIndex:
+    def __init__(
+        self,
+        dim: int,
+        backend: str = "auto",
+        metric: str = "ip",
+        device: torch.device | str = "cpu",
+        threshold: int = AUTO_THRESHOLD,
+    ) -> None:
+        if metric not in ("ip", "l2"):
+            raise ValueError(f"unknown metric {metric!r}")
+        if backend not in ("auto", "torch", "faiss-flat", "faiss-hnsw", "faiss-ivf"):
+            raise ValueError(f"unknown index backend {backend!r}")
+        if backend.startswith("faiss") and faiss is None:
+            raise RuntimeError("faiss is not installed")
+        self.dim, self.metric, self.backend = dim, metric, backend
+        self.device = torch.device(device)
+        self.threshold = threshold
+        self._vectors = torch.empty(0, dim, device=self.device)
+        self._size = 0
+        self._faiss = None  # built lazily: the faiss index over _vectors[:_faiss_size]
+        self._faiss_size = 0
+        self._trained_at = 0
+
+    @property
+    def ntotal(self) -> int:
+        return self._size
+
+    def vectors(self) -> torch.Tensor:
+        return self._vectors[: self._size]
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.detach().to(self.device, torch.float32).reshape(-1, self.dim)
+        if self._size + x.shape[0] > self._vectors.shape[0]:
+            capacity = max(2 * self._vectors.shape[0], self._size + x.shape[0], 1024)
+            grown = self._vectors.new_empty(capacity, self.dim)
+            grown[: self._size] = self._vectors[: self._size]
+            self._vectors = grown
+        self._vectors[self._size : self._size + x.shape[0]] = x
+        self._size += x.shape[0]
+
+    def drop_front(self, n: int) -> None:
+        kept = self._vectors[n : self._size].clone()
+        self._vectors[: kept.shape[0]] = kept
+        self._size -= n
+        self._faiss, self._faiss_size, self._trained_at = None, 0, 0
+
+    def current_backend(self) -> str:
+        if self.backend != "auto":
+            return self.backend
+        if self.device.type != "cpu" or self._size <= self.threshold or faiss is None:
+            return "torch"
+        return "faiss-hnsw"
+
+    def search(self, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q = q.detach().to(self.device, torch.float32).reshape(-1, self.dim)
+        k = min(k, self._size)
+        if k == 0:
+            empty = torch.empty(q.shape[0], 0, device=self.device)
+            return empty, empty.long()
+        if self.current_backend() == "torch":
+            data = self.vectors()
+            scores = q @ data.T if self.metric == "ip" else -torch.cdist(q, data).square()
+            return scores.topk(k, dim=-1)
+        index = self._faiss_index()
+        if self._on_faiss_gpu:
+            k = min(k, FAISS_GPU_MAX_K)
+        scores, ids = index.search(q.cpu().numpy(), k)
+        scores_t = torch.from_numpy(scores).to(self.device)
+        if self.metric == "l2":
+            scores_t = -scores_t
+        return scores_t, torch.from_numpy(ids).to(self.device)
+
+    # -- faiss ------------------------------------------------------------------------------
+
+    _on_faiss_gpu = False
+
+    def _faiss_index(self):
+        kind = self.current_backend()
+        if kind == "faiss-ivf" and self._size >= 2 * max(self._trained_at, 1):
+            self._faiss = None  # retrain on the grown set
+        if self._faiss is None:
+            self._faiss = self._new_faiss(kind)
+            self._faiss_size = 0
+        if self._faiss_size < self._size:
+            self._faiss.add(self._vectors[self._faiss_size : self._size].cpu().numpy())
+            self._faiss_size = self._size
+        if kind == "faiss-hnsw":
+            self._faiss.hnsw.efSearch = max(self._faiss.hnsw.efSearch, 128)
+        return self._faiss
+
+    def _new_faiss(self, kind: str):
+        metric = faiss.METRIC_INNER_PRODUCT if self.metric == "ip" else faiss.METRIC_L2
+        if kind == "faiss-hnsw":
+            index = faiss.IndexHNSWFlat(self.dim, 32, metric)
+            index.hnsw.efConstruction = 80
+            index.hnsw.efSearch = 128
+            return index
+        flat = faiss.IndexFlatIP(self.dim) if self.metric == "ip" else faiss.IndexFlatL2(self.dim)
+        if kind == "faiss-ivf":
+            nlist = max(1, min(int(4 * math.sqrt(self._size)), self._size // 39))
+            index = faiss.IndexIVFFlat(flat, self.dim, nlist, metric)
+            index.train(self.vectors().cpu().numpy())
+            index.nprobe = max(1, nlist // 4)
+            self._trained_at = self._size
+            return index
+        if self.device.type == "cuda" and hasattr(faiss, "StandardGpuResources"):
+            self._resources = faiss.StandardGpuResources()
+            self._on_faiss_gpu = True
+            return faiss.index_cpu_to_gpu(self._resources, self.device.index or 0, flat)
+        return flat
+
+    def set_search_effort(self, nprobe: int | None = None, ef_search: int | None = None) -> None:
+        """Raise IVF nprobe / HNSW efSearch (tests use it to compare with exact search)."""
+        index = self._faiss_index()
+        if nprobe is not None and hasattr(index, "nprobe"):
+            index.nprobe = nprobe
+        if ef_search is not None and hasattr(index, "hnsw"):
+            index.hnsw.efSearch = ef_search
+
+    def nbytes(self) -> int:
+        size = self._vectors.numel() * self._vectors.element_size()
+        return size * (2 if self._faiss is not None else 1)
+
+
+def make_index(
+    dim: int,
+    backend: str = "auto",
+    metric: str = "ip",
+    device: torch.device | str = "cpu",
+    threshold: int = AUTO_THRESHOLD,
+) -> VectorIndex:
+    return VectorIndex(dim, backend, metric, device, threshold)

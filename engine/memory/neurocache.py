@@ -1,0 +1,184 @@
+"""`neurocache`: Neurocache's compressed cache, training-free, over the frame's memory.
+
+The output h_r of decoder layer r (default: 3/4 of the depth, the paper's threshold) is
+compressed to c = W_p h_r (d = hidden/4 by default) for every token that enters memory; the
+compressed states form the cache (one entry per memory token, FIFO with the frame's m). A
+forward chunk makes exactly ONE kNN retrieval (L2, as in the paper) over the cache with its own
+compressed states, right after layer r has run; each hit is extended by the retrieval window w
+(the hit and its w-1 right neighbours, the paper's w=2 setting), and the sets retrieved by the
+previous c-1 forwards are added (extended cache attention: a decode step sees its own and the
+previous c-1 tokens' retrievals). Every layer j > r attends to the retrieved positions' stored
+keys and values through the frame; layers up to r attend to sinks + local window + chunk.
+
+W_p without training: PCA of the session's own layer-r states. Until the memory holds
+`fit_tokens` tokens the cache searches the raw h_r (hidden dims); then W_p (the top-d
+principal directions) and the mean are fitted on all states held, and refitted each time the
+memory has doubled since (amortised O(1) per token), so directions that only later text
+uses are not projected away. The raw states are kept for the refits: hidden floats per token,
+about 5% of what the frame's keys and values take (2 x layers x kv_heads x head_dim). A trained projection ({"weight": (d, hidden), "mean": (hidden,)}) can be
+loaded from `projection_path` instead. The paper's trained cache-attention weights are not
+used: layers j > r reuse their own self-attention on the retrieved keys and values, which is
+what the paper initialises cache attention with.
+
+A multi-token chunk's one retrieval uses up to `max_queries` of its tokens (evenly spaced, the
+last one in); their hits are ranked by best score and the k best kept.
+
+Defaults (NeurocacheConfig): k 64 (the paper's setting for adapted pretrained models), w 2,
+c 2, r = 3/4 depth, d = hidden/4, fit_tokens 1024, sinks 64, local window 1024, block 64.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import deque
+
+import torch
+from transformers import PreTrainedModel
+
+from engine.memory.attention import FRAME_KWARG
+from engine.memory.config import NeurocacheConfig
+from engine.memory.frame import LayerStore
+from engine.memory.index import VectorIndex, make_index
+from engine.memory.tokens import best_unique, query_rows
+from engine.protocol import InvalidRequest
+
+
+class NeurocacheSelector:
+    def __init__(self, config: NeurocacheConfig, model: PreTrainedModel) -> None:
+        self.config = config
+        num_layers = model.config.num_hidden_layers
+        self.hidden = model.config.hidden_size
+        self.r = config.r if config.r >= 0 else max(0, 3 * num_layers // 4 - 1)
+        if self.r >= num_layers - 1:
+            raise InvalidRequest(
+                "memory.r must leave at least one layer above it", param="memory.r"
+            )
+        self.d = config.d or self.hidden // 4
+        if self.d > self.hidden:
+            raise InvalidRequest("memory.d must not exceed the hidden size", param="memory.d")
+        self.device = next(model.parameters()).device
+        self.weight: torch.Tensor | None = None  # (d, hidden)
+        self.mean: torch.Tensor | None = None  # (hidden,)
+        if config.projection_path:
+            self._load_projection(config.projection_path)
+        self.cache: VectorIndex = make_index(
+            self.d if self.weight is not None else self.hidden, "auto", "l2", self.device
+        )
+        self._raw = make_index(self.hidden, "torch", "l2", self.device)  # raw h_r, for refits
+        self._fitted_at = 0
+        self.frame: object | None = None  # set by the session; the hook acts for it only
+        self.seconds = 0.0
+        self._chunk_h: torch.Tensor | None = None  # (T, hidden) layer-r output of the chunk
+        self._window_h = torch.empty(0, self.hidden, device=self.device)
+        self._previous: deque[torch.Tensor] = deque(maxlen=max(config.c - 1, 1))
+        self._current: torch.Tensor | None = None  # memory indices retrieved for this chunk
+        layer = model.get_decoder().layers[self.r]
+        handle = layer.register_forward_hook(self._after_layer_r, with_kwargs=True)
+        weakref.finalize(self, handle.remove)
+
+    def _load_projection(self, path: str) -> None:
+        try:
+            state = torch.load(path, map_location=self.device)
+            weight, mean = state["weight"].float(), state["mean"].float()
+        except (OSError, KeyError, RuntimeError) as e:
+            raise InvalidRequest(
+                f"cannot load a projection from {path!r}: {e}", param="memory.projection_path"
+            ) from e
+        if weight.shape != (self.d, self.hidden) or mean.shape != (self.hidden,):
+            raise InvalidRequest(
+                f"projection must be ({self.d}, {self.hidden}) with a ({self.hidden},) mean",
+                param="memory.projection_path",
+            )
+        self.weight, self.mean = weight, mean
+
+    # -- the one retrieval, after layer r ---------------------------------------------------
+
+    def _after_layer_r(self, module, args, kwargs, output):
+        if self.frame is None or kwargs.get(FRAME_KWARG) is not self.frame:
+            return None
+        h = (output[0] if isinstance(output, tuple) else output)[0]  # (T, hidden)
+        self._chunk_h = h.float()
+        self._current = None
+        if self.cache.ntotal:
+            start = time.perf_counter()
+            self._current = self._retrieve(self._chunk_h)
+            self.seconds += time.perf_counter() - start
+        return None
+
+    def _compress(self, h: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:
+            return h
+        return (h - self.mean) @ self.weight.T
+
+    def _retrieve(self, h: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        rows = h[query_rows(h.shape[0], c.max_queries).to(h.device)]
+        scores, ids = self.cache.search(self._compress(rows), c.k)
+        hits = best_unique(scores.flatten(), ids.flatten(), c.k)
+        window = (hits[:, None] + torch.arange(c.w, device=hits.device)).flatten()
+        window = window[window < self.cache.ntotal]
+        retrieved = torch.cat([window, *self._previous]) if c.c > 1 else window
+        if c.c > 1:
+            self._previous.appendleft(window)
+        return retrieved.unique()  # ascending: document order
+
+    def select(
+        self, layer: int, q_pre: torch.Tensor, store: LayerStore, scaling: float
+    ) -> torch.Tensor | None:
+        if layer <= self.r or self._current is None:
+            return None
+        return self._current[None].expand(q_pre.shape[0], -1).to(q_pre.device)
+
+    # -- bookkeeping, driven by the frame ---------------------------------------------------
+
+    def on_commit(self, num_new: int, to_sinks: int) -> None:
+        assert self._chunk_h is not None
+        self._window_h = torch.cat((self._window_h, self._chunk_h[to_sinks:]))
+        self._chunk_h = None
+
+    def on_abort(self) -> None:
+        self._chunk_h = None
+        self._current = None
+
+    def on_memory_added(self, layer: int, k_pre: torch.Tensor, v: torch.Tensor) -> None:
+        if layer != 0:
+            return
+        n = k_pre.shape[1]
+        block, self._window_h = self._window_h[:n], self._window_h[n:]
+        self.cache.add(self._compress(block))
+        c = self.config
+        if c.projection_path:
+            return
+        self._raw.add(block)
+        held = self._raw.ntotal
+        if held >= c.fit_tokens and held >= 2 * self._fitted_at:
+            self._fit(self._raw.vectors())
+            self._fitted_at = held
+
+    def _fit(self, states: torch.Tensor) -> None:
+        """PCA of the raw states held; re-index them all compressed."""
+        self.mean = states.mean(dim=0)
+        _, _, vh = torch.linalg.svd(states - self.mean, full_matrices=False)
+        self.weight = vh[: self.d]
+        compressed = self._compress(states)
+        self.cache = make_index(self.d, "auto", "l2", self.device)
+        self.cache.add(compressed)
+
+    def on_memory_dropped(self, layer: int, n: int) -> None:
+        if layer != 0:
+            return
+        self.cache.drop_front(n)
+        if self._raw.ntotal:
+            self._raw.drop_front(n)
+        shifted = [p - n for p in self._previous]
+        self._previous.clear()
+        self._previous.extend(p[p >= 0] for p in shifted)
+
+    def pop_seconds(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+    def nbytes(self) -> int:
+        window = self._window_h.numel() * self._window_h.element_size()
+        return self.cache.nbytes() + self._raw.nbytes() + window

@@ -1,0 +1,147 @@
+"""A session's memory: the object the generation loop reads tokens into.
+
+    memory = SessionMemory(model, MemorySpec("segments", {"k": 8}))
+    logits = memory.append(prompt_ids)          # (vocab,) at the last position
+    logits = memory.append(next_token[None])    # decode is an append of one token
+
+`append` forwards the tokens in chunks of `chunk_size`; every chunk attends to the frame
+(sinks, the memory its strategy selects, the local window) and then joins it, so every token
+appended, prompt or generated, is context for every later append. The model's attention is
+switched to `engine.memory.attention.memory_attention` once; a forward without a session
+still runs plain SDPA attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import PreTrainedModel
+
+from engine.memory.attention import FRAME_KWARG, use_memory_attention
+from engine.memory.config import (
+    NeurocacheConfig,
+    SegmentsConfig,
+    TokensConfig,
+    parse_memory_spec,
+)
+from engine.memory.frame import FrameState, Selector
+from engine.memory.rotary import RotaryTable
+from engine.protocol import InvalidRequest, MemorySpec
+
+STRATEGIES: tuple[str, ...] = ("segments", "tokens", "neurocache")
+
+
+class SessionMemory:
+    def __init__(self, model: PreTrainedModel, spec: MemorySpec | None = None) -> None:
+        cfg = model.config
+        max_positions = int(cfg.max_position_embeddings)
+        self.config = parse_memory_spec(spec, max_positions=max_positions)
+        self.strategy = (spec or MemorySpec()).strategy
+        self.model = model
+        num_layers = cfg.num_hidden_layers
+        kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        param = next(model.parameters())
+        dtype, device = param.dtype, param.device
+        selector: Selector
+        if isinstance(self.config, SegmentsConfig):
+            from engine.memory.segments import SegmentSelector
+
+            selector = SegmentSelector(self.config, num_layers, kv_heads, head_dim, dtype, device)
+        elif isinstance(self.config, TokensConfig):
+            from engine.memory.tokens import TokenSelector
+
+            selector = TokenSelector(self.config, num_layers, kv_heads, head_dim, device)
+        elif isinstance(self.config, NeurocacheConfig):
+            from engine.memory.neurocache import NeurocacheSelector
+
+            selector = NeurocacheSelector(self.config, model)
+        else:  # pragma: no cover - parse_memory_spec only returns the three above
+            raise InvalidRequest(f"unknown strategy {self.strategy}", param="memory.strategy")
+        self._selector = selector
+        self._frame = FrameState(
+            self.config,
+            selector,
+            RotaryTable(model, max_positions),
+            num_layers,
+            kv_heads,
+            head_dim,
+            dtype,
+            device,
+        )
+        if hasattr(selector, "frame"):
+            selector.frame = self._frame
+        self._last_logits: torch.Tensor | None = None
+        use_memory_attention(model)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens read so far (memory + sinks + local window; FIFO-dropped ones included)."""
+        return self._frame.num_tokens
+
+    @property
+    def memory_tokens(self) -> int:
+        """Tokens held in memory now (outside sinks and local window)."""
+        return self._frame.n_memory
+
+    def append(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        on_progress: Callable[[int], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> torch.Tensor:
+        """Read input_ids (T,) in chunks; return the logits (vocab,) at the last token read.
+
+        Chunks are chunk_size tokens, except that the last `tail` tokens go on their own.
+
+        should_stop() is checked before every chunk but the first; stopping leaves the memory
+        holding exactly the chunks read. on_progress(tokens_done) follows every chunk.
+        """
+        input_ids = input_ids.reshape(-1)
+        if input_ids.numel() == 0:
+            if self._last_logits is None:
+                raise InvalidRequest("nothing to read: input_ids is empty", param="input_ids")
+            return self._last_logits
+        device = next(self.model.parameters()).device
+        with torch.inference_mode():
+            for done, end in self._chunks(input_ids.numel()):
+                if done and should_stop is not None and should_stop():
+                    break
+                ids = input_ids[done:end].to(device)
+                positions = self._frame.begin(ids.numel())
+                try:
+                    out = self.model(
+                        input_ids=ids[None],
+                        position_ids=positions[None],
+                        use_cache=False,
+                        logits_to_keep=1,
+                        **{FRAME_KWARG: self._frame},
+                    )
+                except BaseException:
+                    self._frame.abort()
+                    raise
+                self._frame.commit()
+                self._last_logits = out.logits[0, -1]
+                if on_progress is not None:
+                    on_progress(end)
+        assert self._last_logits is not None
+        return self._last_logits
+
+    def _chunks(self, total: int) -> list[tuple[int, int]]:
+        """[start, end) of each forward: chunk_size pieces, the last `tail` tokens apart."""
+        c = self.config
+        body = total - c.tail if c.tail and total > c.tail else total
+        bounds = [(s, min(s + c.chunk_size, body)) for s in range(0, body, c.chunk_size)]
+        return bounds + ([(body, total)] if body < total else [])
+
+    def nbytes(self) -> int:
+        """Bytes of keys, values, summaries and indices this session holds."""
+        return self._frame.nbytes()
+
+    def pop_retrieval_seconds(self) -> float:
+        """Seconds spent selecting memory since the last call."""
+        seconds, self._frame.retrieval_seconds = self._frame.retrieval_seconds, 0.0
+        pop_own = getattr(self._selector, "pop_seconds", None)
+        return seconds + (pop_own() if pop_own is not None else 0.0)

@@ -1,0 +1,97 @@
+"""`tokens`: Unlimiformer for decoder-only models, over the frame's memory.
+
+Every augmented layer keeps one kNN index per KV head over its memory tokens' pre-rotary keys
+(engine/memory/index.py); a forward chunk searches it with its pre-rotary queries and the
+layer attends to the top-k tokens per KV head, in document order, through the frame. Layers
+that are not augmented attend to sinks + local window + chunk only. Keys, not hidden states,
+are indexed: with GQA the query heads of a group share one key space, so one index per KV head
+serves them all (Unlimiformer's decoder path indexes hidden states and breaks on GQA).
+
+Staleness fix: every token appended - prompt, document or generated - is indexed the moment it
+leaves the local window (until then it is attended directly), so no token is ever out of
+reach; the paper's fix adds each generated token to the indices at once, which in a frame
+with a local window is the same thing.
+
+Overlapping chunk encoding: each chunk attends to the previous `local_window` tokens (the
+overlap), and each token is stored once, on its first reading ("keep every non-overlapping
+token").
+
+Multi-token chunks: up to `max_queries` rows per KV head (query heads of the group x evenly
+spaced chunk tokens, the last token always in) each fetch their top-k; the union is ranked by
+each token's best score and the k best are kept.
+
+Defaults (TokensConfig): k 256, all layers augmented (the paper tunes a few upper layers per
+model; without tuning, all layers keep the model's own attention pattern everywhere), index
+"auto", sinks 64, local window 1024, block 64, chunk 512.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.memory.config import TokensConfig, parse_layers
+from engine.memory.frame import LayerStore
+from engine.memory.index import VectorIndex, make_index
+
+
+class TokenSelector:
+    def __init__(
+        self,
+        config: TokensConfig,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.layers = set(parse_layers(config.layers, num_layers))
+        self.indices: dict[int, list[VectorIndex]] = {
+            layer: [make_index(head_dim, config.index, "ip", device) for _ in range(kv_heads)]
+            for layer in self.layers
+        }
+
+    def on_memory_added(self, layer: int, k_pre: torch.Tensor, v: torch.Tensor) -> None:
+        for head, index in enumerate(self.indices.get(layer, ())):
+            index.add(k_pre[head])
+
+    def on_memory_dropped(self, layer: int, n: int) -> None:
+        for index in self.indices.get(layer, ()):
+            index.drop_front(n)
+
+    def select(
+        self, layer: int, q_pre: torch.Tensor, store: LayerStore, scaling: float
+    ) -> torch.Tensor | None:
+        if layer not in self.layers:
+            return None
+        kvh, group, T, d = q_pre.shape
+        rows_t = query_rows(T, max(1, self.config.max_queries // group))
+        picked = []
+        for head, index in enumerate(self.indices[layer]):
+            rows = q_pre[head][:, rows_t].reshape(-1, d)  # (group * rows, d)
+            scores, ids = index.search(rows, self.config.k)
+            picked.append(best_unique(scores.flatten(), ids.flatten(), self.config.k))
+        width = max(p.numel() for p in picked)
+        out = torch.full((kvh, width), -1, dtype=torch.long, device=q_pre.device)
+        for head, ids in enumerate(picked):
+            out[head, : ids.numel()] = ids.sort().values.to(out.device)
+        return out
+
+    def nbytes(self) -> int:
+        return sum(i.nbytes() for per_layer in self.indices.values() for i in per_layer)
+
+
+def query_rows(length: int, n: int) -> torch.Tensor:
+    """n evenly spaced token indices of a chunk of `length`, the last one always included."""
+    if length <= n:
+        return torch.arange(length)
+    return torch.linspace(length - 1, 0, n).round().long().flip(0).unique()
+
+
+def best_unique(scores: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """The k ids with the best score among (score, id) hits that may repeat ids."""
+    keep = ids >= 0
+    scores, ids = scores[keep], ids[keep]
+    unique, inverse = ids.unique(return_inverse=True)
+    best = torch.full((unique.numel(),), -torch.inf, device=scores.device, dtype=scores.dtype)
+    best.scatter_reduce_(0, inverse, scores, reduce="amax")
+    return unique[best.topk(min(k, unique.numel())).indices]

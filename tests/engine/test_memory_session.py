@@ -1,0 +1,98 @@
+"""SessionMemory's contract: every strategy, FIFO capacity, sizes, timings, knob errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.memory.session import STRATEGIES, SessionMemory
+from engine.protocol import InvalidRequest, MemorySpec
+
+from .test_memory_frame import ATOL, FITS, reference_logits, tiny
+
+FRAME = dict(sinks=8, local_window=32, chunk_size=16, block=8)
+SMALL = {
+    "segments": dict(FRAME, k=2, u=1),
+    "tokens": dict(FRAME, k=16, index="torch"),
+    "neurocache": dict(FRAME, k=4, w=2, c=2, r=0, fit_tokens=32, d=8),
+}
+
+
+def test_strategies_are_the_three():
+    assert STRATEGIES == ("segments", "tokens", "neurocache")
+
+
+@pytest.mark.parametrize("strategy", ["tokens", "neurocache"])
+def test_every_strategy_is_exact_while_everything_fits(strategy):
+    model = tiny("llama")
+    ids = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(6))
+    ref = reference_logits(model, ids)
+    params = {k: v for k, v in FITS.items() if k not in ("k", "u")}
+    params["k"] = 16
+    memory = SessionMemory(model, MemorySpec(strategy, params))
+    torch.testing.assert_close(memory.append(ids), ref[-1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_long_inputs_run_with_memory_in_use(kind, strategy):
+    model = tiny(kind)
+    memory = SessionMemory(model, MemorySpec(strategy, SMALL[strategy]))
+    ids = torch.randint(0, 300, (600,), generator=torch.Generator().manual_seed(7))
+    logits = memory.append(ids)  # 600 tokens > the tiny model's 512 positions
+    for _ in range(3):
+        logits = memory.append(logits.argmax()[None])
+    assert logits.shape == (300,) and torch.isfinite(logits).all()
+    assert memory.num_tokens == 603 and memory.memory_tokens > 500
+    assert memory.nbytes() > 0
+    assert memory.pop_retrieval_seconds() > 0 and memory.pop_retrieval_seconds() == 0.0
+    assert memory._frame.last_selected  # some layer attended to memory
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_fifo_capacity_keeps_memory_bounded(strategy):
+    model = tiny("llama")
+    memory = SessionMemory(model, MemorySpec(strategy, dict(SMALL[strategy], m=64)))
+    ids = torch.randint(0, 300, (400,), generator=torch.Generator().manual_seed(8))
+    memory.append(ids)
+    memory.append(ids[:1])
+    assert memory.memory_tokens <= 64 and memory.num_tokens == 401
+    for selected in memory._frame.last_selected.values():
+        assert int(selected.max()) < memory.memory_tokens
+
+
+def test_neurocache_loads_a_projection(tmp_path):
+    model = tiny("llama")
+    path = tmp_path / "wp.pt"
+    torch.save({"weight": torch.randn(8, 64), "mean": torch.zeros(64)}, path)
+    params = dict(SMALL["neurocache"], projection_path=str(path))
+    memory = SessionMemory(model, MemorySpec("neurocache", params))
+    memory.append(torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(9)))
+    assert memory._selector.cache.dim == 8
+    torch.save({"weight": torch.randn(4, 64), "mean": torch.zeros(64)}, path)
+    with pytest.raises(InvalidRequest) as e:
+        SessionMemory(model, MemorySpec("neurocache", params))
+    assert e.value.param == "memory.projection_path"
+
+
+@pytest.mark.parametrize(
+    ("strategy", "params", "param"),
+    [
+        ("tokens", {"layers": "0,9"}, "memory.layers"),
+        ("tokens", {"index": "annoy"}, "memory.index"),
+        ("neurocache", {"r": 1}, "memory.r"),  # no layer above the last
+        ("neurocache", {"d": 1000}, "memory.d"),
+        ("segments", {"m": 3}, "memory.m"),
+    ],
+)
+def test_bad_knobs(strategy, params, param):
+    with pytest.raises(InvalidRequest) as e:
+        SessionMemory(tiny("llama"), MemorySpec(strategy, {**FRAME, **params}))
+    assert e.value.param == param
+
+
+def test_upper_layers_only():
+    model = tiny("llama")
+    memory = SessionMemory(model, MemorySpec("tokens", dict(SMALL["tokens"], layers="upper")))
+    memory.append(torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(10)))
+    assert set(memory._frame.last_selected) == {1}
