@@ -1,21 +1,25 @@
-"""The small generation core: a decode state, and a generator yielding one step at a time.
+"""The small generation core: decode states, one request step by step, batched decode steps.
 
 A `DecodeState` turns tokens into next-token logits. `KVCacheState` runs the model with its own
-attention over a transformers DynamicCache (prompts that fit the window); `MemoryState` wraps a
-session's `SessionMemory` (prompts longer than the window, and sessions). `generate_steps` is a
-generator: each `next()` does one unit of device work (one prefill chunk, or one decode token)
-and yields a `GenerationDelta` or None, so the worker can interleave requests between steps.
+attention over a per-request KV cache (prompts that fit the window); `MemoryState` wraps a
+session's `SessionMemory` (prompts longer than the window, and sessions). A `Generation` is one
+request as an iterator: each `next()` does one unit of device work (one prefill chunk, or one
+decode token) and returns a `GenerationDelta` or None, so the worker can interleave requests
+between steps. `step_batch` runs the next decode token of many KV-path generations in one
+forward: a decode forward costs about as much for 16 rows as for one (it is dominated by reading
+the weights), so batching raises throughput with concurrency. Memory-path requests decode alone.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from typing import Any, Protocol
 
 import torch
 
 from engine.detokenize import Detokenizer, token_bytes, token_text
+from engine.kv_attention import KV_KWARG, KVBatch, KVCache, use_kv_attention
 from engine.protocol import (
     FinishReason,
     GenerationDelta,
@@ -47,44 +51,57 @@ class DecodeState(Protocol):
 
 
 class KVCacheState:
-    """The model's own attention over a DynamicCache. The context must fit max_model_len."""
+    """The model's own attention over a per-request `KVCache`. The context must fit the window.
+
+    Decode steps of many KVCacheStates can share one forward (`decode_batch`).
+    """
 
     strategy: str | None = None
 
-    def __init__(self, model: Any) -> None:
-        from transformers import DynamicCache
-
+    def __init__(self, model: Any, max_tokens: int | None = None) -> None:
         self._model = model
         self._device = next(model.parameters()).device
-        self._cache = DynamicCache(config=model.config)
-        self._num_tokens = 0
+        self.cache = KVCache(model, max_tokens)
 
     @property
     def num_tokens(self) -> int:
-        return self._num_tokens
+        return self.cache.num_tokens
 
-    @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.to(self._device, dtype=torch.long).view(1, -1)  # (1, T)
-        positions = torch.arange(
-            self._num_tokens, self._num_tokens + ids.shape[1], device=self._device
-        )  # (T,)
-        out = self._model(
-            input_ids=ids,
-            past_key_values=self._cache,
-            cache_position=positions,
-            position_ids=positions.view(1, -1),
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        self._num_tokens += ids.shape[1]
-        return out.logits[0, -1]  # (vocab,)
+        return forward_kv(self._model, [self], ids)[0]  # (vocab,)
 
     def step(self, token_id: int) -> torch.Tensor:
         return self.prefill(torch.tensor([token_id], dtype=torch.long))
 
     def pop_retrieval_seconds(self) -> float:
         return 0.0
+
+
+@torch.inference_mode()
+def forward_kv(model: Any, states: Sequence[KVCacheState], ids: torch.Tensor) -> torch.Tensor:
+    """One forward of ids (B, T), row b appended to states[b]'s cache; logits (B, vocab) at the
+    last position of each row. On failure no cache has changed."""
+    use_kv_attention(model)
+    batch = KVBatch([state.cache for state in states])
+    positions = batch.begin(ids.shape[1])  # (B, T)
+    try:
+        out = model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1,
+                    **{KV_KWARG: batch})
+    except BaseException:
+        batch.abort()
+        raise
+    batch.commit()
+    return out.logits[:, -1]  # (B, vocab)
+
+
+def decode_batch(
+    model: Any, states: Sequence[KVCacheState], token_ids: Sequence[int]
+) -> torch.Tensor:
+    """Append token_ids[b] to states[b] for every b in one forward; logits (B, vocab)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor(list(token_ids), dtype=torch.long, device=device).view(-1, 1)  # (B, 1)
+    return forward_kv(model, states, ids)
 
 
 class MemoryState:
@@ -111,7 +128,7 @@ class MemoryState:
 
 def prefill_chunks(
     state: DecodeState, input_ids: torch.Tensor, chunk_tokens: int
-) -> Iterator[torch.Tensor | None]:
+) -> Generator[torch.Tensor | None, None, None]:
     """Prefill input_ids (T,) in chunks: yields None after each chunk but the last, then the
     logits (vocab,) at the last position."""
     total = int(input_ids.shape[0])
@@ -134,6 +151,163 @@ def _logprob_entry(tokenizer: Any, logits: torch.Tensor, token_id: int, top_n: i
     )
 
 
+class Generation:
+    """One request, step by step: prefill the prompt (T,) in chunks, then decode until a stop
+    string, an end token, or max_tokens.
+
+    An iterator: each `next()` does one unit of device work on its own (a prefill chunk, or one
+    decode token) and returns None when that step produced nothing to send, else a
+    GenerationDelta; the last one carries finish_reason and stats. A delta is sent when its text
+    is non-empty, when logprobs were asked for, or at the end; token ids of quiet steps ride on
+    the next delta. With append_final_token (sessions), the last generated token is fed to the
+    state after the final delta, so the session's context holds the whole answer.
+
+    Decode steps on the KV path can also run batched: while `batch_ready`, the worker feeds
+    `next_token` to `state` together with other requests' (`step_batch`) and hands this
+    request's logits to `accept`, which samples with the request's own generator, penalties and
+    stop strings.
+    """
+
+    def __init__(
+        self,
+        state: DecodeState,
+        prompt_ids: torch.Tensor,
+        sampling: SamplingParams,
+        tokenizer: Any,
+        *,
+        stop_token_ids: Sequence[int] = (),
+        prefill_chunk_tokens: int = 512,
+        vocab_size: int | None = None,
+        queued_at: float | None = None,
+        append_final_token: bool = False,
+    ) -> None:
+        self.state = state
+        self.sampling = sampling
+        self._tokenizer = tokenizer
+        self._prompt_ids = prompt_ids
+        self._prompt_tokens = int(prompt_ids.shape[0])
+        self._chunk_tokens = prefill_chunk_tokens
+        self._stop_ids = frozenset() if sampling.ignore_eos else frozenset(stop_token_ids)
+        self._vocab_size = vocab_size
+        self._queued_at = queued_at
+        self._append_final_token = append_final_token
+        self._prefill: Generator[torch.Tensor | None, None, None] | None = None  # started by the first step
+        self._started = 0.0
+        self._queue_seconds = 0.0
+        self._prefill_seconds = 0.0
+        self._detok: Detokenizer | None = None
+        self._counts: torch.Tensor | None = None  # (vocab,) generated token counts, for penalties
+        self._generator: torch.Generator | None = None
+        self._pending_ids: list[int] = []
+        self._pending_logprobs: list[TokenLogprob] = []
+        self.completion_tokens = 0
+        self.next_token: int | None = None  # sampled, not yet fed to the state
+        self.finished = False  # the final delta was produced
+        self.done = False  # nothing left to do (the final token is fed too, with sessions)
+
+    @property
+    def batch_ready(self) -> bool:
+        """The next step is a decode token that may join a batch (KV path only)."""
+        return (self.next_token is not None and not self.finished
+                and isinstance(self.state, KVCacheState))
+
+    def __iter__(self) -> Generation:
+        return self
+
+    def __next__(self) -> GenerationDelta | None:
+        if self.done:
+            raise StopIteration
+        if self.finished:  # append_final_token: the answer's last token joins the context
+            assert self.next_token is not None
+            self.done = True
+            with torch.inference_mode():
+                self.state.step(self.next_token)
+            raise StopIteration
+        if self.next_token is None:
+            return self._prefill_step()
+        with torch.inference_mode():
+            logits = self.state.step(self.next_token)
+        return self.accept(logits)
+
+    def close(self) -> None:
+        """Stop here: every later step ends the iteration."""
+        self.done = True
+        if self._prefill is not None:
+            self._prefill.close()
+
+    def _prefill_step(self) -> GenerationDelta | None:
+        if self._prefill is None:
+            self._started = time.perf_counter()
+            if self._queued_at is not None:
+                self._queue_seconds = max(0.0, self._started - self._queued_at)
+            self.state.pop_retrieval_seconds()  # time spent before this request is not ours
+            self._detok = Detokenizer(self._tokenizer, self.sampling.stop)
+            self._prefill = prefill_chunks(self.state, self._prompt_ids, self._chunk_tokens)
+        logits = next(self._prefill)
+        if logits is None:
+            return None
+        self._prefill_seconds = time.perf_counter() - self._started
+        return self.accept(logits)
+
+    def accept(self, logits: torch.Tensor) -> GenerationDelta | None:
+        """Sample the next token from logits (vocab,); the delta to send, or None."""
+        sampling, detok = self.sampling, self._detok
+        assert detok is not None and not self.finished
+        with torch.inference_mode():
+            if self._vocab_size is not None and logits.shape[-1] > self._vocab_size:
+                logits = logits[: self._vocab_size]  # padded embedding rows are never sampled
+            if self._counts is None:
+                self._counts = torch.zeros(logits.shape[-1], dtype=torch.int32,
+                                           device=logits.device)
+                if sampling.temperature != 0.0:
+                    self._generator = make_generator(sampling.seed, logits.device)
+            token_id = sample_token(logits, sampling, self._counts, self._generator)
+            if sampling.logprobs:
+                self._pending_logprobs.append(
+                    _logprob_entry(self._tokenizer, logits, token_id, sampling.top_logprobs)
+                )
+            if sampling.presence_penalty != 0.0 or sampling.frequency_penalty != 0.0:
+                self._counts[token_id] += 1
+        self.next_token = token_id
+        self.completion_tokens += 1
+        self._pending_ids.append(token_id)
+
+        finish: FinishReason | None = None
+        if token_id in self._stop_ids:
+            finish, text = "stop", detok.finish()
+        else:
+            text = detok.add(token_id)
+            if detok.stopped:
+                finish = "stop"
+            elif self.completion_tokens == sampling.max_tokens:
+                finish, text = "length", text + detok.finish()
+
+        stats = None
+        if finish is not None:
+            self.finished = True
+            self.done = not self._append_final_token
+            stats = RequestStats(
+                queue_seconds=self._queue_seconds,
+                prefill_seconds=self._prefill_seconds,
+                retrieval_seconds=self.state.pop_retrieval_seconds(),
+                strategy=self.state.strategy,
+                memory_tokens=self.state.num_tokens if self.state.strategy is not None else 0,
+            )
+        elif not text and not sampling.logprobs:
+            return None
+        delta = GenerationDelta(
+            text=text,
+            token_ids=self._pending_ids,
+            prompt_tokens=self._prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            logprobs=self._pending_logprobs if sampling.logprobs else None,
+            finish_reason=finish,
+            stats=stats,
+        )
+        self._pending_ids, self._pending_logprobs = [], []
+        return delta
+
+
 def generate_steps(
     state: DecodeState,
     prompt_ids: torch.Tensor,
@@ -145,90 +319,31 @@ def generate_steps(
     vocab_size: int | None = None,
     queued_at: float | None = None,
     append_final_token: bool = False,
-) -> Iterator[GenerationDelta | None]:
-    """Prefill the prompt (T,), then decode until a stop, EOS, or max_tokens.
+) -> Generation:
+    """The steps of one request: a `Generation` of prompt_ids (T,) over state."""
+    return Generation(state, prompt_ids, sampling, tokenizer, stop_token_ids=stop_token_ids,
+                      prefill_chunk_tokens=prefill_chunk_tokens, vocab_size=vocab_size,
+                      queued_at=queued_at, append_final_token=append_final_token)
 
-    Yields None for a step that produced nothing to send, else a GenerationDelta; the last one
-    carries finish_reason and stats. A delta is sent when its text is non-empty, when logprobs
-    were asked for, or at the end; token ids of quiet steps ride on the next delta. With
-    append_final_token (sessions), the last generated token is fed to the state after the final
-    delta is yielded, so the session's context holds the whole answer.
+
+def step_batch(
+    model: Any, generations: Sequence[Generation]
+) -> list[GenerationDelta | None | Exception]:
+    """One decode step of every generation (each `batch_ready`, on the KV path) in one forward.
+
+    Returns each request's delta (or None), or the exception its sampling raised: one request's
+    failure is its own. Raises when the forward itself fails; then no cache has changed, and the
+    requests can run their step one by one.
     """
-    started = time.perf_counter()
-    queue_seconds = max(0.0, started - queued_at) if queued_at is not None else 0.0
-    prompt_tokens = int(prompt_ids.shape[0])
-    state.pop_retrieval_seconds()  # time spent before this request (e.g. ingestion) is not ours
-    logits: torch.Tensor | None = None
-    for logits in prefill_chunks(state, prompt_ids, prefill_chunk_tokens):
-        if logits is None:
-            yield None
-    assert logits is not None
-    prefill_seconds = time.perf_counter() - started
-
-    vocab = vocab_size or int(logits.shape[-1])
-    counts = torch.zeros(logits.shape[-1], dtype=torch.int32, device=logits.device)  # (vocab,)
-    needs_counts = sampling.presence_penalty != 0.0 or sampling.frequency_penalty != 0.0
-    generator = None if sampling.temperature == 0.0 else make_generator(sampling.seed, logits.device)
-    detok = Detokenizer(tokenizer, sampling.stop)
-    stop_ids = set() if sampling.ignore_eos else set(stop_token_ids)
-    pending_ids: list[int] = []
-    pending_logprobs: list[TokenLogprob] = []
-
-    for completion_tokens in range(1, sampling.max_tokens + 1):
-        with torch.inference_mode():
-            if logits.shape[-1] > vocab:  # padded embedding rows are never sampled
-                logits = logits[:vocab]
-            token_id = sample_token(logits, sampling, counts, generator)
-            if sampling.logprobs:
-                pending_logprobs.append(
-                    _logprob_entry(tokenizer, logits, token_id, sampling.top_logprobs)
-                )
-        pending_ids.append(token_id)
-        if needs_counts:
-            counts[token_id] += 1
-
-        finish: FinishReason | None = None
-        if token_id in stop_ids:
-            finish, text = "stop", detok.finish()
-        else:
-            text = detok.add(token_id)
-            if detok.stopped:
-                finish = "stop"
-            elif completion_tokens == sampling.max_tokens:
-                finish, text = "length", text + detok.finish()
-
-        if finish is not None:
-            stats = RequestStats(
-                queue_seconds=queue_seconds,
-                prefill_seconds=prefill_seconds,
-                retrieval_seconds=state.pop_retrieval_seconds(),
-                strategy=state.strategy,
-                memory_tokens=state.num_tokens if state.strategy is not None else 0,
-            )
-            yield GenerationDelta(
-                text=text,
-                token_ids=pending_ids,
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                logprobs=pending_logprobs if sampling.logprobs else None,
-                finish_reason=finish,
-                stats=stats,
-            )
-            if append_final_token:
-                with torch.inference_mode():
-                    state.step(token_id)
-            return
-
-        if text or sampling.logprobs:
-            yield GenerationDelta(
-                text=text,
-                token_ids=pending_ids,
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                logprobs=pending_logprobs if sampling.logprobs else None,
-            )
-            pending_ids, pending_logprobs = [], []
-        else:
-            yield None
-        with torch.inference_mode():
-            logits = state.step(token_id)
+    states = [g.state for g in generations if isinstance(g.state, KVCacheState)]
+    assert len(states) == len(generations), "only the KV path batches"
+    tokens = [g.next_token for g in generations if g.next_token is not None]
+    assert len(tokens) == len(generations), "a generation is still prefilling"
+    logits = decode_batch(model, states, tokens)  # (B, vocab)
+    results: list[GenerationDelta | None | Exception] = []
+    for row, generation in enumerate(generations):
+        try:
+            results.append(generation.accept(logits[row]))
+        except Exception as e:
+            results.append(e)
+    return results

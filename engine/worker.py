@@ -1,14 +1,18 @@
 """The one thread that owns the device, and the collectors that bridge it to asyncio.
 
-Jobs are generators: each `next()` is one unit of device work (a prefill or ingest chunk, one
-decode token). The thread admits up to max_running_requests jobs from a bounded waiting queue and
-steps them round-robin, so a long ingestion never starves a chat. Jobs that use the same session
+Jobs are iterators: each `next()` is one unit of device work (a prefill or ingest chunk, one
+decode token). The thread admits up to max_running_requests jobs from a bounded waiting queue.
+Each iteration of its loop (vLLM-style) runs one step of one job that cannot batch (a prefill or
+ingest chunk, or a memory-session token; the least recently stepped first, so a long ingestion
+never starves a chat) and then ONE batched step of every job whose steps are `batch_ready` (a
+decode token on the KV path), through the engine's `run_batch`. Jobs that use the same session
 run one at a time, in arrival order. A job's outputs go to its `Collector`, which hands them to
 the asyncio loop with `call_soon_threadsafe`; no torch runs in async code.
 
 Failures: an exception inside a job's step ends that job only (its consumer gets an EngineError).
-An exception in the loop itself marks the engine dead: every job fails with EngineDead, and so
-does every later call.
+When a batched step fails as a whole, its jobs run that step again one by one, so only the job
+that fails alone fails. An exception in the loop itself marks the engine dead: every job fails
+with EngineDead, and so does every later call.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,14 +81,24 @@ class Job:
     abort_error: BaseException | None = None
     aborted: bool = False
     last_output: Any = None
+    last_turn: int = 0  # the loop iteration in which it last ran a step on its own
+
+
+RunBatch = Callable[[Sequence[Any]], Sequence[Any]]
+"""Runs the next step of several jobs' steps (each `batch_ready`) together: one output (or
+None, or the Exception that one job's step raised) per job, in order. Raises when the whole step
+failed and changed nothing; the jobs then run the step one by one."""
 
 
 class Worker:
     """Owns the device thread, the waiting queue and the running set."""
 
-    def __init__(self, max_waiting: int, max_running: int, name: str = "longserve-engine") -> None:
+    def __init__(self, max_waiting: int, max_running: int, name: str = "longserve-engine",
+                 run_batch: RunBatch | None = None) -> None:
         self.max_waiting = max_waiting
         self.max_running = max_running
+        self._run_batch = run_batch
+        self._turn = 0
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[Job] = []
@@ -206,25 +220,50 @@ class Worker:
             return
         try:
             output = next(job.steps)
-        except StopIteration:
-            self._finish(job)
-            job.collector.end()
+        except Exception as e:  # StopIteration included
+            self._fail(job, e)
             return
-        except EngineError as e:
-            self._finish(job)
-            job.collector.fail(e)
-            return
-        except Exception as e:
-            logger.exception("request %s failed", job.request_id)
-            self._close_steps(job)
-            self._finish(job)
-            error = EngineError(f"request failed: {type(e).__name__}: {e}")
-            error.__cause__ = e
-            job.collector.fail(error)
-            return
+        self._deliver(job, output)
+
+    def _deliver(self, job: Job, output: Any) -> None:
         if output is not None:
             job.last_output = output
             job.collector.put(output)
+        if getattr(job.steps, "done", False):  # finished with this step: no empty step to end it
+            self._finish(job)
+            job.collector.end()
+
+    def _fail(self, job: Job, e: Exception) -> None:
+        if isinstance(e, StopIteration):
+            self._finish(job)
+            job.collector.end()
+            return
+        if isinstance(e, EngineError):
+            self._finish(job)
+            job.collector.fail(e)
+            return
+        logger.error("request %s failed", job.request_id, exc_info=e)
+        self._close_steps(job)
+        self._finish(job)
+        error = EngineError(f"request failed: {type(e).__name__}: {e}")
+        error.__cause__ = e
+        job.collector.fail(error)
+
+    def _step_batch(self, jobs: list[Job]) -> None:
+        assert self._run_batch is not None
+        try:
+            outputs = self._run_batch([job.steps for job in jobs])
+        except Exception:
+            logger.exception("a batched step of %d requests failed; running it one by one",
+                             len(jobs))
+            for job in jobs:
+                self._step(job)
+            return
+        for job, output in zip(jobs, outputs, strict=True):
+            if isinstance(output, Exception):
+                self._fail(job, output)
+            else:
+                self._deliver(job, output)
 
     def _run_calls(self, calls: list[tuple[Callable[[], Any], concurrent.futures.Future]]) -> None:
         for fn, future in calls:
@@ -255,9 +294,24 @@ class Worker:
         self._shutdown_jobs()
 
     def _loop_step(self, running: list[Job]) -> None:
-        """One round-robin pass: one step of every running job."""
+        """One iteration: one step of the job that ran alone least recently among those that
+        cannot batch now, then one batched step of all those that can."""
+        live = []
         for job in running:
+            if job.aborted:
+                self._abort_job(job)
+            else:
+                live.append(job)
+        batch = [job for job in live if self._run_batch is not None
+                 and getattr(job.steps, "batch_ready", False)]
+        alone = [job for job in live if job not in batch]
+        if alone:
+            job = min(alone, key=lambda j: j.last_turn)
+            self._turn += 1
+            job.last_turn = self._turn
             self._step(job)
+        if batch:
+            self._step_batch(batch)
 
     def _shutdown_jobs(self) -> None:
         with self._cond:

@@ -1,0 +1,260 @@
+"""Load: throughput and latency of `longserve serve` under N concurrent streaming clients.
+
+Starts the server as a subprocess on a free loopback port (with --max-running-requests at least
+the highest concurrency), or drives a running one on loopback (--base-url). For each concurrency
+level, N clients of the async openai SDK send fixed chat prompts, each streaming exactly
+--max-tokens tokens (`ignore_eos`), until --requests-per-client x N requests are done (or
+--level-timeout passes). One JSON line per level, with what vLLM's benchmark_serving reports:
+request and output-token throughput, TTFT, TPOT and ITL (mean, median, p99, in ms), errors.
+A last line gives each level's output throughput relative to the first level.
+
+    python -m bench.load --concurrency 1 4 16 --max-tokens 32
+
+TTFT is the time to the first streamed text; TPOT is (latency - TTFT) / (tokens - 1) per
+request; ITL is every gap between two streamed chunks (a chunk may carry more than one token
+when a token completes no UTF-8 character). Loopback only: this is a benchmark, not a load
+generator for someone else's server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a refrigerator works to a ten-year-old.",
+    "List some good habits for writing maintainable code.",
+    "Describe the water cycle in a few sentences.",
+]
+MAX_CONCURRENCY = 256
+MAX_REQUESTS_PER_LEVEL = 1024
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    latency: float = 0.0
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def require_loopback(base_url: str) -> None:
+    host = urllib.parse.urlsplit(base_url).hostname or ""
+    if host == "localhost":
+        return
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return
+    except ValueError:
+        pass
+    raise SystemExit(f"--base-url must be a loopback address, got {host!r}")
+
+
+def wait_ready(base: str, server: subprocess.Popen | None, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server is not None and server.poll() is not None:
+            raise RuntimeError(f"the server exited with code {server.returncode}")
+        try:
+            with urllib.request.urlopen(f"{base}/ready", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"server at {base} not ready after {timeout}s")
+
+
+async def one_request(client, model: str, prompt: str, max_tokens: int) -> RequestResult:
+    result = RequestResult()
+    started = time.perf_counter()
+    last = None
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+            temperature=0, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                now = time.perf_counter()
+                if last is None:
+                    result.ttft = now - started
+                else:
+                    result.itl.append(now - last)
+                last = now
+            if chunk.usage is not None:
+                result.output_tokens = chunk.usage.completion_tokens
+    except Exception as e:  # an error is a measurement too
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    result.latency = time.perf_counter() - started
+    if last is None or result.output_tokens != max_tokens:
+        result.error = f"expected {max_tokens} tokens, got {result.output_tokens}"
+        return result
+    result.ok = True
+    return result
+
+
+async def run_level(client, model: str, concurrency: int, num_requests: int, max_tokens: int,
+                    timeout: float) -> dict:
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for index in range(num_requests):
+        queue.put_nowait(index)
+    results: list[RequestResult] = []
+
+    async def user() -> None:
+        while not queue.empty():
+            index = queue.get_nowait()
+            results.append(await one_request(client, model, PROMPTS[index % len(PROMPTS)],
+                                             max_tokens))
+
+    started = time.perf_counter()
+    users = [asyncio.create_task(user()) for _ in range(concurrency)]
+    _, pending = await asyncio.wait(users, timeout=timeout)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    duration = time.perf_counter() - started
+    return summarize(results, concurrency, num_requests, max_tokens, duration)
+
+
+def stats_ms(name: str, values: list[float]) -> dict[str, float | None]:
+    array = np.asarray(values, dtype=float) * 1000.0
+    if array.size == 0:
+        return {f"mean_{name}_ms": None, f"median_{name}_ms": None, f"p99_{name}_ms": None}
+    return {
+        f"mean_{name}_ms": round(float(array.mean()), 2),
+        f"median_{name}_ms": round(float(np.median(array)), 2),
+        f"p99_{name}_ms": round(float(np.percentile(array, 99)), 2),
+    }
+
+
+def summarize(results: list[RequestResult], concurrency: int, num_requests: int,
+              max_tokens: int, duration: float) -> dict:
+    done = [r for r in results if r.ok]
+    errors = [r.error for r in results if not r.ok]
+    errors += ["not finished before --level-timeout"] * (num_requests - len(results))
+    output_tokens = sum(r.output_tokens for r in done)
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    return {
+        "bench": "load",
+        "concurrency": concurrency,
+        "requests": num_requests,
+        "completed": len(done),
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+        "max_tokens": max_tokens,
+        "duration_s": round(duration, 3),
+        "request_throughput": round(len(done) / duration, 4),
+        "output_token_throughput": round(output_tokens / duration, 2),
+        **stats_ms("ttft", [r.ttft for r in done]),
+        **stats_ms("tpot", tpot),
+        **stats_ms("itl", [gap for r in done for gap in r.itl]),
+    }
+
+
+def start_server(args: argparse.Namespace, port: int, data_dir: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--max-running-requests", str(max(args.max_running_requests or 0,
+                                             max(args.concurrency))),
+           "--max-waiting-requests", str(max(64, max(args.concurrency))),
+           "--data-dir", data_dir, "--log-level", "warning"]
+    if args.model:
+        cmd += ["--model", args.model]
+    if args.device:
+        cmd += ["--device", args.device]
+    return subprocess.Popen(cmd, env=os.environ.copy())
+
+
+async def run(args: argparse.Namespace) -> None:
+    import openai
+
+    server = None
+    with tempfile.TemporaryDirectory(prefix="longserve-load-") as data_dir:
+        if args.base_url:
+            base = args.base_url.rstrip("/").removesuffix("/v1")
+            require_loopback(base)
+        else:
+            port = free_port()
+            base = f"http://127.0.0.1:{port}"
+            server = start_server(args, port, data_dir)
+        try:
+            wait_ready(base, server, args.ready_timeout)
+            client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=args.api_key,
+                                        timeout=args.level_timeout, max_retries=0)
+            model = (await client.models.list()).data[0].id
+            warmup = await one_request(client, model, PROMPTS[0], 4)
+            if not warmup.ok:
+                raise RuntimeError(f"warm-up request failed: {warmup.error}")
+            lines = []
+            for concurrency in args.concurrency:
+                num_requests = min(MAX_REQUESTS_PER_LEVEL, concurrency * args.requests_per_client)
+                line = await run_level(client, model, concurrency, num_requests,
+                                       args.max_tokens, args.level_timeout)
+                print(json.dumps(line), flush=True)
+                lines.append(line)
+            base_tps = lines[0]["output_token_throughput"]
+            print(json.dumps({
+                "bench": "load",
+                "output_throughput_ratio_vs_concurrency_" + str(lines[0]["concurrency"]): {
+                    str(line["concurrency"]): round(line["output_token_throughput"] / base_tps, 2)
+                    if base_tps else None for line in lines
+                },
+            }), flush=True)
+            await client.close()
+        finally:
+            if server is not None:
+                server.terminate()
+                try:
+                    server.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    server.kill()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--level-timeout", type=float, default=300.0,
+                        help="seconds one concurrency level may take")
+    parser.add_argument("--base-url", help="a running server on loopback (default: start one)")
+    parser.add_argument("--api-key", default="bench")
+    parser.add_argument("--model", help="--model of the started server (default: embedded)")
+    parser.add_argument("--device", help="--device of the started server")
+    parser.add_argument("--max-running-requests", type=int,
+                        help="of the started server (default: the highest concurrency)")
+    parser.add_argument("--ready-timeout", type=float, default=300.0)
+    args = parser.parse_args(argv)
+    if not all(1 <= c <= MAX_CONCURRENCY for c in args.concurrency):
+        parser.error(f"concurrency levels must be in [1, {MAX_CONCURRENCY}]")
+    if args.max_tokens < 2 or args.requests_per_client < 1:
+        parser.error("--max-tokens must be >= 2 and --requests-per-client >= 1")
+    asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
