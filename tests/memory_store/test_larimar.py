@@ -62,6 +62,15 @@ def test_lstsq_and_one_hot_agree_with_shared_slots() -> None:
     np.testing.assert_allclose(write_lstsq(w, z), np.linalg.pinv(w) @ z, atol=1e-4)
 
 
+@pytest.mark.parametrize("num_slots", [13, 300])  # the few-slot and the many-slot paths
+def test_one_hot_write_is_the_per_slot_mean(num_slots: int) -> None:
+    rng = np.random.default_rng(2)
+    slots = rng.permutation(np.arange(3 * num_slots) % num_slots)
+    z = rng.standard_normal((slots.shape[0], 8)).astype(np.float32)
+    expected = np.stack([z[slots == k].mean(axis=0) for k in range(num_slots)])
+    np.testing.assert_allclose(write_one_hot(slots, z, num_slots), expected, atol=1e-6)
+
+
 @pytest.mark.parametrize("solver", ["one_hot", "lstsq"])
 def test_memory_read_returns_the_written_segment(solver: str) -> None:
     enc = HashingEncoder()

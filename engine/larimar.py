@@ -1,0 +1,234 @@
+"""The `larimar` strategy: a session's document lives in the memory service's Larimar memory, and
+a question is answered from a short prompt built out of what the memory reads back.
+
+Following "Needle in the Haystack for Memory Based LLMs" (Nelson et al., 2024), section 2.1:
+the document is cut into sentences, each written to the associative memory M under a one-hot
+writing key (the nearest row of the key memory to the encoding of its first `prefix_length`
+words); a query is read with the key of its own prefix, z = wM. Larimar then decodes z with a
+decoder trained to read it. longserve has no such decoder: the readout only *identifies* the
+slot(s), and the text of the sentences written there conditions the ordinary LLM decoder:
+
+    [retrieved sentences, in document order] + "\n" + [the question]
+
+which is short, so generation runs normally inside the model's window. The read is done with
+the question's last sentence, e.g. "The pass key is" for a completion prompt ending in "What is
+the pass key? The pass key is" (the paper feeds exactly that final partial sentence to the
+decoder along with the readout), and the last sentence of the last user message for chat.
+
+Knobs (`MemorySpec("larimar", {...})`):
+  prefix_length  words of the fixed-length prefix behind the reading/writing keys (paper: 4).
+                 It is a property of the stored memory: the memory service writes with its own
+                 `LarimarConfig.prefix_length`, so a spec naming another value is refused by
+                 `LarimarReader` (build the reader with `LarimarReader.in_process`, which builds
+                 the store with the spec's value, or configure the service accordingly).
+  top_k          slots read, nearest key first (paper: 1, the single nearest key row).
+  use_prefix     read with the query's prefix (True, the paper's setting) or its whole text.
+  max_segments   cap on distinct sentences put in the conditioned prompt (a slot can hold many
+                 different sentences that share a prefix).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.protocol import ChatMessage, InvalidRequest, MemorySpec, Prompt
+from memory_store.backends import Backend
+from memory_store.client import MemoryStoreClient
+from memory_store.embedder import TextEncoder
+from memory_store.larimar import LarimarConfig, LarimarHit, split_sentences
+
+STRATEGY = "larimar"
+
+
+@dataclass(frozen=True)
+class LarimarParams:
+    """The `larimar` strategy's knobs; see the module docstring."""
+
+    prefix_length: int = 4
+    top_k: int = 3
+    use_prefix: bool = True
+    max_segments: int = 16
+
+
+def parse_larimar_spec(spec: MemorySpec | None) -> LarimarParams:
+    """Validate `MemorySpec("larimar", params)`; InvalidRequest(param="memory.<knob>") if bad."""
+    if spec is None:
+        return LarimarParams()
+    if spec.strategy != STRATEGY:
+        raise InvalidRequest(
+            f"expected memory strategy {STRATEGY!r}, got {spec.strategy!r}", param="memory.strategy"
+        )
+    fields = {f.name: f for f in dataclasses.fields(LarimarParams)}
+    values: dict[str, Any] = {}
+    for name, value in dict(spec.params or {}).items():
+        param = f"memory.{name}"
+        if name not in fields:
+            raise InvalidRequest(
+                f"unknown knob {name!r} for memory strategy 'larimar'", param=param
+            )
+        if isinstance(fields[name].default, bool):
+            if not isinstance(value, bool):
+                raise InvalidRequest(f"{param} must be a boolean", param=param)
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidRequest(f"{param} must be a positive integer", param=param)
+        values[name] = value
+    return LarimarParams(**values)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt surgery (pure functions).
+# ---------------------------------------------------------------------------------------------
+
+
+def last_sentence(text: str) -> str:
+    """The final sentence (or partial sentence) of `text`: the reading query."""
+    sentences = split_sentences(text)
+    return sentences[-1] if sentences else ""
+
+
+def _content_text(message: ChatMessage) -> str:
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "\n".join(str(part.get("text", "")) for part in content if isinstance(part, Mapping))
+
+
+def _last_user_index(messages: Sequence[ChatMessage]) -> int:
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i].get("role") == "user":
+            return i
+    raise InvalidRequest("the larimar strategy needs a user message to read with", param="messages")
+
+
+def reading_query(prompt: Prompt) -> str:
+    """The text the memory is read with: the last sentence of the completion prompt, or of the
+    last user message."""
+    if isinstance(prompt, str):
+        query = last_sentence(prompt)
+    else:
+        query = last_sentence(_content_text(prompt[_last_user_index(prompt)]))
+    if not query:
+        raise InvalidRequest("the prompt has no text to read the memory with", param="prompt")
+    return query
+
+
+def split_context(prompt: Prompt) -> tuple[str, Prompt]:
+    """(document to write, short prompt to answer) of a prompt too long for the window, the way
+    the paper divides its context: everything but the final partial sentence is written to
+    memory; that sentence is the prompt. For chat, the earlier messages and the last user
+    message but its last sentence are the document, and the last user message becomes that
+    sentence (system messages are kept)."""
+    if isinstance(prompt, str):
+        sentences = split_sentences(prompt)
+        if len(sentences) < 2:
+            return "", prompt
+        return " ".join(sentences[:-1]), sentences[-1]
+    last = _last_user_index(prompt)
+    sentences = split_sentences(_content_text(prompt[last]))
+    document = [
+        _content_text(m) for i, m in enumerate(prompt) if i < last and m.get("role") != "system"
+    ]
+    document.append(" ".join(sentences[:-1]))
+    kept = [dict(m) for i, m in enumerate(prompt) if i < last and m.get("role") == "system"]
+    kept.append({**dict(prompt[last]), "content": sentences[-1] if sentences else ""})
+    kept += [dict(m) for m in prompt[last + 1 :]]
+    return "\n\n".join(d for d in document if d), kept
+
+
+def retrieved_sentences(hits: Sequence[LarimarHit], max_segments: int) -> list[str]:
+    """The distinct sentences of the read slots, in document order (first occurrence), capped
+    at `max_segments` (nearest slots first when capping)."""
+    first_index: dict[str, int] = {}
+    for hit in hits:  # nearest slot first
+        for index, text in zip(hit.segment_indices, hit.texts, strict=True):
+            if text in first_index:
+                first_index[text] = min(first_index[text], index)
+            elif len(first_index) < max_segments:
+                first_index[text] = index
+    return sorted(first_index, key=first_index.__getitem__)
+
+
+def conditioned(prompt: Prompt, sentences: Sequence[str]) -> Prompt:
+    """The prompt with the retrieved sentences in front of the question."""
+    context = " ".join(sentences)
+    if not context:
+        return prompt
+    if isinstance(prompt, str):
+        return f"{context}\n{prompt}"
+    last = _last_user_index(prompt)
+    messages = [dict(m) for m in prompt]
+    messages[last]["content"] = f"{context}\n\n{_content_text(prompt[last])}"
+    return messages
+
+
+# ---------------------------------------------------------------------------------------------
+# The reader.
+# ---------------------------------------------------------------------------------------------
+
+
+class LarimarReader:
+    """Writes documents to a session's Larimar memory and conditions prompts on what it reads.
+
+    Every call is a coroutine on the asyncio side; the memory service does its encoding in
+    threads, so nothing here holds the engine's device.
+    """
+
+    def __init__(
+        self, client: MemoryStoreClient, top_k: int = 3, params: LarimarParams | None = None
+    ) -> None:
+        self.client = client
+        self.params = params or LarimarParams(top_k=top_k)
+
+    @classmethod
+    def in_process(
+        cls,
+        backend: Backend,
+        params: LarimarParams | None = None,
+        *,
+        encoder: TextEncoder | Callable[[], TextEncoder] | None = None,
+    ) -> LarimarReader:
+        """A reader over an in-process memory store whose writing keys use `params`'s
+        prefix_length."""
+        params = params or LarimarParams()
+        client = MemoryStoreClient.in_process(
+            backend, encoder=encoder, larimar=LarimarConfig(prefix_length=params.prefix_length)
+        )
+        return cls(client, params=params)
+
+    def _check_prefix_length(self) -> None:
+        store = getattr(self.client, "larimar", None)  # only the in-process client exposes it
+        config = getattr(store, "config", None)
+        if config is not None and config.prefix_length != self.params.prefix_length:
+            raise InvalidRequest(
+                f"memory.prefix_length {self.params.prefix_length} differs from the memory "
+                f"store's {config.prefix_length}",
+                param="memory.prefix_length",
+            )
+
+    def with_spec(self, spec: MemorySpec | None) -> LarimarReader:
+        """The same store read with a request's knobs."""
+        reader = LarimarReader(self.client, params=parse_larimar_spec(spec))
+        reader._check_prefix_length()
+        return reader
+
+    async def write(self, session_id: str, text: str) -> int:
+        """Segment `text` into sentences, write them, and save: returns once the memory is
+        durable in the backend. Returns the number of sentences written."""
+        self._check_prefix_length()
+        return await self.client.larimar_write(session_id, text=text, save=True)
+
+    async def read(self, session_id: str, prompt: Prompt) -> list[LarimarHit]:
+        return await self.client.larimar_read(
+            session_id, reading_query(prompt), self.params.top_k, self.params.use_prefix
+        )
+
+    async def conditioned_prompt(self, session_id: str, prompt: Prompt) -> Prompt:
+        """The prompt to generate from: the retrieved sentences, then `prompt` (a completion
+        string or chat messages, returned in the same form)."""
+        hits = await self.read(session_id, prompt)
+        return conditioned(prompt, retrieved_sentences(hits, self.params.max_segments))
