@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.generate import KVCacheState, MemoryState, generate_steps
+from engine.generate import Generation, KVCacheState, MemoryState, generate_steps, step_batch
 from engine.loader import LoadedModel, load_model
 from engine.protocol import (
     EngineHealth,
@@ -37,6 +37,8 @@ from engine.protocol import (
     SamplingParams,
     SessionNotFound,
 )
+from engine.store import StoreBridge, document_id, model_fingerprint
+from engine.store import ingest_steps as store_ingest_steps
 from engine.worker import Collector, Job, Worker
 
 MAX_TOP_LOGPROBS = 20
@@ -219,7 +221,13 @@ class LocalEngine:
             strategies=tuple(mem.STRATEGIES) if mem is not None else (),
             created=int(time.time()),
         )
-        self._worker = Worker(self.config.max_waiting_requests, self.config.max_running_requests)
+        self._worker = Worker(self.config.max_waiting_requests, self.config.max_running_requests,
+                              run_batch=self._step_batch)
+        # The memory service (engine/store.py): None unless memory_store_url or data_dir is set.
+        self._store = StoreBridge.from_config(self.config)
+        self._model_fingerprint = (
+            model_fingerprint(self.loaded.model_id, self.loaded.model) if self._store else ""
+        )
 
     # -- tokenization (asyncio side) ----------------------------------------------------------
 
@@ -325,10 +333,15 @@ class LocalEngine:
     # The *_steps generators run on the device thread.
 
     def _kv_steps(self, prompt_ids: torch.Tensor, sampling: SamplingParams,
-                  queued_at: float) -> Iterator[GenerationDelta | None]:
-        state = KVCacheState(self.loaded.model)
-        yield from generate_steps(state, prompt_ids, sampling, self._device_tokenizer,
-                                  queued_at=queued_at, **self._decode_kwargs())
+                  queued_at: float) -> Generation:
+        # Nothing runs until the worker steps it; its decode steps join the worker's batches.
+        state = KVCacheState(self.loaded.model, max_tokens=len(prompt_ids) + sampling.max_tokens)
+        return Generation(state, prompt_ids, sampling, self._device_tokenizer,
+                          queued_at=queued_at, **self._decode_kwargs())
+
+    def _step_batch(self, generations: list[Generation]
+                    ) -> list[GenerationDelta | None | Exception]:
+        return step_batch(self.loaded.model, generations)
 
     def _ephemeral_steps(self, mem: ModuleType, spec: MemorySpec, prompt_ids: torch.Tensor,
                          sampling: SamplingParams, queued_at: float
@@ -404,6 +417,12 @@ class LocalEngine:
             ).input_ids
             self._check_memory_cap(session.memory.num_tokens + len(ids))
             yield IngestProgress(0, len(ids), time.perf_counter() - started, done=not ids)
+            if self._store is not None and ids:
+                yield from store_ingest_steps(
+                    self._store, self._model_fingerprint, session.memory, ids,
+                    session_id=session_id, doc_id=document_id(request_id),
+                    decode=self._device_tokenizer.decode, started=started)
+                return
             chunk = self.config.prefill_chunk_tokens
             doc = torch.tensor(ids, dtype=torch.long)  # (T,)
             for start in range(0, len(ids), chunk):
@@ -434,4 +453,6 @@ class LocalEngine:
     async def shutdown(self) -> None:
         await asyncio.to_thread(self._worker.stop)
         self._sessions.clear()
+        if self._store is not None:
+            await asyncio.to_thread(self._store.close)
 

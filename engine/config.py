@@ -21,6 +21,10 @@ class EngineConfig:
     may hold.
     prefill_chunk_tokens: tokens per prefill / ingest step; the worker interleaves requests
     between steps, so this bounds how long one request can hold the device.
+    memory_store_url: the memory service (`longserve memory-store`) that keeps document
+    encodings; data_dir: keep them in an embedded store under DATA_DIR/memory-store instead.
+    With neither, documents are only read into the sessions' memories (nothing is stored).
+    memory_store_timeout_s: how long one store call may take before it counts as an outage.
     """
 
     model: str | None = None
@@ -33,6 +37,9 @@ class EngineConfig:
     max_memory_tokens: int = 2_000_000
     memory_strategy: str = "segments"
     prefill_chunk_tokens: int = 512
+    memory_store_url: str | None = None
+    data_dir: str | None = None
+    memory_store_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.model is not None and not self.model.strip():
@@ -56,3 +63,13 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if not self.memory_strategy:
             raise ValueError("memory_strategy must be non-empty")
+        if self.memory_store_url is not None and not self.memory_store_url.startswith(
+            ("http://", "https://")
+        ):
+            raise ValueError(f"memory_store_url must be an http(s) URL, got {self.memory_store_url!r}")
+        if self.memory_store_url is not None and self.data_dir is not None:
+            raise ValueError("give memory_store_url or data_dir (an embedded store), not both")
+        if self.data_dir is not None and not self.data_dir.strip():
+            raise ValueError("data_dir must be a non-empty path when given")
+        if not self.memory_store_timeout_s > 0:
+            raise ValueError("memory_store_timeout_s must be positive")

@@ -57,6 +57,11 @@ class EngineDead(EngineError):
     """A fatal error stopped the worker; /ready fails until the process restarts. -> 503."""
 
 
+class StoreUnavailableError(EngineError):
+    """The memory service could not be reached or failed while a document was ingested. The
+    session still holds the document in memory, but its encodings are not (all) durable. -> 503."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Requests.
 # ---------------------------------------------------------------------------------------------

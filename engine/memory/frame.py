@@ -102,7 +102,10 @@ class Selector(Protocol):
     def nbytes(self) -> int: ...
 
     # Optional: on_commit(num_new, to_sinks) before a chunk joins the frame, on_abort() when a
-    # forward failed, pop_seconds() for retrieval time spent outside `select`.
+    # forward failed, pop_seconds() for retrieval time spent outside `select`;
+    # export_chunk_state() -> JSON-able dict of what it keeps from a forwarded chunk beyond its
+    # keys and values, and import_chunk_state(state, forwarded) to take it back before commit
+    # (forwarded: the chunk was just forwarded, so only replace what the forward computed).
 
 
 @dataclass
@@ -241,6 +244,33 @@ class FrameState:
             self.selector.on_abort()
         self._pending = _Pending()
         self._positions = None
+
+    def pending_chunk(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The forwarded (not yet committed) chunk's pre-rotary keys and values, one
+        (kv_heads, T, head_dim) each per layer."""
+        n = len(self.layers)
+        return [self._pending.k_pre[i] for i in range(n)], [self._pending.v[i] for i in range(n)]
+
+    def replace_pending(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Commit these keys and values (e.g. their stored fp16 copy) instead of the forward's,
+        so a session that wrote a chunk holds exactly what a session rebuilt from it holds."""
+        assert self._positions is not None, "FrameState.begin() was not called"
+        T = self._positions.shape[0]
+        if len(keys) != len(self.layers) or len(values) != len(self.layers):
+            raise ValueError(f"need keys and values for {len(self.layers)} layers")
+        pending = _Pending()
+        store = self.layers[0]
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+            if k.shape != (self.kv_heads, T, store.sink_k.shape[-1]) or v.shape != k.shape:
+                raise ValueError(f"layer {layer}: expected (kv_heads, {T}, head_dim) keys/values")
+            pending.k_pre[layer] = k.to(store.sink_k.device, store.sink_k.dtype)
+            pending.v[layer] = v.to(store.sink_k.device, store.sink_k.dtype)
+        self._pending = pending
+
+    def begin_import(self, num_new: int) -> None:
+        """Ready the frame to commit num_new tokens given by `replace_pending` with no forward."""
+        self._positions = torch.arange(num_new, device=self._device)  # only its length is read
+        self._pending = _Pending()
 
     def commit(self) -> None:
         """Move the forwarded chunk into sinks / local window / memory, in every layer."""

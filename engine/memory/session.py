@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -28,6 +29,7 @@ from engine.memory.config import (
 from engine.memory.frame import FrameState, Selector
 from engine.memory.rotary import RotaryTable
 from engine.protocol import InvalidRequest, MemorySpec
+from memory_store.encodings import ChunkEncoding, chain_hash
 
 STRATEGIES: tuple[str, ...] = ("segments", "tokens", "neurocache")
 
@@ -73,6 +75,8 @@ class SessionMemory:
         if hasattr(selector, "frame"):
             selector.frame = self._frame
         self._last_logits: torch.Tensor | None = None
+        # chain hash of every forward (or imported chunk) so far; None for an empty session
+        self.state_hash: str | None = None
         use_memory_attention(model)
 
     @property
@@ -109,25 +113,101 @@ class SessionMemory:
             for done, end in self._chunks(input_ids.numel()):
                 if done and should_stop is not None and should_stop():
                     break
-                ids = input_ids[done:end].to(device)
-                positions = self._frame.begin(ids.numel())
-                try:
-                    out = self.model(
-                        input_ids=ids[None],
-                        position_ids=positions[None],
-                        use_cache=False,
-                        logits_to_keep=1,
-                        **{FRAME_KWARG: self._frame},
-                    )
-                except BaseException:
-                    self._frame.abort()
-                    raise
+                self._last_logits = self._forward(input_ids[done:end].to(device))
                 self._frame.commit()
-                self._last_logits = out.logits[0, -1]
+                self._advance_hash(input_ids[done:end])
                 if on_progress is not None:
                     on_progress(end)
         assert self._last_logits is not None
         return self._last_logits
+
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """One forward of ids (T,) over the frame, left pending (commit or abort it);
+        returns the logits (vocab,) at its last token."""
+        positions = self._frame.begin(ids.numel())
+        try:
+            out = self.model(
+                input_ids=ids[None],
+                position_ids=positions[None],
+                use_cache=False,
+                logits_to_keep=1,
+                **{FRAME_KWARG: self._frame},
+            )
+        except BaseException:
+            self._frame.abort()
+            raise
+        return out.logits[0, -1]
+
+    def _advance_hash(self, ids: torch.Tensor) -> None:
+        self.state_hash = chain_hash(self.state_hash, ids.reshape(-1).cpu().numpy())
+
+    # -- the memory store: one forward's encodings out, and back in without the model --------
+
+    def ingest_chunk(self, input_ids: torch.Tensor, text: str = "") -> tuple[torch.Tensor, ChunkEncoding]:
+        """Forward input_ids (T,) as ONE chunk and export its encodings: per layer the
+        pre-rotary K/V (kv_heads, T, head_dim) in fp16, plus the strategy's own state.
+
+        The session commits the fp16 copy it exported, so it holds exactly what a session
+        rebuilt from the encoding holds (write-through). Returns (logits (vocab,), encoding).
+        """
+        ids = input_ids.reshape(-1)
+        if ids.numel() == 0:
+            raise InvalidRequest("nothing to read: input_ids is empty", param="input_ids")
+        device = next(self.model.parameters()).device
+        with torch.inference_mode():
+            logits = self._forward(ids.to(device))
+            try:
+                keys, values = self._frame.pending_chunk()
+                export = getattr(self._selector, "export_chunk_state", None)
+                meta = {"strategy": self.strategy, **(export() if export is not None else {})}
+                encoding = ChunkEncoding(
+                    keys=tuple(k.to(torch.float16).cpu().numpy() for k in keys),
+                    values=tuple(v.to(torch.float16).cpu().numpy() for v in values),
+                    token_ids=ids.cpu().numpy().astype(np.int64),
+                    text=text,
+                    embedding=np.zeros(0, dtype=np.float32),
+                    meta=meta,
+                )
+                self._take(encoding, forwarded=True)
+            except BaseException:
+                self._frame.abort()
+                raise
+            self._frame.commit()
+        self._advance_hash(ids)
+        self._last_logits = logits
+        return logits, encoding
+
+    def import_chunk(self, encoding: ChunkEncoding) -> None:
+        """Append the encoding's tokens as if they had been forwarded (sinks, window, memory
+        blocks, summaries, indices), with no model forward. The last logits are forgotten: a
+        later append computes fresh ones."""
+        num_new = encoding.num_tokens
+        if num_new == 0:
+            return
+        if len(encoding.keys) != len(self._frame.layers):
+            raise InvalidRequest(
+                f"encoding has {len(encoding.keys)} layers, the model {len(self._frame.layers)}",
+                param="encoding",
+            )
+        with torch.inference_mode():
+            self._frame.begin_import(num_new)
+            try:
+                self._take(encoding, forwarded=False)
+            except BaseException:
+                self._frame.abort()
+                raise
+            self._frame.commit()
+        self._advance_hash(torch.as_tensor(np.asarray(encoding.token_ids, dtype=np.int64)))
+        self._last_logits = None
+
+    def _take(self, encoding: ChunkEncoding, forwarded: bool) -> None:
+        self._frame.replace_pending(
+            [torch.from_numpy(np.array(k, dtype=np.float16)) for k in encoding.keys],
+            [torch.from_numpy(np.array(v, dtype=np.float16)) for v in encoding.values],
+        )
+        take = getattr(self._selector, "import_chunk_state", None)
+        if take is not None:
+            take(encoding.meta, forwarded)
 
     def _chunks(self, total: int) -> list[tuple[int, int]]:
         """[start, end) of each forward: chunk_size pieces, the last `tail` tokens apart."""
