@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import importlib
 import re
+import tempfile
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -36,10 +40,13 @@ from engine.protocol import (
     RequestStats,
     SamplingParams,
     SessionNotFound,
+    StoreUnavailableError,
 )
 from engine.store import StoreBridge, document_id, model_fingerprint
 from engine.store import ingest_steps as store_ingest_steps
 from engine.worker import Collector, Job, Worker
+from memory_store.backends import StoreError
+from memory_store.client import MemoryStoreClient
 
 MAX_TOP_LOGPROBS = 20
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
@@ -218,7 +225,7 @@ class LocalEngine:
         self._info = ModelInfo(
             id=self.loaded.model_id,
             max_model_len=self.loaded.max_model_len,
-            strategies=tuple(mem.STRATEGIES) if mem is not None else (),
+            strategies=(tuple(mem.STRATEGIES) if mem is not None else ()) + ("larimar",),
             created=int(time.time()),
         )
         self._worker = Worker(self.config.max_waiting_requests, self.config.max_running_requests,
@@ -228,6 +235,9 @@ class LocalEngine:
         self._model_fingerprint = (
             model_fingerprint(self.loaded.model_id, self.loaded.model) if self._store else ""
         )
+        # Larimar sessions keep their memory in the memory service, read on the asyncio side.
+        self._larimar_sessions: dict[str, MemorySpec] = {}
+        self._larimar_reader: Any = None
 
     # -- tokenization (asyncio side) ----------------------------------------------------------
 
@@ -254,6 +264,9 @@ class LocalEngine:
     ) -> AsyncIterator[GenerationDelta]:
         self._worker.check_alive()
         _validate_sampling(sampling)
+        if session_id in self._larimar_sessions:
+            return self._larimar_generate(request_id, prompt, sampling, session_id,
+                                          self._larimar_sessions[session_id])
         ids = self.encode_prompt(prompt)
         if not ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
@@ -279,6 +292,8 @@ class LocalEngine:
                 )
             self._check_memory_cap(total)
             spec = memory or MemorySpec(strategy=self.config.memory_strategy)
+            if spec.strategy == "larimar":
+                return self._larimar_generate(request_id, prompt, sampling, None, spec)
             self._check_strategy(mem, spec)
             steps = self._ephemeral_steps(mem, spec, prompt_ids, sampling, queued_at)
 
@@ -375,6 +390,14 @@ class LocalEngine:
         if mem is None:
             raise InvalidRequest("session memory is not available in this engine", param="memory")
         spec = memory or MemorySpec(strategy=self.config.memory_strategy)
+        if spec.strategy == "larimar":
+            from engine.larimar import parse_larimar_spec
+
+            parse_larimar_spec(spec)
+            if session_id in self._larimar_sessions or session_id in self._sessions:
+                raise InvalidRequest(f"session {session_id!r} already exists", param="session_id")
+            self._larimar_sessions[session_id] = spec
+            return
         self._check_strategy(mem, spec)
 
         def create() -> None:
@@ -386,6 +409,9 @@ class LocalEngine:
         await self._on_device(create)
 
     async def drop_session(self, session_id: str) -> None:
+        if self._larimar_sessions.pop(session_id, None) is not None:
+            return  # its memory lives in the memory service, which the server cleans up
+
         def drop() -> None:
             for request_id in self._worker.jobs_for_session(session_id):
                 job_error = SessionNotFound(f"session {session_id!r} was dropped")
@@ -397,6 +423,8 @@ class LocalEngine:
 
     def ingest(self, request_id: str, session_id: str, text: str) -> AsyncIterator[IngestProgress]:
         self._worker.check_alive()
+        if session_id in self._larimar_sessions:
+            return self._larimar_ingest(session_id, text)
         if session_id not in self._sessions:
             raise SessionNotFound(f"session {session_id!r} has no memory")
         if not isinstance(text, str):
@@ -433,6 +461,55 @@ class LocalEngine:
                                      done=done == len(ids))
         finally:
             self._ingest_ids.discard(request_id)
+
+    # -- larimar (engine/larimar.py): the readout's sentences condition a plain generation -----
+
+    def _larimar(self) -> Any:
+        if self._larimar_reader is None:
+            from engine.larimar import LarimarReader
+            from memory_store.backends import EmbeddedBackend
+
+            if self.config.memory_store_url is not None:
+                client = MemoryStoreClient.http(self.config.memory_store_url,
+                                                timeout_s=self.config.memory_store_timeout_s)
+                self._larimar_reader = LarimarReader(client)
+            else:
+                root = (Path(self.config.data_dir) if self.config.data_dir is not None
+                        else Path(tempfile.mkdtemp(prefix="longserve-larimar-")))
+                self._larimar_reader = LarimarReader.in_process(EmbeddedBackend(root / "memory-store"))
+        return self._larimar_reader
+
+    async def _larimar_generate(self, request_id: str, prompt: Prompt, sampling: SamplingParams,
+                                session_id: str | None, spec: MemorySpec
+                                ) -> AsyncIterator[GenerationDelta]:
+        from engine.larimar import split_context
+
+        reader = self._larimar().with_spec(spec)
+        started = time.perf_counter()
+        if session_id is None:  # a long prompt: its context goes to a throwaway memory
+            session_id = f"ephemeral-{request_id}-{uuid.uuid4().hex}"
+            context, prompt = split_context(prompt)
+            await reader.write(session_id, context)
+        try:
+            conditioned = await reader.conditioned_prompt(session_id, prompt)
+        except StoreError as e:
+            raise StoreUnavailableError(f"larimar read failed: {e}") from e
+        retrieval = time.perf_counter() - started
+        async for delta in self.generate(request_id, conditioned, sampling):
+            if delta.stats is not None:
+                delta = dataclasses.replace(delta, stats=dataclasses.replace(
+                    delta.stats, strategy="larimar", retrieval_seconds=retrieval))
+            yield delta
+
+    async def _larimar_ingest(self, session_id: str, text: str) -> AsyncIterator[IngestProgress]:
+        started = time.perf_counter()
+        tokens = await asyncio.to_thread(lambda: len(self.encode_prompt(text)))
+        yield IngestProgress(0, tokens, time.perf_counter() - started)
+        try:
+            await self._larimar().write(session_id, text)
+        except StoreError as e:
+            raise StoreUnavailableError(f"larimar write failed: {e}") from e
+        yield IngestProgress(tokens, tokens, time.perf_counter() - started, done=True)
 
     async def health(self) -> EngineHealth:
         if self._worker.dead is not None:
