@@ -159,9 +159,9 @@ def test_client_closing_a_stream_frees_the_request(server, client, model_id):
 async def test_full_queue_answers_429_with_retry_after(tmp_path, model_id):
     small = start_server(tmp_path, "--max-running-requests", "1", "--max-waiting-requests", "1")
     try:
-        body = {"model": model_id, "messages": CAPITAL, "max_tokens": 64, "ignore_eos": True}
+        body = {"model": model_id, "messages": CAPITAL, "max_tokens": 16, "ignore_eos": True}
         headers = {"Authorization": f"Bearer {API_KEY}"}
-        async with httpx.AsyncClient(base_url=small.api_base, headers=headers, timeout=120) as http:
+        async with httpx.AsyncClient(base_url=small.api_base, headers=headers, timeout=300) as http:
             replies = await asyncio.gather(
                 *(http.post("/chat/completions", json=body) for _ in range(6))
             )
