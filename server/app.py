@@ -1,4 +1,5 @@
-"""build_app(settings, engine): the FastAPI application around one EngineClient."""
+"""build_app(settings, engine, store): the FastAPI application around one EngineClient and,
+optionally, the memory store that makes its sessions durable and shared by replicas."""
 
 from __future__ import annotations
 
@@ -11,20 +12,28 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from engine.protocol import EngineClient
+from memory_store.client import MemoryStoreClient
 from server.drain import DrainGate, DrainState
 from server.errors import install_error_handlers
 from server.limits import BodySizeLimit, HeadSizeLimit, RefuseEncodedBodies
 from server.metrics import Metrics
 from server.routes import chat, completions, health, metrics, models, sessions
 from server.serving import ServingContext
+from server.session_store import SessionStore
 from server.sessions import SessionRegistry
 from server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
 
-def build_app(settings: ServerSettings, engine: EngineClient) -> FastAPI:
-    """An app serving `engine`; its lifespan shuts the engine down when the server stops."""
+def build_app(
+    settings: ServerSettings, engine: EngineClient, store: MemoryStoreClient | None = None
+) -> FastAPI:
+    """An app serving `engine`; its lifespan shuts the engine down when the server stops.
+
+    `store`: the memory store holding session records (the app owns it and closes it). None
+    keeps sessions in this process only: gone on restart, invisible to other replicas.
+    """
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -35,13 +44,19 @@ def build_app(settings: ServerSettings, engine: EngineClient) -> FastAPI:
             await registry.close()
             logger.info("shutting the engine down")
             await engine.shutdown()
+            if store is not None:
+                await store.close()
 
     app = FastAPI(title="longserve", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app_metrics = Metrics(engine.stats)
-    registry = SessionRegistry(engine, settings, app_metrics)
+    if store is not None and store.on_request is None:
+        store.on_request = app_metrics.memory_store_request
+    session_store = SessionStore(store) if store is not None else None
+    registry = SessionRegistry(engine, settings, app_metrics, store=session_store)
     app.state.serving = ServingContext(engine=engine, settings=settings, metrics=app_metrics)
     app.state.sessions = registry
+    app.state.memory_store = session_store
     app.state.drain = DrainState(settings.drain_timeout_seconds)
     install_error_handlers(app)
     # Outermost last: a draining server refuses before anything else; then head size, body

@@ -12,8 +12,12 @@ from server.settings import DEFAULT_TENANT, ServerSettings
 
 
 def tenant_session_id(tenant: str, session_id: str) -> str:
-    """The engine-side id of a tenant's session: tenants never see each other's sessions."""
-    return f"{tenant}/{session_id}"
+    """The engine-side id of a tenant's session: tenants never see each other's sessions.
+
+    Also its id in the memory store (the engine's document manifests, the server's session
+    records), so it uses only the store's id characters: a tenant id is hex (or "default") and
+    never holds the "." that separates it from a session id this server handed out."""
+    return f"{tenant}.{session_id}"
 
 
 def authenticate(settings: ServerSettings, authorization: str | None) -> str:

@@ -7,18 +7,24 @@ the other subcommands stay light.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from server.settings import ServerSettings
 
+if TYPE_CHECKING:
+    from memory_store.client import MemoryStoreClient
+
 EXIT_BAD_CONFIG = 2
+EMBEDDED_STORE = "memory-store"  # under --data-dir; engine/store.py uses the same directory
 EXIT_STARTUP_FAILURE = 3  # uvicorn's own code for a failed start-up
 
 
@@ -54,7 +60,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--memory-store",
         dest="memory_store_url",
         metavar="URL",
-        help="memory service URL (default: embedded)",
+        help="memory service URL (`longserve memory-store`); default: an embedded store in "
+        "--data-dir",
     )
     parser.add_argument("--data-dir", help="where the embedded memory store persists")
     parser.add_argument(
@@ -87,6 +94,8 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.log_level != "debug":  # one line per memory store call drowns the server's own
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:
@@ -94,24 +103,50 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"longserve: invalid configuration: {messages}", file=sys.stderr)
         return EXIT_BAD_CONFIG
 
+    url = settings.memory_store_url
+    if url is not None and not url.startswith(("http://", "https://")):
+        print(
+            f"longserve: invalid configuration: memory_store_url: {url!r} is not the http(s) URL "
+            "of a memory service (run `longserve memory-store --redis-url ...` for Redis)",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_CONFIG
+
     from engine.client import LocalEngine
     from engine.config import EngineConfig
     from server.app import build_app
     from server.drain import serve
 
-    config = EngineConfig(
-        model=settings.model,
-        served_model_name=settings.served_model_name,
-        device=settings.device,
-        dtype=settings.dtype,
-        max_waiting_requests=settings.max_waiting_requests,
-        max_running_requests=settings.max_running_requests,
-    )
+    engine_fields: dict[str, Any] = {
+        "model": settings.model,
+        "served_model_name": settings.served_model_name,
+        "device": settings.device,
+        "dtype": settings.dtype,
+        "max_waiting_requests": settings.max_waiting_requests,
+        "max_running_requests": settings.max_running_requests,
+        # One store for the engine's encodings and the server's session records: the memory
+        # service, or the embedded store under --data-dir.
+        "memory_store_url": settings.memory_store_url,
+        "data_dir": None if settings.memory_store_url else settings.data_dir,
+    }
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    config = EngineConfig(**{k: v for k, v in engine_fields.items() if k in known})
     logging.getLogger(__name__).info("loading the engine (%s)", settings.model or "default")
     engine = LocalEngine(config)
-    app = build_app(settings, engine)
+    app = build_app(settings, engine, store=memory_store_client(settings))
     started = serve(app, app.state.drain, settings.host, settings.port, args.log_level)
     return 0 if started else EXIT_STARTUP_FAILURE
+
+
+def memory_store_client(settings: ServerSettings) -> MemoryStoreClient:
+    """The server's own client (session records): the memory service at --memory-store, else
+    the embedded store in DATA_DIR/memory-store, the one the engine keeps its encodings in."""
+    from memory_store.backends import EmbeddedBackend
+    from memory_store.client import MemoryStoreClient
+
+    if settings.memory_store_url:
+        return MemoryStoreClient.http(settings.memory_store_url)
+    return MemoryStoreClient.in_process(EmbeddedBackend(Path(settings.data_dir) / EMBEDDED_STORE))
 
 
 def _error_text(error: Any) -> str:

@@ -21,7 +21,9 @@ from engine.protocol import (
     EngineOverloaded,
     InvalidRequest,
     SessionNotFound,
+    StoreUnavailableError,
 )
+from memory_store.backends import StoreError, StoreUnavailable
 from server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -124,6 +126,23 @@ def server_shutting_down() -> APIError:
     )
 
 
+# Seconds a client is told to wait when the memory service cannot be reached.
+STORE_RETRY_AFTER_SECONDS = 2
+
+
+def memory_store_unavailable(detail: str = "") -> APIError:
+    """An operation that must be durable (create a session, upload a document, restore a
+    session this replica does not hold) while the memory service is down: 503, retry later.
+    Sessions this replica holds keep serving chat meanwhile."""
+    message = "The memory store is unavailable; retry the request shortly."
+    return APIError(
+        503,
+        f"{message} ({detail})" if detail else message,
+        code="memory_store_unavailable",
+        headers={"Retry-After": str(STORE_RETRY_AFTER_SECONDS)},
+    )
+
+
 # --- sessions and documents ---------------------------------------------------------------------
 
 
@@ -186,7 +205,8 @@ _STATUS_DESCRIPTIONS = {
     429: "Overloaded (with Retry-After), or a per-key quota is reached.",
     431: "The request's path, query and headers are too large.",
     500: "The engine failed.",
-    503: "The engine is not available, or the server is shutting down (with Retry-After).",
+    503: "The engine or the memory store is not available, or the server is shutting down "
+    "(with Retry-After).",
 }
 
 
@@ -229,6 +249,12 @@ def from_exception(exc: BaseException) -> APIError:
         )
     if isinstance(exc, EngineDead):
         return APIError(503, f"The engine is not available: {exc}", code="engine_dead")
+    if isinstance(exc, StoreUnavailable | StoreUnavailableError):
+        logger.warning("memory store unavailable: %s", exc)
+        return memory_store_unavailable()
+    if isinstance(exc, StoreError):
+        logger.error("memory store error: %r", exc)
+        return APIError(500, "Memory store error.", code="memory_store_error")
     if isinstance(exc, EngineError):
         logger.error("engine error: %r", exc)
         return APIError(500, f"Engine error: {exc}")
@@ -306,5 +332,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ValidationError, _handle)
     app.add_exception_handler(APIError, _handle)
     app.add_exception_handler(EngineError, _handle)
+    app.add_exception_handler(StoreError, _handle)
     app.add_exception_handler(StarletteHTTPException, _handle_http)
     app.add_exception_handler(Exception, _handle)

@@ -195,6 +195,13 @@ class Metrics:
             ["op", "backend", "status"],
             registry=r,
         )
+        self.memory_store_request_seconds = Histogram(
+            f"{PREFIX}memory_store_request_seconds",
+            "Latency of requests to the memory store.",
+            ["op", "backend"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
 
     # --- helpers the serving code calls --------------------------------------------------------
 
@@ -234,12 +241,18 @@ class Metrics:
             self.ingest_seconds.observe(stats.ingest_seconds)
 
     def ingest_finished(self, tokens: int, seconds: float) -> None:
-        """A document ingestion (through the sessions API) ended."""
+        """A document ingestion (through the sessions API) ended; `tokens` counts only those
+        the model ran over, not those rebuilt from the memory store's encodings."""
         self.ingest_tokens.inc(tokens)
         self.ingest_seconds.observe(seconds)
 
-    def memory_store_request(self, op: str, backend: str, status: str) -> None:
+    def memory_store_request(
+        self, op: str, backend: str, status: str, seconds: float | None = None
+    ) -> None:
+        """One call to the memory store ended (the client's `on_request` hook)."""
         self.memory_store_requests.labels(op=op, backend=backend, status=status).inc()
+        if seconds is not None:
+            self.memory_store_request_seconds.labels(op=op, backend=backend).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

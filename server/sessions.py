@@ -8,12 +8,22 @@ cancels its tasks (which closes the engine's ingest iterators) and drops its eng
 
 Another tenant's session is indistinguishable from a missing one: every lookup is keyed by
 (tenant, id) and answers 404 `session_not_found`.
+
+With a memory store (server/session_store.py) a session is also durable, so that it survives a
+restart and any replica can serve it: creating it, uploading a document (its text) and a
+document becoming ready each return only once the store holds the change. A request naming a
+session this registry does not hold restores it from the store (once, however many requests
+ask at the same time): a new engine memory, then the ready documents' texts ingested again in
+order; the engine rebuilds them from their stored encodings without running the model. While the
+store is down, held sessions keep serving chat; operations that need the store answer 503
+`memory_store_unavailable`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -23,7 +33,14 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from engine.protocol import EngineClient, EngineError, MemorySpec
+from engine.protocol import (
+    EngineClient,
+    EngineError,
+    IngestProgress,
+    MemorySpec,
+    StoreUnavailableError,
+)
+from memory_store.backends import NotFound, StoreError
 from server.auth import tenant_session_id
 from server.documents import DocumentLimits, DocumentReader, Upload
 from server.errors import (
@@ -43,12 +60,16 @@ from server.protocol import (
     SessionObject,
 )
 from server.serving import until_disconnected
+from server.session_store import DocumentRecord, SessionRecord, SessionStore
 from server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
 # How long a delete or an eviction waits for cancelled ingestion tasks to wind down.
 CANCEL_GRACE_SECONDS = 5.0
+# A document the engine has read becomes ready once its record is durable; these are the waits
+# between tries while the store is down, after which the document is marked failed.
+READY_SAVE_BACKOFF_SECONDS = (0.25, 0.5, 1.0, 2.0, 4.0)
 
 
 def new_session_id() -> str:
@@ -72,6 +93,8 @@ class Document:
     tokens_done: int = 0  # what the engine's memory holds of it, even after a failure
     error: str | None = None
     task: asyncio.Task[None] | None = None
+    uploaded_at: float = 0.0  # orders a session's documents in the store
+    saved: bool = True  # False: ready here, but the store still says queued
     version: int = 0
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -90,6 +113,16 @@ class Document:
     async def wait_for_change(self, seen_version: int) -> None:
         while self.version == seen_version:
             await self._changed.wait()
+
+    def record(self) -> DocumentRecord:
+        return DocumentRecord(
+            id=self.id,
+            name=self.name,
+            created_at=self.uploaded_at or float(self.created_at),
+            status=self.status,
+            tokens=self.tokens_total,
+            error=self.error,
+        )
 
     def view(self) -> SessionDocument:
         if self.status == "ready":
@@ -120,6 +153,9 @@ class Session:
     metadata: dict[str, str]
     last_used: float
     documents: dict[str, Document] = field(default_factory=dict)
+    saved_last_used: float = 0.0  # last_used as the store holds it
+    saving: asyncio.Task[None] | None = None  # a background save of last_used
+    removed: bool = False
 
     @property
     def engine_id(self) -> str:
@@ -139,6 +175,18 @@ class Session:
             for doc in self.documents.values()
             if doc.task is not None and not doc.task.done()
         ]
+
+    def record(self) -> SessionRecord:
+        memory = self.memory
+        return SessionRecord(
+            id=self.id,
+            tenant=self.tenant,
+            created_at=self.created_at,
+            ttl_seconds=self.ttl_seconds,
+            last_used=self.last_used,
+            memory={"strategy": memory.strategy, "params": dict(memory.params)} if memory else None,
+            metadata=dict(self.metadata),
+        )
 
     def view(self) -> SessionObject:
         memory = self.memory
@@ -167,11 +215,13 @@ class SessionRegistry:
         settings: ServerSettings,
         metrics: Metrics,
         clock: Callable[[], float] = time.time,
+        store: SessionStore | None = None,
     ) -> None:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
         self.clock = clock
+        self.store = store
         self.reader = DocumentReader(
             DocumentLimits(
                 max_bytes=settings.max_document_bytes,
@@ -182,6 +232,7 @@ class SessionRegistry:
         )
         self._by_tenant: dict[str, dict[str, Session]] = {}
         self._creating: Counter[str] = Counter()
+        self._restoring: dict[tuple[str, str], asyncio.Task[Session]] = {}
         self._sweeper: asyncio.Task[None] | None = None
 
     # --- sessions -----------------------------------------------------------------------------
@@ -190,10 +241,142 @@ class SessionRegistry:
         return list(self._by_tenant.get(tenant, {}).values())
 
     def get(self, tenant: str, session_id: str) -> Session:
+        """A session this registry holds (no restore: see `lookup`)."""
         session = self._by_tenant.get(tenant, {}).get(session_id)
         if session is None:
             raise session_not_found(session_id)
         return session
+
+    async def lookup(self, tenant: str, session_id: str) -> Session:
+        """A held session, or one restored from the store; 404 when neither has it."""
+        session = self._by_tenant.get(tenant, {}).get(session_id)
+        if session is not None:
+            return session
+        if self.store is None:
+            raise session_not_found(session_id)
+        key = (tenant, session_id)
+        task = self._restoring.get(key)
+        if task is None:
+            task = asyncio.create_task(
+                self._restore(tenant, session_id), name=f"restore-{session_id}"
+            )
+            self._restoring[key] = task
+            task.add_done_callback(lambda done: self._restore_finished(key, done))
+        # Shielded: a restore others may be waiting on outlives the client that started it.
+        return await asyncio.shield(task)
+
+    def _restore_finished(self, key: tuple[str, str], task: asyncio.Task[Session]) -> None:
+        if self._restoring.get(key) is task:
+            del self._restoring[key]
+        if not task.cancelled():
+            task.exception()  # retrieved here: every waiter may have gone
+
+    async def _restore(self, tenant: str, session_id: str) -> Session:
+        assert self.store is not None
+        record = await self.store.load(tenant, session_id)
+        now = self.clock()
+        if record is None:
+            raise session_not_found(session_id)
+        if record.expired(now):
+            with contextlib.suppress(StoreError):
+                await self.store.delete(tenant, session_id)
+            raise session_not_found(session_id)
+        memory = (
+            MemorySpec(strategy=record.memory["strategy"], params=record.memory.get("params", {}))
+            if record.memory
+            else None
+        )
+        session = Session(
+            id=record.id,
+            tenant=tenant,
+            created_at=record.created_at,
+            memory=memory,
+            ttl_seconds=record.ttl_seconds,
+            metadata=dict(record.metadata),
+            last_used=now,
+            saved_last_used=record.last_used,
+        )
+        texts: dict[str, str] = {}
+        for doc_record in record.documents:
+            doc = Document(
+                id=doc_record.id,
+                session_id=session.id,
+                name=doc_record.name,
+                created_at=int(doc_record.created_at),
+                uploaded_at=doc_record.created_at,
+                size_bytes=0,
+                text=None,
+                status="failed" if doc_record.status == "failed" else "queued",
+                tokens_total=doc_record.tokens,
+                error=doc_record.error,
+            )
+            session.documents[doc.id] = doc
+            if doc.status == "failed":
+                continue
+            try:
+                texts[doc.id] = await self.store.load_text(tenant, session_id, doc.id)
+            except NotFound:
+                doc.update(status="failed", error="The document's text is no longer stored.")
+        await self.engine.create_session(session.engine_id, memory)
+        try:
+            for doc_record in record.documents:
+                doc = session.documents[doc_record.id]
+                if doc_record.status == "ready" and doc.id in texts:
+                    await self._reingest(session, doc, texts.pop(doc.id))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.engine.drop_session(session.engine_id)
+            raise
+        held = self._by_tenant.setdefault(tenant, {})
+        if session_id in held:  # cannot happen on one loop, but never hold two
+            return held[session_id]
+        held[session_id] = session
+        # Documents the store holds but no replica finished reading (it crashed, or is still
+        # reading them): read them here, in order, as if just uploaded.
+        previous: asyncio.Task[None] | None = None
+        for doc in session.documents.values():
+            if doc.id in texts:
+                doc.text = texts[doc.id]
+                doc.size_bytes = len(doc.text.encode("utf-8", "surrogatepass"))
+                doc.task = asyncio.create_task(
+                    self._ingest(session, doc, previous), name=f"ingest-{doc.id}"
+                )
+                previous = doc.task
+        logger.info(
+            "session %s restored from the memory store (%d documents)",
+            session.engine_id,
+            len(session.documents),
+        )
+        return session
+
+    async def _reingest(self, session: Session, doc: Document, text: str) -> None:
+        """Read a ready document into a restored session's memory, before anyone sees it."""
+        # The upload's own request id: the engine names the document's manifest after it.
+        iterator = self.engine.ingest(f"ingest-{doc.id}", session.engine_id, text)
+        last: IngestProgress | None = None
+        try:
+            async for progress in iterator:
+                last = progress
+                if progress.done:
+                    break
+        except StoreUnavailableError as exc:  # read into memory all the same
+            logger.warning("document %s restored, but not stored again: %s", doc.id, exc)
+            if last is not None:
+                last = dataclasses.replace(last, tokens_done=last.tokens_total, done=True)
+        finally:
+            aclose = getattr(iterator, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+        if last is None or not last.done:
+            raise EngineError("the engine stopped before reading the whole document")
+        self._count_ingest(last)
+        doc.update(status="ready", tokens_total=last.tokens_total, tokens_done=last.tokens_done)
+
+    def _count_ingest(self, progress: IngestProgress) -> None:
+        """ingest_tokens_total counts what the model ran over, not what the store gave back."""
+        ran = max(0, progress.tokens_done - progress.tokens_from_store)
+        self.metrics.ingest_finished(ran, progress.seconds)
 
     async def create(self, tenant: str, body: SessionCreateRequest) -> Session:
         settings = self.settings
@@ -234,20 +417,50 @@ class SessionRegistry:
     async def _create_in_engine(self, session: Session) -> None:
         try:
             await self.engine.create_session(session.engine_id, session.memory)
+            if self.store is not None:
+                try:
+                    await self.store.save_session(session.record())
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        await self.engine.drop_session(session.engine_id)
+                    raise
+                session.saved_last_used = session.last_used
         finally:
             self._creating[session.tenant] -= 1
         self._by_tenant.setdefault(session.tenant, {})[session.id] = session
         logger.info("session %s created", session.engine_id)
 
     async def delete(self, tenant: str, session_id: str) -> None:
-        session = self.get(tenant, session_id)
-        await asyncio.shield(self._remove(session, "The session was deleted."))
+        """Forget the session here and in the store. With the store down: 503, and the session
+        stays (this replica, if it held it, lets it go; the next request restores it)."""
+        session = self._by_tenant.get(tenant, {}).get(session_id)
+        if self.store is None:
+            if session is None:
+                raise session_not_found(session_id)
+            await asyncio.shield(self._remove(session, "The session was deleted."))
+            return
+        await self.store.ping()
+        if session is None and await self.store.load(tenant, session_id) is None:
+            raise session_not_found(session_id)
+        await asyncio.shield(self._delete_everywhere(tenant, session_id, session))
+
+    async def _delete_everywhere(
+        self, tenant: str, session_id: str, session: Session | None
+    ) -> None:
+        assert self.store is not None
+        if session is not None:
+            # Locally first: once ingestion has stopped, nothing writes the records again.
+            await self._remove(session, "The session was deleted.")
+            if session.saving is not None:
+                await asyncio.wait([session.saving])
+        await self.store.delete(tenant, session_id)
 
     async def _remove(self, session: Session, reason: str) -> None:
         """Forget the session, cancel its ingestion, free its engine memory at once."""
         tenant_sessions = self._by_tenant.get(session.tenant, {})
         if tenant_sessions.get(session.id) is not session:
             return
+        session.removed = True
         del tenant_sessions[session.id]
         if not tenant_sessions:
             self._by_tenant.pop(session.tenant, None)
@@ -272,33 +485,70 @@ class SessionRegistry:
 
     def touch(self, session: Session) -> None:
         session.last_used = self.clock()
+        self._save_last_used(session)
+
+    def _save_last_used(self, session: Session) -> None:
+        """Keep the stored last_used roughly current (so that another replica neither restores
+        an expired session nor drops a live one); best effort, in the background."""
+        if self.store is None or session.removed:
+            return
+        if session.saving is not None and not session.saving.done():
+            return
+        unsaved = any(not doc.saved for doc in session.documents.values())
+        if not unsaved and session.last_used - session.saved_last_used < session.ttl_seconds / 4:
+            return
+        session.saving = asyncio.create_task(
+            self._save_session_quietly(session), name=f"save-{session.id}"
+        )
+
+    async def _save_session_quietly(self, session: Session) -> None:
+        assert self.store is not None
+        record = session.record()
+        try:
+            await self.store.save_session(record)
+            session.saved_last_used = record.last_used
+            for doc in list(session.documents.values()):
+                if not doc.saved and not session.removed:
+                    await self.store.save_document(session.tenant, session.id, doc.record())
+                    doc.saved = True
+        except StoreError as exc:
+            logger.info("saving session %s to the memory store failed: %s", session.id, exc)
 
     def tenant_memory_tokens(self, tenant: str) -> int:
         return sum(s.memory_tokens for s in self._by_tenant.get(tenant, {}).values())
 
     # --- documents ----------------------------------------------------------------------------
 
-    def document(self, tenant: str, session_id: str, document_id: str) -> Document:
-        doc = self.get(tenant, session_id).documents.get(document_id)
+    async def document(self, tenant: str, session_id: str, document_id: str) -> Document:
+        doc = (await self.lookup(tenant, session_id)).documents.get(document_id)
         if doc is None:
             raise document_not_found(document_id)
         return doc
 
     async def add_document(self, tenant: str, session_id: str, upload: Upload) -> Document:
-        """Check, extract, queue. Any failure leaves the session exactly as it was."""
-        self._check_room(self.get(tenant, session_id), 0)
+        """Check, extract, save (with a store), queue. Any failure leaves the session exactly
+        as it was."""
+        self._check_room(await self.lookup(tenant, session_id), 0)
         extracted = await self.reader.read(upload)
         session = self.get(tenant, session_id)  # it may have gone while we read
         size = len(extracted.text.encode("utf-8", "surrogatepass"))
         self._check_room(session, size)
+        now = self.clock()
         doc = Document(
             id=new_document_id(),
             session_id=session.id,
             name=extracted.name,
-            created_at=int(self.clock()),
+            created_at=int(now),
+            uploaded_at=now,
             size_bytes=size,
             text=extracted.text,
         )
+        if self.store is not None:
+            # The text first: a document record always has its text to be read again from.
+            await self.store.save_text(tenant, session.id, doc.id, extracted.text)
+            await self.store.save_document(tenant, session.id, doc.record())
+            session = self.get(tenant, session_id)  # it may have gone while we saved
+            self._check_room(session, size)
         previous = [d.task for d in session.documents.values() if d.task is not None]
         session.documents[doc.id] = doc
         doc.task = asyncio.create_task(
@@ -342,15 +592,27 @@ class SessionRegistry:
             assert doc.text is not None
             iterator = self.engine.ingest(f"ingest-{doc.id}", session.engine_id, doc.text)
             last = None
-            async for progress in iterator:
-                last = progress
-                doc.update(tokens_total=progress.tokens_total, tokens_done=progress.tokens_done)
-                self._check_memory_budget(session, doc)
-                if progress.done:
-                    break
+            durable = True
+            try:
+                async for progress in iterator:
+                    last = progress
+                    doc.update(tokens_total=progress.tokens_total, tokens_done=progress.tokens_done)
+                    self._check_memory_budget(session, doc)
+                    if progress.done:
+                        break
+            except StoreUnavailableError as exc:
+                # The memory holds the whole document, only its encodings are not stored: ready
+                # here; the store keeps it `queued` (with its text) for a replica to read again.
+                logger.warning("document %s read, but not stored: %s", doc.id, exc)
+                durable = False
+                if last is not None:
+                    last = dataclasses.replace(last, tokens_done=last.tokens_total, done=True)
             if last is None or not last.done:
                 raise EngineError("the engine stopped before reading the whole document")
-            self.metrics.ingest_finished(last.tokens_total, last.seconds)
+            self._count_ingest(last)
+            if durable:
+                durable = await self._save_ready(session, doc)
+            doc.saved = durable
             doc.update(status="ready", text=None)
             self.touch(session)
         except asyncio.CancelledError:
@@ -360,11 +622,40 @@ class SessionRegistry:
             message = from_exception(exc).message
             logger.info("ingesting %s into %s failed: %s", doc.id, session.engine_id, message)
             doc.update(status="failed", error=message, text=None)
+            await self._save_failed(session, doc)
         finally:
             aclose = getattr(iterator, "aclose", None)
             if aclose is not None:
                 with contextlib.suppress(Exception):
                     await aclose()
+
+    async def _save_ready(self, session: Session, doc: Document) -> bool:
+        """Make the document's `ready` durable, trying a while if the store is down. False if
+        it stayed down: the document is ready here all the same (the memory holds it), and the
+        session's next background save tries again."""
+        if self.store is None:
+            return True
+        record = dataclasses.replace(doc.record(), status="ready", error=None)
+        for delay in (*READY_SAVE_BACKOFF_SECONDS, None):
+            try:
+                await self.store.save_document(session.tenant, session.id, record)
+                return True
+            except StoreError as exc:
+                if delay is None:
+                    logger.warning("document %s is ready but not saved: %s", doc.id, exc)
+                    return False
+                logger.info("saving document %s failed (%s); retrying", doc.id, exc)
+                await asyncio.sleep(delay)
+        return False
+
+    async def _save_failed(self, session: Session, doc: Document) -> None:
+        """Best effort: a replica restoring the session then does not read it again."""
+        if self.store is None or session.removed:
+            return
+        try:
+            await self.store.save_document(session.tenant, session.id, doc.record())
+        except StoreError as exc:
+            logger.info("saving failed document %s to the memory store failed: %s", doc.id, exc)
 
     def _check_memory_budget(self, session: Session, doc: Document) -> None:
         limit = self.settings.max_memory_tokens_per_tenant
@@ -392,13 +683,16 @@ class SessionRegistry:
     async def before_generate(self, tenant: str, session_id: str, request: Request) -> None:
         """Mark the session used; wait for (or refuse, per session_busy_policy) its ingestion.
 
-        A session this registry does not know (one the engine holds for another reason) is left
-        for the engine to judge: it raises SessionNotFound (404) when it holds no memory under
-        the tenant-scoped id, so tenants stay apart either way.
+        A session this registry does not hold is restored from the store when there is one
+        (404 if the store has none for this tenant). Without a store it is left for the engine
+        to judge: it raises SessionNotFound (404) when it holds no memory under the
+        tenant-scoped id, so tenants stay apart either way.
         """
         session = self._by_tenant.get(tenant, {}).get(session_id)
         if session is None:
-            return
+            if self.store is None:
+                return
+            session = await self.lookup(tenant, session_id)
         self.touch(session)
         if not session.ingesting():
             return
@@ -442,7 +736,22 @@ class SessionRegistry:
         ]
         for session in expired:
             await self._remove(session, "The session expired.")
+            await self._forget_if_expired(session)
         return [session.id for session in expired]
+
+    async def _forget_if_expired(self, session: Session) -> None:
+        """Delete an evicted session from the store too, unless another replica has used it
+        since (its stored last_used says so)."""
+        if self.store is None:
+            return
+        try:
+            if session.saving is not None:
+                await asyncio.wait([session.saving])
+            record = await self.store.load(session.tenant, session.id)
+            if record is None or record.expired(self.clock()):
+                await self.store.delete(session.tenant, session.id)
+        except StoreError as exc:
+            logger.info("forgetting expired session %s failed: %s", session.id, exc)
 
     def start(self) -> None:
         if self._sweeper is None:
@@ -471,6 +780,11 @@ class SessionRegistry:
             for doc in session.documents.values()
         ]
         tasks = self._cancel_ingestion(documents, "The server is shutting down.")
+        for sessions in self._by_tenant.values():
+            for session in sessions.values():
+                if session.saving is not None and not session.saving.done():
+                    session.saving.cancel()
+                    tasks.append(session.saving)
         if tasks:
             await asyncio.wait(tasks, timeout=CANCEL_GRACE_SECONDS)
 

@@ -1,5 +1,5 @@
-"""GET /health (liveness: 200 while the process lives), GET /ready (the engine can serve and
-the server is not draining)."""
+"""GET /health (liveness: 200 while the process lives), GET /ready (the engine can serve, the
+memory store answers, and the server is not draining)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,11 @@ async def health() -> dict[str, str]:
 @router.get(
     "/ready",
     responses={
-        200: {"description": "The engine can serve."},
-        503: {"description": "The engine is not available, or the server is draining."},
+        200: {"description": "The engine can serve and the memory store answers."},
+        503: {
+            "description": "The engine or the memory store is not available, or the server "
+            "is draining."
+        },
     },
 )
 async def ready(request: Request) -> JSONResponse:
@@ -31,5 +34,11 @@ async def ready(request: Request) -> JSONResponse:
         ok, detail = state.ok, state.detail
     except Exception as exc:  # a broken engine is "not ready", never a 500
         ok, detail = False, f"health check failed: {exc}"
+    store = request.app.state.memory_store
+    if ok and store is not None:
+        try:
+            await store.ping()
+        except Exception as exc:  # down or unreachable: not ready, the process stays up
+            ok, detail = False, f"memory store unavailable: {exc}"
     body = {"status": "ready" if ok else "unavailable", "detail": detail}
     return JSONResponse(body, status_code=200 if ok else 503)

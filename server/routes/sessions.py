@@ -1,6 +1,7 @@
 """/v1/sessions and /v1/sessions/{id}/documents (longserve's own API; the openai SDK reaches it
-with plain HTTP). Every route looks the session up by (tenant, id) first, so another tenant's
-session is a 404 before its body is even read."""
+with plain HTTP). Every route looks the session up by (tenant, id) first (restoring it from the
+memory store when this replica does not hold it), so another tenant's session is a 404 before
+its body is even read. Listing shows the sessions this replica holds."""
 
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ async def list_sessions(request: Request, tenant: str = Depends(require_tenant))
 async def retrieve_session(
     session_id: str, request: Request, tenant: str = Depends(require_tenant)
 ) -> SessionObject:
-    return registry_of(request).get(tenant, session_id).view()
+    return (await registry_of(request).lookup(tenant, session_id)).view()
 
 
 @router.delete("/sessions/{session_id}", response_model=SessionDeleted)
@@ -92,7 +93,7 @@ async def add_document(
     session_id: str, request: Request, tenant: str = Depends(require_tenant)
 ) -> SessionDocument:
     registry = registry_of(request)
-    registry.get(tenant, session_id)
+    await registry.lookup(tenant, session_id)
     upload = await read_upload(request, registry)
     doc = await registry.add_document(tenant, session_id, upload)
     return doc.view()
@@ -102,7 +103,7 @@ async def add_document(
 async def list_documents(
     session_id: str, request: Request, tenant: str = Depends(require_tenant)
 ) -> SessionDocumentList:
-    session = registry_of(request).get(tenant, session_id)
+    session = await registry_of(request).lookup(tenant, session_id)
     return SessionDocumentList(data=[d.view() for d in session.documents.values()])
 
 
@@ -119,7 +120,7 @@ async def retrieve_document(
     tenant: str = Depends(require_tenant),
 ) -> SessionDocument | Response:
     registry = registry_of(request)
-    doc = registry.document(tenant, session_id, document_id)
+    doc = await registry.document(tenant, session_id, document_id)
     if not stream:
         return doc.view()
     return EventSourceResponse(_progress_events(registry.watch(doc)), sep="\n")

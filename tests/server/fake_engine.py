@@ -9,11 +9,17 @@ Sessions: create_session refuses unknown strategies (InvalidRequest); ingest cou
 per word and reports progress per chunk of `ingest_chunk_tokens`, sleeping `ingest_delay` and
 waiting on `ingest_gate` before each chunk; it stops with SessionNotFound when its session is
 dropped and records closed-early ingestions in `ingest_cancelled`.
+
+Encodings: each ingested chunk is one "model forward" (counted in `forwards`, per session in
+`forwards_by_session`), unless `encodings` (a dict standing in for the memory store's encoder
+outputs, shareable between engines) already holds it under its prefix-chain hash; then it is
+rebuilt from there and reported in `IngestProgress.tokens_from_store`, like the real engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -33,6 +39,7 @@ from engine.protocol import (
     RequestStats,
     SamplingParams,
     SessionNotFound,
+    StoreUnavailableError,
     TokenLogprob,
     TopLogprob,
 )
@@ -63,7 +70,12 @@ def last_text(prompt: Prompt) -> str:
 
 
 class FakeEngine:
-    def __init__(self, model_id: str = "fake-model", token_delay: float = 0.0) -> None:
+    def __init__(
+        self,
+        model_id: str = "fake-model",
+        token_delay: float = 0.0,
+        encodings: dict[str, int] | None = None,
+    ) -> None:
         self._model = ModelInfo(
             id=model_id, max_model_len=2048, strategies=STRATEGIES, created=1_700_000_000
         )
@@ -93,6 +105,12 @@ class FakeEngine:
         self.ingest_running: set[str] = set()
         self.ingest_cancelled: set[str] = set()
         self.dropped: list[str] = []
+        self.encodings = encodings  # chain hash -> tokens of the chunk
+        self.forwards = 0
+        # Set: ingestion reads everything into memory, then ends with StoreUnavailableError
+        # (the real engine's answer when the store failed under it).
+        self.store_unavailable = False
+        self.forwards_by_session: dict[str, int] = {}
 
     @property
     def model(self) -> ModelInfo:
@@ -237,9 +255,12 @@ class FakeEngine:
     async def _ingest(
         self, request_id: str, session_id: str, text: str
     ) -> AsyncIterator[IngestProgress]:
-        total = len(text.split())
+        words = text.split()
+        total = len(words)
         chunk = max(1, self.ingest_chunk_tokens)
         done = 0
+        from_store = 0
+        chain = hashlib.sha256(self._model.id.encode()).hexdigest()
         finished = False
         self.ingest_running.add(request_id)
         self.ingest_started.set()
@@ -257,12 +278,27 @@ class FakeEngine:
                     and chunks >= self.ingest_fail_after_chunks
                 ):
                     raise EngineError("fake engine failed while ingesting")
+                piece = words[done : done + chunk]
+                chain = hashlib.sha256(f"{chain}|{' '.join(piece)}".encode()).hexdigest()
+                if self.encodings is not None and chain in self.encodings:
+                    from_store += len(piece)
+                else:
+                    self.forwards += 1
+                    self.forwards_by_session[session_id] = (
+                        self.forwards_by_session.get(session_id, 0) + 1
+                    )
+                    if self.encodings is not None:
+                        self.encodings[chain] = len(piece)
                 done = min(total, done + chunk)
                 chunks += 1
                 finished = done == total
                 if finished:
                     self.ingested.setdefault(session_id, []).append(text)
-                yield IngestProgress(done, total, 0.01 * chunks, done=finished)
+                    if self.store_unavailable:
+                        raise StoreUnavailableError("fake memory store is down")
+                yield IngestProgress(
+                    done, total, 0.01 * chunks, done=finished, tokens_from_store=from_store
+                )
             finished = True
         finally:
             self.ingest_running.discard(request_id)

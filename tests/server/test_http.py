@@ -11,6 +11,7 @@ import pytest
 from fastapi import FastAPI
 
 from server.app import build_app
+from server.auth import tenant_session_id
 from server.settings import ServerSettings, tenant_of
 from tests.server.conftest import API_KEY, MODEL
 from tests.server.fake_engine import FakeEngine
@@ -148,7 +149,7 @@ async def test_auth_is_checked_before_the_body(client: httpx.AsyncClient) -> Non
 
 async def test_tenants_do_not_see_each_others_sessions(engine: FakeEngine) -> None:
     app = build_app(ServerSettings(api_keys=["key-a", "key-b"]), engine)
-    await engine.create_session(f"{tenant_of('key-a')}/s1")
+    await engine.create_session(tenant_session_id(tenant_of("key-a"), "s1"))
     body = {**CHAT, "session_id": "s1"}
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://t"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
+from server.auth import tenant_session_id
 from server.settings import tenant_of
 from tests.server.conftest import API_KEY, MODEL
 from tests.server.fake_engine import FakeEngine
@@ -201,7 +202,7 @@ async def test_completion_logprobs_legacy_shape(oai: openai.AsyncOpenAI) -> None
 async def test_extension_fields_reach_the_engine(
     oai: openai.AsyncOpenAI, engine: FakeEngine
 ) -> None:
-    await engine.create_session(f"{tenant_of(API_KEY)}/doc1")
+    await engine.create_session(tenant_session_id(tenant_of(API_KEY), "doc1"))
     await oai.chat.completions.create(
         model=MODEL,
         messages=MESSAGES,
@@ -214,7 +215,8 @@ async def test_extension_fields_reach_the_engine(
         },
     )
     call = engine.calls[0]
-    assert call.session_id == f"{tenant_of(API_KEY)}/doc1"  # sessions are scoped by tenant
+    # Sessions are scoped by tenant.
+    assert call.session_id == tenant_session_id(tenant_of(API_KEY), "doc1")
     assert call.memory is not None
     assert call.memory.strategy == "tokens" and dict(call.memory.params) == {"k": 32}
     assert call.sampling.top_k == 5 and call.sampling.ignore_eos

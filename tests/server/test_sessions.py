@@ -22,6 +22,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from server.app import build_app
+from server.auth import tenant_session_id
 from server.sessions import SessionRegistry
 from server.settings import ServerSettings, tenant_of
 from tests.server.conftest import API_KEY, MODEL
@@ -120,7 +121,7 @@ async def documents_of(http: httpx.AsyncClient, session_id: str) -> list[dict[st
 
 
 def engine_id(session_id: str, key: str = API_KEY) -> str:
-    return f"{tenant_of(key)}/{session_id}"
+    return tenant_session_id(tenant_of(key), session_id)
 
 
 # --- sessions ---------------------------------------------------------------------------------

