@@ -176,6 +176,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         _lazy("memory_store.cli", "add_arguments"),
         _lazy("memory_store.cli", "run"),
     ),
+    "ingest": Subcommand(
+        "pre-encode documents offline into a memory-store collection",
+        _lazy("engine.ingest_cli", "add_arguments"),
+        _lazy("engine.ingest_cli", "run"),
+    ),
 }
 
 
