@@ -29,6 +29,19 @@ class FrameConfig:
     tail: the last `tail` tokens of an append longer than that are forwarded on their own, so
         the tokens whose logits are returned (the end of a question) retrieve for themselves
         instead of sharing a retrieval with a whole chunk of document; 0 disables it.
+    read_retrieval: 1 lets every forward retrieve from memory; 0 (default) lets only forwards
+        of at most `tail` tokens retrieve (the question's tail forward and decode steps),
+        while the chunks of a long append (document reading) attend to sinks + local window +
+        chunk only, as in the prototype that first kept passkey at 11.5K ("retrieval only for
+        the question"). Every token is still stored and retrievable later (its upper-layer
+        keys and values were computed without long-range context). Measured on SmolLM2-135M,
+        bench/passkey.py prompt at 12.3K tokens, key at depth 0.4, segments k 8 u 1: found
+        with 0 and with 1, but reading took 197 s with 0 against 335 s with 1 (one run each,
+        CPU, shared); with 1 a chat-template prompt of 12.6K tokens missed the key although
+        its block was in the frame for 90 of 90 (layer, KV head) pairs (see segments.py).
+        With chunk_size <= tail, or tail 0 (no forward of its own for the question), every
+        forward retrieves: measured, a question forward without retrieval answers wrong even
+        when the decode steps after it retrieve (12.6K chat prompt: " a magical item ...").
     """
 
     sinks: int = 64
@@ -37,6 +50,11 @@ class FrameConfig:
     block: int = 64
     m: int = 0
     tail: int = 32
+    read_retrieval: int = 0
+
+    def retrieves(self, num_tokens: int) -> bool:
+        """Whether a forward of num_tokens tokens retrieves from memory (see read_retrieval)."""
+        return bool(self.read_retrieval) or not self.tail or num_tokens <= self.tail
 
     @property
     def retrieval_budget(self) -> int:
@@ -55,7 +73,11 @@ class SegmentsConfig(FrameConfig):
         "mean" put the passkey block in the frame for 46 of 90 (layer, KV head) pairs and the
         answer was wrong; "bound" for 90 of 90, and the answer was right.
     Defaults: sinks 64, block 64, k 8, u 1, local window 1024, chunk 512: frame
-    64 + 8*3*64 + 1024 + 512 = 3136 tokens.
+    64 + 8*3*64 + 1024 + 512 = 3136 tokens. k and u measured (bench/passkey.py prompt, 12.3K
+    tokens, key at depth 0.4, one document read then the question forward swept): k 2, 4, 8,
+    16 with u 0 or 1, "bound", all found the key (24 retrieved blocks of near-identical filler
+    do not dilute it away), so k 8, u 1 keep the larger budget for real text; "mean" (k 4,
+    u 0) missed it.
     """
 
     k: int = 8
@@ -131,7 +153,7 @@ _CHOICES = {
     "score": ("mean", "bound"),
     "index": ("auto", "torch", "faiss-flat", "faiss-hnsw", "faiss-ivf"),
 }
-_MAY_BE_ZERO = {"m", "u", "d", "fit_tokens", "tail"}
+_MAY_BE_ZERO = {"m", "u", "d", "fit_tokens", "tail", "read_retrieval"}
 _MAY_BE_NEGATIVE = {"r"}
 
 

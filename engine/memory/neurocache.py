@@ -29,10 +29,13 @@ c 2, r = 3/4 depth, d = hidden/4, fit_tokens 1024, sinks 64, local window 1024, 
 
 from __future__ import annotations
 
+import base64
 import time
 import weakref
 from collections import deque
+from typing import Any
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -73,6 +76,7 @@ class NeurocacheSelector:
         self._window_h = torch.empty(0, self.hidden, device=self.device)
         self._previous: deque[torch.Tensor] = deque(maxlen=max(config.c - 1, 1))
         self._current: torch.Tensor | None = None  # memory indices retrieved for this chunk
+        self._window: torch.Tensor | None = None  # this chunk's own hits + window (for export)
         layer = model.get_decoder().layers[self.r]
         handle = layer.register_forward_hook(self._after_layer_r, with_kwargs=True)
         weakref.finalize(self, handle.remove)
@@ -100,7 +104,8 @@ class NeurocacheSelector:
         h = (output[0] if isinstance(output, tuple) else output)[0]  # (T, hidden)
         self._chunk_h = h.float()
         self._current = None
-        if self.cache.ntotal:
+        self._window = None
+        if self.cache.ntotal and self.config.retrieves(h.shape[0]):
             start = time.perf_counter()
             self._current = self._retrieve(self._chunk_h)
             self.seconds += time.perf_counter() - start
@@ -118,6 +123,7 @@ class NeurocacheSelector:
         hits = best_unique(scores.flatten(), ids.flatten(), c.k)
         window = (hits[:, None] + torch.arange(c.w, device=hits.device)).flatten()
         window = window[window < self.cache.ntotal]
+        self._window = window
         retrieved = torch.cat([window, *self._previous]) if c.c > 1 else window
         if c.c > 1:
             self._previous.appendleft(window)
@@ -136,6 +142,27 @@ class NeurocacheSelector:
         assert self._chunk_h is not None
         self._window_h = torch.cat((self._window_h, self._chunk_h[to_sinks:]))
         self._chunk_h = None
+
+    def export_chunk_state(self) -> dict[str, Any]:
+        """The forwarded chunk's layer-r states (fp16) and its own retrieval window: what
+        rebuilding the cache and the extended cache attention needs without the model."""
+        assert self._chunk_h is not None, "no forwarded chunk to export"
+        h = self._chunk_h.to(torch.float16).cpu().numpy()  # (T, hidden)
+        window = None if self._window is None else self._window.tolist()
+        return {
+            "neurocache_h": base64.b64encode(h.astype("<f2").tobytes()).decode("ascii"),
+            "neurocache_h_shape": list(h.shape),
+            "neurocache_window": window,
+        }
+
+    def import_chunk_state(self, state: dict[str, Any], forwarded: bool) -> None:
+        shape = tuple(state["neurocache_h_shape"])
+        raw = base64.b64decode(state["neurocache_h"])
+        h = np.frombuffer(raw, dtype="<f2").reshape(shape)
+        self._chunk_h = torch.from_numpy(h.astype(np.float32)).to(self.device)
+        window = state.get("neurocache_window")
+        if not forwarded and window is not None and self.config.c > 1:
+            self._previous.appendleft(torch.tensor(window, dtype=torch.long, device=self.device))
 
     def on_abort(self) -> None:
         self._chunk_h = None

@@ -19,9 +19,15 @@ pre-rotary key of the block (CacheFormer's compressed segment). On SmolLM2-135M'
 answer; the bound found it in all and answered.
 
 Measured on SmolLM2-135M (CPU, greedy): passkey in a ~3.2K-token prompt with local window 512,
-k=4, u=1 found at 3 of 3 depths; at 12.6K tokens with the defaults the passkey block was in
-the frame for all 90 (layer, KV head) pairs but the answer was wrong (the model has to pick it
-out of 24 retrieved blocks of near-identical filler; smaller k is the next thing to measure).
+k=4, u=1 found at 3 of 3 depths; at 12.6K tokens (chat-template prompt) with every chunk
+retrieving while reading, the passkey block was in the frame for all 90 (layer, KV head)
+pairs but the answer was wrong. Dilution by many filler blocks is not the cause: on
+bench/passkey.py's prompt at 12.3K tokens (key at depth 0.4), reading once and then sweeping
+the question forward, k 2/4/8/16 x u 0/1 x retrieved tokens packed after the sinks or placed
+right before the local window all found the key, with reading that retrieved and with reading
+that did not; only score "mean" (k 4, u 0) missed it (passkey block in 40 of 90 pairs, answer
+"123456"). So reading retrieves nothing by default (config.read_retrieval: same answers,
+1.7x faster reading) and k 8, u 1, "bound" stay.
 
 Defaults (SegmentsConfig): sinks 64, block 64, k 8, u 1, score "bound", local window 1024,
 chunk 512, tail 32.
@@ -81,6 +87,8 @@ class SegmentSelector:
         self, layer: int, q_pre: torch.Tensor, store: LayerStore, scaling: float
     ) -> torch.Tensor | None:
         c = self.config
+        if not c.retrieves(q_pre.shape[2]):
+            return None
         num_blocks = store.mem_k.size // c.block
         kvh = q_pre.shape[0]
         device = q_pre.device

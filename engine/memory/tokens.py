@@ -61,7 +61,7 @@ class TokenSelector:
     def select(
         self, layer: int, q_pre: torch.Tensor, store: LayerStore, scaling: float
     ) -> torch.Tensor | None:
-        if layer not in self.layers:
+        if layer not in self.layers or not self.config.retrieves(q_pre.shape[2]):
             return None
         kvh, group, T, d = q_pre.shape
         rows_t = query_rows(T, max(1, self.config.max_queries // group))
