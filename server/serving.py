@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -376,6 +376,28 @@ class UsageCounter:
 # ---------------------------------------------------------------------------------------------
 # Responses: SSE framing and disconnect handling.
 # ---------------------------------------------------------------------------------------------
+
+
+async def answer(
+    raw_request: Request,
+    streams: ChoiceStreams,
+    stream: bool,
+    gather: Callable[[ChoiceStreams], Awaitable[T]],
+    stream_chunks: Callable[[ChoiceStreams], AsyncIterator[str]],
+) -> T | EventSourceResponse:
+    """Gather the choices into one response, or stream them as SSE once their first deltas are in
+    (so an engine error raised at once still becomes an HTTP status, not an error event)."""
+    if not stream:
+        try:
+            return await until_disconnected(raw_request, gather(streams))
+        finally:
+            await streams.aclose()
+    try:
+        await streams.prime(HEADERS_DEADLINE_SECONDS)
+    except BaseException:
+        await streams.aclose()
+        raise
+    return sse_response(streams, stream_chunks(streams))
 
 
 def sse_response(streams: ChoiceStreams, chunks: AsyncIterator[str]) -> EventSourceResponse:

@@ -25,11 +25,11 @@ from server.protocol import (
     TopLogprob,
 )
 from server.serving import (
-    HEADERS_DEADLINE_SECONDS,
     ChoiceStreams,
     Job,
     ServingContext,
     UsageCounter,
+    answer,
     check_max_tokens,
     check_model,
     check_n,
@@ -37,10 +37,8 @@ from server.serving import (
     engine_memory,
     fan_out,
     new_id,
-    sse_response,
     stop_sequences,
     top_k_of,
-    until_disconnected,
 )
 from server.sessions import registry_of
 
@@ -127,20 +125,14 @@ async def create_chat_completion(
     session_id, memory = engine_memory(tenant, request.session_id, request.memory)
     streams = await ChoiceStreams.start(ctx, jobs, session_id, memory)
 
-    if not request.stream:
-        try:
-            return await until_disconnected(raw_request, _gather(streams, chat_id, model))
-        finally:
-            await streams.aclose()
-
-    try:
-        await streams.prime(HEADERS_DEADLINE_SECONDS)
-    except BaseException:
-        await streams.aclose()
-        raise
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    chunks = _stream_chunks(streams, chat_id, model, include_usage)
-    return sse_response(streams, chunks)
+    return await answer(
+        raw_request,
+        streams,
+        bool(request.stream),
+        lambda s: _gather(s, chat_id, model),
+        lambda s: _stream_chunks(s, chat_id, model, include_usage),
+    )
 
 
 async def _gather(streams: ChoiceStreams, chat_id: str, model: str) -> ChatCompletion:

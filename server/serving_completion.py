@@ -18,11 +18,11 @@ from server.protocol import (
     CompletionRequest,
 )
 from server.serving import (
-    HEADERS_DEADLINE_SECONDS,
     ChoiceStreams,
     Job,
     ServingContext,
     UsageCounter,
+    answer,
     check_max_tokens,
     check_model,
     check_n,
@@ -30,10 +30,8 @@ from server.serving import (
     engine_memory,
     fan_out,
     new_id,
-    sse_response,
     stop_sequences,
     top_k_of,
-    until_disconnected,
 )
 from server.sessions import registry_of
 
@@ -119,20 +117,14 @@ async def create_completion(
     session_id, memory = engine_memory(tenant, request.session_id, request.memory)
     streams = await ChoiceStreams.start(ctx, jobs, session_id, memory)
 
-    if not request.stream:
-        try:
-            return await until_disconnected(raw_request, _gather(streams, completion_id, model))
-        finally:
-            await streams.aclose()
-
-    try:
-        await streams.prime(HEADERS_DEADLINE_SECONDS)
-    except BaseException:
-        await streams.aclose()
-        raise
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    chunks = _stream_chunks(streams, completion_id, model, include_usage)
-    return sse_response(streams, chunks)
+    return await answer(
+        raw_request,
+        streams,
+        bool(request.stream),
+        lambda s: _gather(s, completion_id, model),
+        lambda s: _stream_chunks(s, completion_id, model, include_usage),
+    )
 
 
 async def _gather(streams: ChoiceStreams, completion_id: str, model: str) -> Completion:
