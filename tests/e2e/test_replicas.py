@@ -82,7 +82,7 @@ class MemoryServiceProcess:
 
 
 @pytest.fixture
-def redis(redis_server: RedisProcess) -> RedisProcess:  # noqa: F811 (the fixture)
+def redis(redis_server: RedisProcess) -> RedisProcess:
     """The memory-store tests' real redis-server (AOF on, fsync always)."""
     return redis_server
 

