@@ -7,12 +7,15 @@ import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import uvicorn
 
 from memory_store.backends import Backend, EmbeddedBackend, RedisBackend, RetryPolicy
 
@@ -149,3 +152,30 @@ def minilm():
     from memory_store.embedder import Embedder
 
     return Embedder()
+
+
+class ThreadedServer:
+    """uvicorn on a real port in a thread, stoppable and restartable on the same port."""
+
+    def __init__(self, app: Any, port: int) -> None:
+        self.app, self.port = app, port
+        self.server: uvicorn.Server | None = None
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        config = uvicorn.Config(
+            self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.server is not None and self.thread is not None:
+            self.server.should_exit = True
+            self.thread.join(timeout=10)
+        self.server = self.thread = None

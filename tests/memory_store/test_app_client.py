@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import threading
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 from pydantic import ValidationError
 
 from memory_store.app import build_app
@@ -31,7 +28,7 @@ from memory_store.client import MemoryStoreClient, wait_until_ready
 from memory_store.encodings import DocumentManifest, chain_hashes
 from memory_store.settings import MemoryStoreSettings
 
-from .conftest import FAST_RETRY, HashingEncoder, RedisProcess, free_port
+from .conftest import FAST_RETRY, HashingEncoder, RedisProcess, ThreadedServer, free_port
 from .test_encodings import FP, make_chunk
 
 FAST_HTTP_RETRY = RetryPolicy(attempts=3, base_delay_s=0.02, max_delay_s=0.1)
@@ -172,32 +169,6 @@ async def test_backend_down_is_503_and_recovers(redis_server: RedisProcess, tmp_
         np.testing.assert_array_equal(got.keys[0], chunk.keys[0].astype(np.float16))
     await c.close()
     await backend.close()
-
-
-class ThreadedServer:
-    """uvicorn on a real port in a thread, stoppable and restartable on the same port."""
-
-    def __init__(self, app, port: int) -> None:
-        self.app, self.port = app, port
-        self.server: uvicorn.Server | None = None
-        self.thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        config = uvicorn.Config(
-            self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off"
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        assert self.server is not None and self.thread is not None
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 async def test_http_client_reconnects_after_service_restart(tmp_path: Path) -> None:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -16,7 +14,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
 from memory_store.app import build_app as build_memory_service
@@ -30,6 +27,7 @@ from tests.memory_store.conftest import (  # noqa: F401 - redis_server is a fixt
     FAST_RETRY,
     HashingEncoder,
     RedisProcess,
+    ThreadedServer,
     free_port,
     redis_server,
 )
@@ -122,33 +120,6 @@ def error_code(response: httpx.Response, status: int) -> str:
 # ---------------------------------------------------------------------------------------------
 # Stores.
 # ---------------------------------------------------------------------------------------------
-
-
-class ThreadedServer:
-    """uvicorn on a real port in a thread, stoppable and restartable on the same port."""
-
-    def __init__(self, app: FastAPI, port: int) -> None:
-        self.app, self.port = app, port
-        self.server: uvicorn.Server | None = None
-        self.thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        config = uvicorn.Config(
-            self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off"
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        if self.server is not None and self.thread is not None:
-            self.server.should_exit = True
-            self.thread.join(timeout=10)
-        self.server = self.thread = None
 
 
 def embedded_client(directory: Path) -> MemoryStoreClient:
