@@ -42,6 +42,11 @@ class FrameConfig:
         With chunk_size <= tail, or tail 0 (no forward of its own for the question), every
         forward retrieves: measured, a question forward without retrieval answers wrong even
         when the decode steps after it retrieve (12.6K chat prompt: " a magical item ...").
+    tier: where memory blocks live. "device" (default) keeps them beside the model; "host"
+        keeps them in (page-locked) host memory and copies only the rows a forward retrieves
+        to the device, so a GPU holds sinks, window, summaries and indices while the bulk of
+        a long session sits in host RAM. Sinks and window always stay on the device. On a
+        CPU-only machine both tiers are the same memory.
     """
 
     sinks: int = 64
@@ -51,6 +56,7 @@ class FrameConfig:
     m: int = 0
     tail: int = 32
     read_retrieval: int = 0
+    tier: str = "device"
 
     def retrieves(self, num_tokens: int) -> bool:
         """Whether a forward of num_tokens tokens retrieves from memory (see read_retrieval)."""
@@ -152,6 +158,7 @@ CONFIGS: dict[str, type[FrameConfig]] = {
 _CHOICES = {
     "score": ("mean", "bound"),
     "index": ("auto", "torch", "faiss-flat", "faiss-hnsw", "faiss-ivf"),
+    "tier": ("device", "host"),
 }
 _MAY_BE_ZERO = {"m", "u", "d", "fit_tokens", "tail", "read_retrieval"}
 _MAY_BE_NEGATIVE = {"r"}

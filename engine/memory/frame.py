@@ -33,21 +33,44 @@ from engine.memory.rotary import RotaryTable
 
 
 class GrowingBuffer:
-    """(heads, n, dim) with amortised O(1) appends along n and O(n) drops from the front."""
+    """(heads, n, dim) with amortised O(1) appends along n and O(n) drops from the front.
 
-    def __init__(self, heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    pin: keep the data in page-locked host memory (a host tier feeding a CUDA device), so
+    copies of retrieved rows to the device can run asynchronously."""
+
+    def __init__(
+        self,
+        heads: int,
+        dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        pin: bool = False,
+    ) -> None:
         self.data = torch.empty(heads, 0, dim, dtype=dtype, device=device)
         self.size = 0
+        self.pin = pin and device.type == "cpu" and torch.cuda.is_available()
 
     def append(self, x: torch.Tensor) -> None:  # x (heads, n, dim)
         n = x.shape[1]
         if self.size + n > self.data.shape[1]:
             capacity = max(2 * self.data.shape[1], self.size + n, 256)
             grown = self.data.new_empty(self.data.shape[0], capacity, self.data.shape[2])
+            if self.pin:
+                grown = grown.pin_memory()
             grown[:, : self.size] = self.data[:, : self.size]
             self.data = grown
-        self.data[:, self.size : self.size + n] = x
+        self.data[:, self.size : self.size + n] = x.to(self.data.device)
         self.size += n
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def to(self, device: torch.device, pin: bool = False) -> None:
+        """Move the held rows (only those: spare capacity is dropped) to device."""
+        data = self.data[:, : self.size].to(device)
+        self.pin = pin and device.type == "cpu" and torch.cuda.is_available()
+        self.data = data.pin_memory() if self.pin else data.clone()
 
     def drop_front(self, n: int) -> None:
         kept = self.data[:, n : self.size].clone()
@@ -71,6 +94,12 @@ class LayerStore:
     local_v: torch.Tensor
     mem_k: GrowingBuffer
     mem_v: GrowingBuffer
+
+    def to(self, device: torch.device, memory_device: torch.device, pin: bool) -> None:
+        self.sink_k, self.sink_v = self.sink_k.to(device), self.sink_v.to(device)
+        self.local_k, self.local_v = self.local_k.to(device), self.local_v.to(device)
+        self.mem_k.to(memory_device, pin)
+        self.mem_v.to(memory_device, pin)
 
     def nbytes(self) -> int:
         small = (self.sink_k, self.sink_v, self.local_k, self.local_v)
@@ -133,14 +162,16 @@ class FrameState:
         self.rotary = rotary
         self.kv_heads = kv_heads
         empty = torch.empty(kv_heads, 0, head_dim, dtype=dtype, device=device)
+        host = config.tier == "host"
+        memory_device = torch.device("cpu") if host else device
         self.layers = [
             LayerStore(
                 empty,
                 empty,
                 empty,
                 empty,
-                GrowingBuffer(kv_heads, head_dim, dtype, device),
-                GrowingBuffer(kv_heads, head_dim, dtype, device),
+                GrowingBuffer(kv_heads, head_dim, dtype, memory_device, pin=host),
+                GrowingBuffer(kv_heads, head_dim, dtype, memory_device, pin=host),
             )
             for _ in range(num_layers)
         ]
@@ -153,6 +184,25 @@ class FrameState:
         self.last_selected: dict[int, torch.Tensor] = {}  # layer -> (kv_heads, R), for tests
         self._positions: torch.Tensor | None = None
         self._pending = _Pending()
+        self._device = device
+
+    # -- tiers -------------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def to(self, device: torch.device) -> None:
+        """Move the whole frame (sinks, window, memory, the strategy's structures) to device;
+        with tier "host" the memory blocks stay on the host whatever the device."""
+        device = torch.device(device)
+        host = self.config.tier == "host"
+        memory_device = torch.device("cpu") if host else device
+        for store in self.layers:
+            store.to(device, memory_device, pin=host)
+        move = getattr(self.selector, "to", None)
+        if move is not None:
+            move(device)
         self._device = device
 
     # -- positions ---------------------------------------------------------------------------
@@ -211,8 +261,10 @@ class FrameState:
                 self.last_selected[layer] = idx
                 ok = idx >= 0
                 gather = idx.clamp(min=0)[..., None].expand(-1, -1, key.shape[-1])
-                mem_k = store.mem_k.view().gather(1, gather)
-                mem_v = store.mem_v.view().gather(1, gather)
+                gather = gather.to(store.mem_k.device)
+                # host tier: only the retrieved rows cross to the device
+                mem_k = store.mem_k.view().gather(1, gather).to(self._device, non_blocking=True)
+                mem_v = store.mem_v.view().gather(1, gather).to(self._device, non_blocking=True)
                 frame_pos = self.config.sinks + torch.arange(idx.shape[1], device=self._device)
                 keys.append(self.rotary.rotate(mem_k, frame_pos))
                 values.append(mem_v)

@@ -81,6 +81,13 @@ class VectorIndex:
         self._size -= n
         self._faiss, self._faiss_size, self._trained_at = None, 0, 0
 
+    def to(self, device: torch.device | str) -> None:
+        """Move the vectors to device; a faiss index is rebuilt on the next search."""
+        self.device = torch.device(device)
+        self._vectors = self._vectors[: self._size].to(self.device).clone()
+        self._faiss, self._faiss_size, self._trained_at = None, 0, 0
+        self._on_faiss_gpu = False
+
     def current_backend(self) -> str:
         if self.backend != "auto":
             return self.backend

@@ -202,6 +202,18 @@ class NeurocacheSelector:
         self._previous.clear()
         self._previous.extend(p[p >= 0] for p in shifted)
 
+    def to(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.cache.to(device)
+        self._raw.to(device)
+        self._window_h = self._window_h.to(device)
+        if self.weight is not None and self.mean is not None:
+            self.weight, self.mean = self.weight.to(device), self.mean.to(device)
+        previous = [p.to(device) for p in self._previous]
+        self._previous.clear()
+        self._previous.extend(previous)
+        self._current = None if self._current is None else self._current.to(device)
+
     def pop_seconds(self) -> float:
         seconds, self.seconds = self.seconds, 0.0
         return seconds

@@ -104,6 +104,11 @@ class SegmentSelector:
             chosen.scatter_(1, lines, True)
         return blocks_to_tokens(chosen, c.block)
 
+    def to(self, device: torch.device) -> None:
+        for summary in self.summaries:
+            for buf in summary.values():
+                buf.to(device)
+
     def nbytes(self) -> int:
         return sum(b.nbytes() for s in self.summaries for b in s.values())
 

@@ -77,7 +77,35 @@ class SessionMemory:
         self._last_logits: torch.Tensor | None = None
         # chain hash of every forward (or imported chunk) so far; None for an empty session
         self.state_hash: str | None = None
+        self._offloaded = False
         use_memory_attention(model)
+
+    # -- tiers: an idle session leaves the device ------------------------------------------
+
+    @property
+    def offloaded(self) -> bool:
+        """True while the session sits in host memory instead of beside the model."""
+        return self._offloaded
+
+    def offload(self) -> None:
+        """Move the whole session (keys, values, summaries, indices) to host memory. The next
+        append, ingest or import brings it back first. On a CPU model this changes nothing
+        but the bookkeeping: host and device are the same memory."""
+        host = torch.device("cpu")
+        self._frame.to(host)
+        if self._last_logits is not None:
+            self._last_logits = self._last_logits.to(host)
+        self._offloaded = True
+
+    def reload(self) -> None:
+        """Bring an offloaded session back to the model's device (no-op when it is there)."""
+        if not self._offloaded:
+            return
+        device = next(self.model.parameters()).device
+        self._frame.to(device)
+        if self._last_logits is not None:
+            self._last_logits = self._last_logits.to(device)
+        self._offloaded = False
 
     @property
     def num_tokens(self) -> int:
@@ -103,6 +131,7 @@ class SessionMemory:
         should_stop() is checked before every chunk but the first; stopping leaves the memory
         holding exactly the chunks read. on_progress(tokens_done) follows every chunk.
         """
+        self.reload()
         input_ids = input_ids.reshape(-1)
         if input_ids.numel() == 0:
             if self._last_logits is None:
@@ -150,6 +179,7 @@ class SessionMemory:
         The session commits the fp16 copy it exported, so it holds exactly what a session
         rebuilt from the encoding holds (write-through). Returns (logits (vocab,), encoding).
         """
+        self.reload()
         ids = input_ids.reshape(-1)
         if ids.numel() == 0:
             raise InvalidRequest("nothing to read: input_ids is empty", param="input_ids")
@@ -184,6 +214,7 @@ class SessionMemory:
         num_new = encoding.num_tokens
         if num_new == 0:
             return
+        self.reload()
         if len(encoding.keys) != len(self._frame.layers):
             raise InvalidRequest(
                 f"encoding has {len(encoding.keys)} layers, the model {len(self._frame.layers)}",

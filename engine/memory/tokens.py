@@ -76,6 +76,11 @@ class TokenSelector:
             out[head, : ids.numel()] = ids.sort().values.to(out.device)
         return out
 
+    def to(self, device: torch.device) -> None:
+        for per_layer in self.indices.values():
+            for index in per_layer:
+                index.to(device)
+
     def nbytes(self) -> int:
         return sum(i.nbytes() for per_layer in self.indices.values() for i in per_layer)
 

@@ -96,3 +96,47 @@ def test_upper_layers_only():
     memory = SessionMemory(model, MemorySpec("tokens", dict(SMALL["tokens"], layers="upper")))
     memory.append(torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(10)))
     assert set(memory._frame.last_selected) == {1}
+
+
+def _run(memory: SessionMemory, ids: torch.Tensor, steps: int = 3) -> list[torch.Tensor]:
+    out = [memory.append(ids)]
+    for _ in range(steps):
+        out.append(memory.append(out[-1].argmax()[None]))
+    return out
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_host_tier_and_offload_change_no_logits(strategy):
+    """tier "host" keeps memory blocks on the host and copies retrieved rows over; offloading
+    an idle session moves everything and the next append brings it back. Same logits."""
+    model = tiny("llama")
+    ids = torch.randint(0, 300, (400,), generator=torch.Generator().manual_seed(9))
+    reference = _run(SessionMemory(model, MemorySpec(strategy, SMALL[strategy])), ids)
+    host = SessionMemory(model, MemorySpec(strategy, dict(SMALL[strategy], tier="host")))
+    assert all(layer.mem_k.device.type == "cpu" for layer in host._frame.layers)
+    for got, want in zip(_run(host, ids), reference, strict=True):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+    memory = SessionMemory(model, MemorySpec(strategy, SMALL[strategy]))
+    first = memory.append(ids)
+    memory.offload()
+    assert memory.offloaded and memory._frame.device.type == "cpu"
+    second = memory.append(first.argmax()[None])  # reloads first
+    assert not memory.offloaded
+    torch.testing.assert_close(first, reference[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(second, reference[1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_offload_moves_the_session_off_the_gpu(strategy):
+    model = tiny("llama").to("cuda")
+    ids = torch.randint(0, 300, (400,), generator=torch.Generator().manual_seed(9)).cuda()
+    memory = SessionMemory(model, MemorySpec(strategy, SMALL[strategy]))
+    first = memory.append(ids)
+    before = torch.cuda.memory_allocated()
+    memory.offload()
+    assert torch.cuda.memory_allocated() < before
+    assert all(layer.mem_k.device.type == "cpu" for layer in memory._frame.layers)
+    assert torch.isfinite(memory.append(first.argmax()[None])).all()
+    assert all(layer.mem_k.device.type == "cuda" for layer in memory._frame.layers)
