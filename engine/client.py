@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -44,7 +44,7 @@ from engine.protocol import (
 )
 from engine.store import StoreBridge, document_id, model_fingerprint
 from engine.store import ingest_steps as store_ingest_steps
-from engine.worker import Collector, Job, Worker
+from engine.worker import Collector, Job, Steps, Worker
 from memory_store.backends import StoreError
 from memory_store.client import MemoryStoreClient
 
@@ -274,6 +274,7 @@ class LocalEngine:
         total = len(ids) + sampling.max_tokens
         queued_at = time.perf_counter()
 
+        steps: Steps
         if session_id is not None:
             if memory_module() is None or session_id not in self._sessions:
                 raise SessionNotFound(f"session {session_id!r} has no memory")
@@ -311,7 +312,7 @@ class LocalEngine:
 
         return self._submit(request_id, steps, session_id, on_abort)
 
-    def _submit(self, request_id: str, steps: Iterator[Any], session_id: str | None,
+    def _submit(self, request_id: str, steps: Steps, session_id: str | None,
                 on_abort: Any) -> _OutputStream:
         collector = Collector(asyncio.get_running_loop())
         job = Job(request_id, steps, collector, session_id=session_id, on_abort=on_abort)
@@ -360,13 +361,13 @@ class LocalEngine:
 
     def _ephemeral_steps(self, mem: ModuleType, spec: MemorySpec, prompt_ids: torch.Tensor,
                          sampling: SamplingParams, queued_at: float
-                         ) -> Iterator[GenerationDelta | None]:
+                         ) -> Generator[GenerationDelta | None, None, None]:
         state = MemoryState(mem.SessionMemory(self.loaded.model, spec), spec.strategy)
         yield from generate_steps(state, prompt_ids, sampling, self._device_tokenizer,
                                   queued_at=queued_at, **self._decode_kwargs())
 
     def _session_steps(self, session_id: str, prompt_ids: torch.Tensor, sampling: SamplingParams,
-                       queued_at: float) -> Iterator[GenerationDelta | None]:
+                       queued_at: float) -> Generator[GenerationDelta | None, None, None]:
         session = self._sessions.get(session_id)
         if session is None:
             raise SessionNotFound(f"session {session_id!r} has no memory")
@@ -433,7 +434,7 @@ class LocalEngine:
                             session_id, None)
 
     def _ingest_steps(self, request_id: str, session_id: str, text: str
-                      ) -> Iterator[IngestProgress | None]:
+                      ) -> Generator[IngestProgress | None, None, None]:
         self._ingest_ids.add(request_id)
         try:
             started = time.perf_counter()

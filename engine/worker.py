@@ -25,7 +25,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from engine.protocol import EngineDead, EngineError, EngineOverloaded
 
@@ -68,10 +68,21 @@ class Collector:
         return (kind == _ITEM), value
 
 
+class Steps(Protocol):
+    """A job's work: each `next()` is one step, yielding an output for the collector or None
+    for a quiet step; `close()` stops it early and frees its state (generators have both)."""
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+    def __next__(self) -> Any: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass(eq=False)
 class Job:
     request_id: str
-    steps: Iterator[Any]  # yields an output for the collector, or None for a quiet step
+    steps: Steps
     collector: Collector
     session_id: str | None = None
     # The output to send when the job is aborted (e.g. a delta with finish_reason "abort"),
@@ -84,7 +95,7 @@ class Job:
     last_turn: int = 0  # the loop iteration in which it last ran a step on its own
 
 
-RunBatch = Callable[[Sequence[Any]], Sequence[Any]]
+RunBatch = Callable[[list[Any]], Sequence[Any]]
 """Runs the next step of several jobs' steps (each `batch_ready`) together: one output (or
 None, or the Exception that one job's step raised) per job, in order. Raises when the whole step
 failed and changed nothing; the jobs then run the step one by one."""
