@@ -11,6 +11,7 @@ import asyncio
 import copy
 import dataclasses
 import importlib
+import logging
 import re
 import tempfile
 import threading
@@ -47,6 +48,8 @@ from engine.store import ingest_steps as store_ingest_steps
 from engine.worker import Collector, Job, Steps, Worker
 from memory_store.backends import StoreError
 from memory_store.client import MemoryStoreClient
+
+logger = logging.getLogger(__name__)
 
 MAX_TOP_LOGPROBS = 20
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
@@ -105,29 +108,34 @@ def _message_text(message: Any, index: int) -> tuple[str, str]:
     raise InvalidRequest(f"message {index} content must be a string or a list", param="messages")
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[Any]) -> list[int]:
-    """Token ids of chat messages rendered by the chat template, with a generation prompt.
+Turn = tuple[str, str]
+"""One chat message as a session remembers it: (role, content text)."""
 
-    Message contents never become control tokens: the template is rendered around placeholders,
-    the template's own text is tokenized with special tokens recognised, and each content is
-    tokenized with split_special_tokens=True, so a user typing "<|im_start|>system" gets text.
-    """
+
+def message_turns(messages: Sequence[Any]) -> list[Turn]:
+    """(role, text) of each message; InvalidRequest for malformed ones."""
     if isinstance(messages, str | bytes) or not messages:
         raise InvalidRequest("messages must be a non-empty list", param="messages")
-    if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequest("this model has no chat template; use completions", param="messages")
-    contents: list[str] = []
-    templated = []
-    for i, message in enumerate(messages):
-        role, text = _message_text(message, i)
-        templated.append({"role": role, "content": _PLACEHOLDER.format(i)})
-        contents.append(text)
+    return [_message_text(message, i) for i, message in enumerate(messages)]
+
+
+def _render(tokenizer: Any, turns: Sequence[Turn], offset: int, generation_prompt: bool) -> str:
+    """The chat template around placeholders: turn i's content is placeholder offset + i."""
+    templated = [
+        {"role": role, "content": _PLACEHOLDER.format(offset + i)}
+        for i, (role, _) in enumerate(turns)
+    ]
     try:
-        rendered = tokenizer.apply_chat_template(
-            templated, tokenize=False, add_generation_prompt=True
-        )
+        return str(tokenizer.apply_chat_template(
+            templated, tokenize=False, add_generation_prompt=generation_prompt
+        ))
     except Exception as e:  # templates raise on role orders they do not support
         raise InvalidRequest(f"chat template rejected the messages: {e}", param="messages") from e
+
+
+def _tokenize_rendered(tokenizer: Any, rendered: str, contents: Sequence[str]) -> list[int]:
+    """Token ids of a rendered template: its own text with special tokens recognised, each
+    placeholder's content with split_special_tokens=True (so it never becomes control tokens)."""
     ids: list[int] = []
     pos = 0
     for match in _PLACEHOLDER_RE.finditer(rendered):
@@ -140,6 +148,54 @@ def encode_chat(tokenizer: Any, messages: Sequence[Any]) -> list[int]:
     if pos < len(rendered):
         ids += tokenizer(rendered[pos:], add_special_tokens=False).input_ids
     return ids
+
+
+def encode_chat(tokenizer: Any, messages: Sequence[Any], history: Sequence[Turn] = ()) -> list[int]:
+    """Token ids of chat messages rendered by the chat template, with a generation prompt.
+
+    With a history (the turns a session's memory already holds), only the continuation is
+    encoded: the template rendered over history + messages, minus its rendering of the history
+    alone. So what a template adds once per conversation (SmolLM2's default system prompt when
+    the first message is not a system message) is not repeated in the middle of a session. A
+    template whose rendering of the history is not a prefix of the whole (one that rewrites
+    earlier turns) gets the messages rendered on their own.
+
+    Message contents never become control tokens: the template is rendered around placeholders,
+    the template's own text is tokenized with special tokens recognised, and each content is
+    tokenized with split_special_tokens=True, so a user typing "<|im_start|>system" gets text.
+    """
+    if isinstance(messages, str | bytes) or not (messages or history):
+        raise InvalidRequest("messages must be a non-empty list", param="messages")
+    turns = [_message_text(message, i) for i, message in enumerate(messages)]
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest("this model has no chat template; use completions", param="messages")
+    contents = [text for _, text in history] + [text for _, text in turns]
+    rendered = _render(tokenizer, [*history, *turns], 0, True)
+    if history:
+        before = _render(tokenizer, history, 0, False)
+        if rendered.startswith(before):
+            rendered = rendered[len(before) :]
+        else:
+            rendered = _render(tokenizer, turns, len(history), True)
+    return _tokenize_rendered(tokenizer, rendered, contents)
+
+
+def assistant_turn_end(tokenizer: Any) -> list[int]:
+    """Token ids the chat template puts after an assistant message's content (SmolLM2:
+    "<|im_end|>\n"): what closes a generated answer in a session's memory, so that the next
+    turn follows the template. Empty for a model without a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    turns = [("user", ""), ("assistant", "")]
+    try:
+        rendered = _render(tokenizer, turns, 0, False)
+    except InvalidRequest:
+        return []
+    end = _PLACEHOLDER.format(1)
+    if end not in rendered:
+        return []
+    closing = rendered[rendered.index(end) + len(end) :]
+    return list(tokenizer(closing, add_special_tokens=False).input_ids) if closing else []
 
 
 def _validate_sampling(sampling: SamplingParams) -> None:
@@ -162,8 +218,14 @@ def _validate_sampling(sampling: SamplingParams) -> None:
 
 @dataclass
 class _Session:
+    """A session's memory and the conversation it holds (device thread only)."""
+
     memory: Any  # engine.memory.session.SessionMemory
     strategy: str
+    # Every chat message the memory holds, in order, each request's messages followed by the
+    # answer generated for them (see LocalEngine._session_steps).
+    turns: list[Turn] = dataclasses.field(default_factory=list)
+    last_used: float = dataclasses.field(default_factory=time.monotonic)
 
 
 class _OutputStream:
@@ -218,6 +280,7 @@ class LocalEngine:
         self._device_tokenizer = copy.deepcopy(self.loaded.tokenizer)  # device thread
         self._tokenizer_lock = threading.Lock()
         self._end_ids = end_token_ids(self._tokenizer, self.loaded.model)
+        self._turn_end = assistant_turn_end(self._tokenizer)  # closes an answer in a session
         self._vocab_size = len(self._tokenizer)
         self._sessions: dict[str, _Session] = {}  # written on the device thread only
         self._ingest_ids: set[str] = set()  # running ingestions (drop_session fails them)
@@ -279,7 +342,7 @@ class LocalEngine:
             if memory_module() is None or session_id not in self._sessions:
                 raise SessionNotFound(f"session {session_id!r} has no memory")
             self._check_memory_cap(self._sessions[session_id].memory.num_tokens + total)
-            steps = self._session_steps(session_id, prompt_ids, sampling, queued_at)
+            steps = self._session_steps(session_id, prompt, prompt_ids, sampling, queued_at)
         elif total <= self.loaded.max_model_len:
             steps = self._kv_steps(prompt_ids, sampling, queued_at)
         else:
@@ -366,16 +429,65 @@ class LocalEngine:
         yield from generate_steps(state, prompt_ids, sampling, self._device_tokenizer,
                                   queued_at=queued_at, **self._decode_kwargs())
 
-    def _session_steps(self, session_id: str, prompt_ids: torch.Tensor, sampling: SamplingParams,
-                       queued_at: float) -> Generator[GenerationDelta | None, None, None]:
+    def _session_steps(self, session_id: str, prompt: Prompt, prompt_ids: torch.Tensor,
+                       sampling: SamplingParams, queued_at: float
+                       ) -> Generator[GenerationDelta | None, None, None]:
+        """One request on a session's memory. Runs when the session's previous request has
+        finished (the worker runs a session's jobs one at a time), so it sees its last turn.
+
+        Chat messages: when they start with exactly the turns the memory already holds (role
+        and content compared message by message; a client resending the whole conversation),
+        only the messages after those are appended; otherwise (a client sending only its new
+        question, or an edited history) all of them are, as sent. Either way they are rendered
+        as the continuation of the conversation held, and the answer is closed with the
+        template's end of turn. A completion prompt is appended as it is.
+        """
         session = self._sessions.get(session_id)
         if session is None:
             raise SessionNotFound(f"session {session_id!r} has no memory")
+        new: list[Turn] | None = None
+        if not isinstance(prompt, str):
+            sent = message_turns(prompt)
+            held = session.turns
+            new = sent[len(held) :] if sent[: len(held)] == held else sent
+            prompt_ids = torch.tensor(
+                encode_chat(self._device_tokenizer, prompt[len(sent) - len(new) :], held),
+                dtype=torch.long,
+            )  # (T,)
         self._check_memory_cap(session.memory.num_tokens + len(prompt_ids) + sampling.max_tokens)
-        state = MemoryState(session.memory, session.strategy)
-        yield from generate_steps(state, prompt_ids, sampling, self._device_tokenizer,
-                                  queued_at=queued_at, append_final_token=True,
-                                  **self._decode_kwargs())
+        tokens_before = session.memory.num_tokens
+        generation = generate_steps(MemoryState(session.memory, session.strategy), prompt_ids,
+                                    sampling, self._device_tokenizer, queued_at=queued_at,
+                                    **self._decode_kwargs())
+        answer: list[str] = []
+        try:
+            for delta in generation:
+                if delta is not None:
+                    answer.append(delta.text)
+                yield delta
+        finally:  # finished, failed or aborted: the memory keeps what it read, turn closed
+            if self._sessions.get(session_id) is session:
+                self._end_turn(session, generation, tokens_before, new, "".join(answer))
+
+    def _end_turn(self, session: _Session, generation: Generation, tokens_before: int,
+                  new: list[Turn] | None, answer: str) -> None:
+        """After a request on a session: read the last sampled token (not yet read) and, for
+        chat, the template's end of turn into the memory, and remember the turns it holds."""
+        session.last_used = time.monotonic()
+        if session.memory.num_tokens == tokens_before:
+            return  # stopped before reading anything
+        tail = [generation.next_token] if generation.next_token is not None else []
+        if new is not None:
+            closing = self._turn_end
+            tail += closing[1:] if tail and closing and tail[-1] == closing[0] else closing
+            session.turns = [*session.turns, *new, ("assistant", answer)]
+        if not tail:
+            return
+        try:
+            with torch.inference_mode():
+                session.memory.append(torch.tensor(tail, dtype=torch.long))
+        except Exception:
+            logger.exception("closing a turn of a session failed")
 
     async def count_tokens(self, prompt: Prompt) -> int:
         return len(self.encode_prompt(prompt))

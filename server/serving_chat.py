@@ -118,6 +118,12 @@ async def create_chat_completion(
     model = check_model(ctx.engine, request.model)
     chat_id = new_id("chatcmpl")
     jobs = _jobs(ctx, request, chat_id)
+    if request.session_id and len(jobs) > 1:
+        raise invalid_request(
+            "n must be 1 with session_id: a session holds one conversation, and each answer "
+            "joins its memory.",
+            param="n",
+        )
     chars = sum(len(m.text()) for m in request.messages)
     await check_prompt_length(ctx, jobs[0].prompt, chars, "messages")
     if request.session_id:

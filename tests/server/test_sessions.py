@@ -590,6 +590,17 @@ async def test_chat_with_a_session_after_upload(engine: FakeEngine) -> None:
     assert [c.session_id for c in engine.calls] == [engine_id(sid)] * 3
 
 
+async def test_a_session_chat_has_one_choice(engine: FakeEngine) -> None:
+    app = build(engine)
+    async with http_client(app) as http:
+        sid = (await new_session(http))["id"]
+        body = {"model": MODEL, "messages": MESSAGES, "n": 2, "session_id": sid}
+        response = await http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "n"
+    assert engine.calls == []
+
+
 async def test_two_sessions_ingest_while_a_third_chats(engine: FakeEngine) -> None:
     engine.ingest_gate.clear()
     engine.ingest_chunk_tokens = 2
