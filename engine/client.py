@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -40,6 +40,7 @@ from engine.protocol import (
     PromptTooLong,
     RequestStats,
     SamplingParams,
+    SessionMemoryInfo,
     SessionNotFound,
     StoreUnavailableError,
 )
@@ -291,8 +292,12 @@ class LocalEngine:
             strategies=(tuple(mem.STRATEGIES) if mem is not None else ()) + ("larimar",),
             created=int(time.time()),
         )
-        self._worker = Worker(self.config.max_waiting_requests, self.config.max_running_requests,
-                              run_batch=self._step_batch)
+        offload_after = self.config.session_offload_after_s
+        self._worker = Worker(
+            self.config.max_waiting_requests, self.config.max_running_requests,
+            run_batch=self._step_batch,
+            housekeeping=self._offload_idle_sessions if offload_after > 0 else None,
+            housekeeping_interval_s=min(max(offload_after / 4, 0.01), 10.0))
         # The memory service (engine/store.py): None unless memory_store_url or data_dir is set.
         self._store = StoreBridge.from_config(self.config)
         self._model_fingerprint = (
@@ -548,9 +553,9 @@ class LocalEngine:
     def _ingest_steps(self, request_id: str, session_id: str, text: str
                       ) -> Generator[IngestProgress | None, None, None]:
         self._ingest_ids.add(request_id)
+        session = self._sessions.get(session_id)
         try:
             started = time.perf_counter()
-            session = self._sessions.get(session_id)
             if session is None:
                 raise SessionNotFound(f"session {session_id!r} has no memory")
             ids = self._device_tokenizer(
@@ -574,6 +579,8 @@ class LocalEngine:
                                      done=done == len(ids))
         finally:
             self._ingest_ids.discard(request_id)
+            if session is not None:
+                session.last_used = time.monotonic()
 
     # -- larimar (engine/larimar.py): the readout's sentences condition a plain generation -----
 
@@ -638,7 +645,31 @@ class LocalEngine:
             num_requests_waiting=self._worker.num_waiting,
             sessions_active=len(sessions),
             memory_tokens=sum(int(s.memory.num_tokens) for s in sessions),
+            sessions_offloaded=sum(1 for s in sessions if s.memory.offloaded),
         )
+
+    def session_memory_info(self, session_id: str) -> SessionMemoryInfo | None:
+        session = self._sessions.get(session_id)
+        if session is None:
+            return None
+        memory = session.memory
+        tier: Literal["device", "host"] = (
+            "host" if memory.offloaded or memory.config.tier == "host" else "device")
+        return SessionMemoryInfo(tokens=int(memory.num_tokens), tier=tier)
+
+    def _offload_idle_sessions(self) -> None:
+        """Worker housekeeping (device thread): move sessions idle for session_offload_after_s
+        to host memory. A session with a request or ingestion in flight is not idle; its
+        memory moves back by itself on its next append."""
+        now = time.monotonic()
+        busy = self._worker.busy_sessions()
+        for session_id, session in list(self._sessions.items()):
+            if session_id in busy:
+                session.last_used = now
+            elif (not session.memory.offloaded
+                  and now - session.last_used >= self.config.session_offload_after_s):
+                session.memory.offload()
+                logger.info("session %s idle: its memory moved to host memory", session_id)
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self._worker.stop)

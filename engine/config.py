@@ -25,6 +25,8 @@ class EngineConfig:
     encodings; data_dir: keep them in an embedded store under DATA_DIR/memory-store instead.
     With neither, documents are only read into the sessions' memories (nothing is stored).
     memory_store_timeout_s: how long one store call may take before it counts as an outage.
+    session_offload_after_s: a session idle this long (no request or ingestion) moves from the
+    device to host memory (SessionMemory.offload); its next request moves it back. 0 never.
     """
 
     model: str | None = None
@@ -40,6 +42,7 @@ class EngineConfig:
     memory_store_url: str | None = None
     data_dir: str | None = None
     memory_store_timeout_s: float = 30.0
+    session_offload_after_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.model is not None and not self.model.strip():
@@ -73,3 +76,5 @@ class EngineConfig:
             raise ValueError("data_dir must be a non-empty path when given")
         if not self.memory_store_timeout_s > 0:
             raise ValueError("memory_store_timeout_s must be positive")
+        if not self.session_offload_after_s >= 0:
+            raise ValueError("session_offload_after_s must be >= 0 (0 never offloads)")

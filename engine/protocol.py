@@ -172,6 +172,17 @@ class EngineStats:
     num_requests_waiting: int = 0
     sessions_active: int = 0
     memory_tokens: int = 0
+    sessions_offloaded: int = 0  # of sessions_active, those moved to host memory while idle
+
+
+@dataclass(frozen=True)
+class SessionMemoryInfo:
+    """Where a session's memory is now. tier "host": in host memory (an idle session moved
+    off the device, or one whose memory is configured to live there), "device": beside the
+    model. On a CPU-only engine both are the same memory."""
+
+    tokens: int
+    tier: Literal["device", "host"]
 
 
 @dataclass(frozen=True)
@@ -229,6 +240,11 @@ class EngineClient(Protocol):
     ) -> AsyncIterator[IngestProgress]:
         """Read a document into a session's memory segment by segment, streaming progress.
         SessionNotFound if the session has no memory. Closing the iterator cancels it."""
+        ...
+
+    def session_memory_info(self, session_id: str) -> SessionMemoryInfo | None:
+        """The session's memory now; None when this engine holds none in its own memory
+        (unknown session, or one kept in the memory service)."""
         ...
 
     async def health(self) -> EngineHealth: ...

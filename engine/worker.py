@@ -23,6 +23,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -102,13 +103,22 @@ failed and changed nothing; the jobs then run the step one by one."""
 
 
 class Worker:
-    """Owns the device thread, the waiting queue and the running set."""
+    """Owns the device thread, the waiting queue and the running set.
+
+    housekeeping, when given, runs on the device thread every housekeeping_interval_s seconds
+    (between steps when busy, on a timer when idle); its exceptions are logged, not fatal.
+    """
 
     def __init__(self, max_waiting: int, max_running: int, name: str = "longserve-engine",
-                 run_batch: RunBatch | None = None) -> None:
+                 run_batch: RunBatch | None = None,
+                 housekeeping: Callable[[], None] | None = None,
+                 housekeeping_interval_s: float = 1.0) -> None:
         self.max_waiting = max_waiting
         self.max_running = max_running
         self._run_batch = run_batch
+        self._housekeeping = housekeeping
+        self._housekeeping_interval_s = housekeeping_interval_s
+        self._next_housekeeping = time.monotonic() + housekeeping_interval_s
         self._turn = 0
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
@@ -177,6 +187,11 @@ class Worker:
     def jobs_for_session(self, session_id: str) -> list[str]:
         with self._cond:
             return [j.request_id for j in self._jobs.values() if j.session_id == session_id]
+
+    def busy_sessions(self) -> set[str]:
+        """Sessions with a job waiting or running."""
+        with self._cond:
+            return {j.session_id for j in self._jobs.values() if j.session_id is not None}
 
     def stop(self, timeout: float | None = 10.0) -> None:
         with self._cond:
@@ -290,7 +305,13 @@ class Worker:
             while True:
                 with self._cond:
                     while not (self._stopping or self._calls or self._waiting or self._running):
-                        self._cond.wait()
+                        if self._housekeeping is None:
+                            self._cond.wait()
+                            continue
+                        remaining = self._next_housekeeping - time.monotonic()
+                        if remaining <= 0:
+                            break
+                        self._cond.wait(remaining)
                     if self._stopping:
                         break
                     calls = list(self._calls)
@@ -299,10 +320,20 @@ class Worker:
                     running = list(self._running)
                 self._run_calls(calls)
                 self._loop_step(running)
+                self._housekeep()
         except BaseException as e:
             logger.exception("engine worker died")
             self.dead = e
         self._shutdown_jobs()
+
+    def _housekeep(self) -> None:
+        if self._housekeeping is None or time.monotonic() < self._next_housekeeping:
+            return
+        try:
+            self._housekeeping()
+        except Exception:
+            logger.exception("engine housekeeping failed")
+        self._next_housekeeping = time.monotonic() + self._housekeeping_interval_s
 
     def _loop_step(self, running: list[Job]) -> None:
         """One iteration: one step of the job that ran alone least recently among those that

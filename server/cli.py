@@ -124,6 +124,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "dtype": settings.dtype,
         "max_waiting_requests": settings.max_waiting_requests,
         "max_running_requests": settings.max_running_requests,
+        "session_offload_after_s": settings.session_offload_after_seconds,
         # One store for the engine's encodings and the server's session records: the memory
         # service, or the embedded store under --data-dir.
         "memory_store_url": settings.memory_store_url,

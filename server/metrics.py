@@ -121,6 +121,11 @@ class _EngineStatsCollector(Collector):
         yield GaugeMetricFamily(
             f"{PREFIX}memory_tokens", "Tokens held in session memories.", value=stats.memory_tokens
         )
+        yield GaugeMetricFamily(
+            f"{PREFIX}sessions_offloaded",
+            "Sessions whose memory was moved to host memory while idle.",
+            value=stats.sessions_offloaded,
+        )
 
 
 class Metrics:

@@ -280,6 +280,9 @@ class SessionCreateRequest(OpenAIModel):
 class SessionMemory(OpenAIModel):
     strategy: str | None  # None: the engine's configured default strategy
     params: dict[str, Any] = Field(default_factory=dict)
+    # "device": beside the model; "host": in host memory (idle sessions move there after
+    # session_offload_after_seconds). None: kept in the memory service (larimar).
+    tier: Literal["device", "host"] | None = None
 
 
 class SessionObject(OpenAIModel):

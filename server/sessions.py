@@ -38,6 +38,7 @@ from engine.protocol import (
     EngineError,
     IngestProgress,
     MemorySpec,
+    SessionMemoryInfo,
     StoreUnavailableError,
 )
 from memory_store.backends import NotFound, StoreError
@@ -188,7 +189,8 @@ class Session:
             metadata=dict(self.metadata),
         )
 
-    def view(self) -> SessionObject:
+    def view(self, held: SessionMemoryInfo | None = None) -> SessionObject:
+        """The API object; `held` is what the engine says of the session's memory now."""
         memory = self.memory
         return SessionObject(
             id=self.id,
@@ -196,6 +198,7 @@ class Session:
             memory=SessionMemory(
                 strategy=memory.strategy if memory else None,
                 params=dict(memory.params) if memory else {},
+                tier=held.tier if held else None,
             ),
             ttl_seconds=self.ttl_seconds,
             expires_at=int(self.last_used + self.ttl_seconds),
@@ -239,6 +242,9 @@ class SessionRegistry:
 
     def sessions(self, tenant: str) -> list[Session]:
         return list(self._by_tenant.get(tenant, {}).values())
+
+    def view(self, session: Session) -> SessionObject:
+        return session.view(self.engine.session_memory_info(session.engine_id))
 
     def get(self, tenant: str, session_id: str) -> Session:
         """A session this registry holds (no restore: see `lookup`)."""

@@ -66,6 +66,9 @@ class ServerSettings(BaseSettings):
     # A chat naming a session whose documents are still being read: wait for them, or 409.
     session_busy_policy: Literal["wait", "reject"] = "wait"
     session_wait_timeout_seconds: float = Field(default=300.0, ge=0)
+    # A session idle this long moves from device to host memory (its next request brings it
+    # back); 0 never moves it. Eviction is default_session_ttl_seconds' business.
+    session_offload_after_seconds: float = Field(default=300.0, ge=0)
 
     memory_store_url: str | None = None
     data_dir: str = "./data"

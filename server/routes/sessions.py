@@ -62,20 +62,22 @@ async def create_session(
     body: SessionCreateRequest | None = None,
     tenant: str = Depends(require_tenant),
 ) -> SessionObject:
-    session = await registry_of(request).create(tenant, body or SessionCreateRequest())
-    return session.view()
+    registry = registry_of(request)
+    return registry.view(await registry.create(tenant, body or SessionCreateRequest()))
 
 
 @router.get("/sessions", response_model=SessionList)
 async def list_sessions(request: Request, tenant: str = Depends(require_tenant)) -> SessionList:
-    return SessionList(data=[s.view() for s in registry_of(request).sessions(tenant)])
+    registry = registry_of(request)
+    return SessionList(data=[registry.view(s) for s in registry.sessions(tenant)])
 
 
 @router.get("/sessions/{session_id}", response_model=SessionObject)
 async def retrieve_session(
     session_id: str, request: Request, tenant: str = Depends(require_tenant)
 ) -> SessionObject:
-    return (await registry_of(request).lookup(tenant, session_id)).view()
+    registry = registry_of(request)
+    return registry.view(await registry.lookup(tenant, session_id))
 
 
 @router.delete("/sessions/{session_id}", response_model=SessionDeleted)

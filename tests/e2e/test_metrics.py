@@ -30,6 +30,7 @@ EXPECTED = {
     "longserve:retrieval_seconds": "histogram",
     "longserve:memory_tokens": "gauge",
     "longserve:sessions_active": "gauge",
+    "longserve:sessions_offloaded": "gauge",
     "longserve:memory_store_requests": "counter",
     "longserve:memory_store_request_seconds": "histogram",
     "process_cpu_seconds": "counter",

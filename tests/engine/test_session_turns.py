@@ -5,6 +5,8 @@ growth on the tiny random model."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from engine.client import assistant_turn_end, encode_chat
@@ -145,3 +147,36 @@ async def test_completions_leave_the_turns_alone(engine, small_memory_spec):
     deltas = await collect(engine.generate("c", "Some raw text", ANSWER, session_id="s"))
     assert memory.num_tokens == before + deltas[-1].prompt_tokens + deltas[-1].completion_tokens
     assert engine._sessions["s"].turns == [("user", "Hello?"), ("assistant", first)]
+
+
+# -- idle sessions move to host memory ---------------------------------------------------------
+
+
+async def wait_for_tier(engine, session_id, tier, timeout=10.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while engine.session_memory_info(session_id).tier != tier:
+        assert asyncio.get_running_loop().time() < deadline, f"{session_id} never reached {tier}"
+        await asyncio.sleep(0.05)
+
+
+async def test_an_idle_session_moves_to_host_memory_and_answers_the_same(
+    make_engine, small_memory_spec
+):
+    idle = make_engine(session_offload_after_s=0.2)
+    never = make_engine(session_offload_after_s=0)
+    answers = {}
+    for engine in (idle, never):
+        await engine.create_session("s", small_memory_spec)
+        await collect(engine.ingest("i", "s", "The access code is 4721. " * 20))
+        await ask(engine, "a", [{"role": "user", "content": "What is the code?"}])
+    await wait_for_tier(idle, "s", "host")
+    assert idle._sessions["s"].memory.offloaded
+    assert idle.stats().sessions_offloaded == 1 and never.stats().sessions_offloaded == 0
+    await asyncio.sleep(0.3)
+    assert never.session_memory_info("s").tier == "device"
+    for engine in (idle, never):
+        answers[engine] = await ask(engine, "b", [{"role": "user", "content": "Again?"}])
+    assert answers[idle][0] == answers[never][0] and answers[idle][2] == answers[never][2]
+    assert idle.session_memory_info("s").tokens == never.session_memory_info("s").tokens
+    await wait_for_tier(idle, "s", "host")  # idle again after the request
+    assert idle.session_memory_info("unknown") is None

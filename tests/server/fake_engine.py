@@ -38,6 +38,7 @@ from engine.protocol import (
     Prompt,
     RequestStats,
     SamplingParams,
+    SessionMemoryInfo,
     SessionNotFound,
     StoreUnavailableError,
     TokenLogprob,
@@ -111,6 +112,7 @@ class FakeEngine:
         # (the real engine's answer when the store failed under it).
         self.store_unavailable = False
         self.forwards_by_session: dict[str, int] = {}
+        self.offloaded: set[str] = set()  # sessions a test says are in host memory
 
     @property
     def model(self) -> ModelInfo:
@@ -305,6 +307,13 @@ class FakeEngine:
             if not finished:
                 self.ingest_cancelled.add(request_id)
 
+    def session_memory_info(self, session_id: str) -> SessionMemoryInfo | None:
+        if session_id not in self.sessions:
+            return None
+        tier = "host" if session_id in self.offloaded else "device"
+        words = sum(len(text.split()) for text in self.ingested.get(session_id, []))
+        return SessionMemoryInfo(tokens=words, tier=tier)
+
     async def health(self) -> EngineHealth:
         return EngineHealth(ok=not self.dead, detail="dead" if self.dead else "")
 
@@ -314,6 +323,7 @@ class FakeEngine:
             num_requests_waiting=0,
             sessions_active=len(self.sessions),
             memory_tokens=123,
+            sessions_offloaded=len(self.offloaded & self.sessions),
         )
 
     async def shutdown(self) -> None:

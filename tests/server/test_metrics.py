@@ -26,6 +26,7 @@ async def test_metrics_move(client: httpx.AsyncClient, engine: FakeEngine) -> No
     assert ("longserve:num_requests_running", ()) in before
     assert ("longserve:num_requests_waiting", ()) in before
     assert ("longserve:sessions_active", ()) in before
+    assert ("longserve:sessions_offloaded", ()) in before
 
     body = {
         "model": MODEL,

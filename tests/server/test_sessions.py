@@ -138,7 +138,7 @@ async def test_create_list_get_delete(engine: FakeEngine) -> None:
         )
         assert re.fullmatch(r"sess_[0-9a-f]{32}", session["id"])
         assert session["object"] == "session"
-        assert session["memory"] == {"strategy": "tokens", "params": {"k": 32}}
+        assert session["memory"] == {"strategy": "tokens", "params": {"k": 32}, "tier": "device"}
         assert session["ttl_seconds"] == 60
         assert session["expires_at"] - session["created_at"] in (59, 60, 61)
         assert session["documents"] == 0 and session["memory_tokens"] == 0
@@ -171,7 +171,8 @@ async def test_create_without_a_body_uses_the_defaults(engine: FakeEngine) -> No
         assert response.status_code == 200, response.text
         session = response.json()
     assert session["ttl_seconds"] == 120
-    assert session["memory"] == {"strategy": None, "params": {}}  # the engine's default
+    # the engine's default strategy
+    assert session["memory"] == {"strategy": None, "params": {}, "tier": "device"}
     assert engine.session_memory[engine_id(session["id"])] is None
 
 
@@ -588,6 +589,19 @@ async def test_chat_with_a_session_after_upload(engine: FakeEngine) -> None:
         )
         assert "".join([c.choices[0].text async for c in stream]) == "and then"
     assert [c.session_id for c in engine.calls] == [engine_id(sid)] * 3
+
+
+async def test_an_idle_session_reports_host_memory(engine: FakeEngine) -> None:
+    app = build(engine)
+    async with http_client(app) as http:
+        sid = (await new_session(http))["id"]
+        other = (await new_session(http))["id"]
+        engine.offloaded.add(engine_id(sid))  # what the engine does to a session left idle
+        assert (await http.get(f"/v1/sessions/{sid}")).json()["memory"]["tier"] == "host"
+        listed = (await http.get("/v1/sessions")).json()["data"]
+        assert {s["id"]: s["memory"]["tier"] for s in listed} == {sid: "host", other: "device"}
+        metrics = (await http.get("/metrics")).text
+        assert "longserve:sessions_offloaded 1.0" in metrics
 
 
 async def test_a_session_chat_has_one_choice(engine: FakeEngine) -> None:
