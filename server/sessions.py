@@ -419,7 +419,7 @@ class SessionRegistry:
             await self.engine.create_session(session.engine_id, session.memory)
             if self.store is not None:
                 try:
-                    await self.store.save_session(session.record())
+                    await self.store.save_session(session.record(), new=True)
                 except BaseException:
                     with contextlib.suppress(Exception):
                         await self.engine.drop_session(session.engine_id)

@@ -332,7 +332,7 @@ async def test_redis_down_then_back(memory_service: MemoryService) -> None:
         assert (await r.http.get("/health")).status_code == 200
         assert (
             await r.metric(
-                'longserve:memory_store_requests_total{backend="http",op="put_manifest",'
+                'longserve:memory_store_requests_total{backend="http",op="put_record",'
                 'status="unavailable"}'
             )
             >= 1
@@ -400,11 +400,11 @@ async def test_store_latency_and_requests_are_measured(tmp_path: Path) -> None:
         await create_with_document(r)
         text = (await r.http.get("/metrics")).text
         assert (
-            'longserve:memory_store_requests_total{backend="embedded",op="put_manifest",'
+            'longserve:memory_store_requests_total{backend="embedded",op="put_record",'
             'status="ok"}' in text
         )
         assert (
-            'longserve:memory_store_request_seconds_count{backend="embedded",op="put_manifest"}'
+            'longserve:memory_store_request_seconds_count{backend="embedded",op="put_record"}'
             in text
         )
 
