@@ -247,10 +247,59 @@ class SessionRegistry:
             raise session_not_found(session_id)
         return session
 
+    async def list_views(self, tenant: str) -> list[SessionObject]:
+        """The tenant's sessions, oldest first: every one the store's tenant index names (held
+        here or not: another replica's appear too), else, with no store or the store down,
+        the ones this replica holds. Listing never restores a session (no engine work).
+
+        A held session the index no longer names was deleted through another replica: it is
+        let go here too. Index entries whose record is gone (a delete half done) or expired
+        are skipped.
+        """
+        held = dict(self._by_tenant.get(tenant, {}))
+        if self.store is None:
+            return [s.view() for s in sorted(held.values(), key=_created)]
+        try:
+            ids = await self.store.session_ids(tenant)
+            records = await asyncio.gather(
+                *(self.store.load(tenant, sid) for sid in ids if sid not in held)
+            )
+        except StoreError as exc:
+            logger.info("listing sessions from the memory store failed (%s): held ones only", exc)
+            return [s.view() for s in sorted(held.values(), key=_created)]
+        indexed = set(ids)
+        for session in held.values():
+            if session.id not in indexed and await self._gone_from_store(session):
+                await self._remove(session, "The session was deleted.")
+        now = self.clock()
+        views = [s.view() for s in self._by_tenant.get(tenant, {}).values()]
+        views += [
+            stored_view(record)
+            for record in records
+            if record is not None and not record.expired(now)
+            and record.id not in self._by_tenant.get(tenant, {})
+        ]
+        return sorted(views, key=lambda v: (v.created_at, v.id))
+
+    async def _gone_from_store(self, session: Session) -> bool:
+        """True only when the store answers that the session's record is gone (deleted through
+        another replica); a store that cannot answer keeps held sessions serving."""
+        if self.store is None:
+            return False
+        try:
+            return not await self.store.exists(session.tenant, session.id)
+        except StoreError as exc:
+            logger.debug("could not check session %s in the memory store: %s", session.id, exc)
+            return False
+
     async def lookup(self, tenant: str, session_id: str) -> Session:
-        """A held session, or one restored from the store; 404 when neither has it."""
+        """A held session (unless the store says it was deleted meanwhile), or one restored
+        from the store; 404 when neither has it."""
         session = self._by_tenant.get(tenant, {}).get(session_id)
         if session is not None:
+            if await self._gone_from_store(session):
+                await self._remove(session, "The session was deleted.")
+                raise session_not_found(session_id)
             return session
         if self.store is None:
             raise session_not_found(session_id)
@@ -688,11 +737,9 @@ class SessionRegistry:
         to judge: it raises SessionNotFound (404) when it holds no memory under the
         tenant-scoped id, so tenants stay apart either way.
         """
-        session = self._by_tenant.get(tenant, {}).get(session_id)
-        if session is None:
-            if self.store is None:
-                return
-            session = await self.lookup(tenant, session_id)
+        if self.store is None and session_id not in self._by_tenant.get(tenant, {}):
+            return
+        session = await self.lookup(tenant, session_id)
         self.touch(session)
         if not session.ingesting():
             return
@@ -787,6 +834,30 @@ class SessionRegistry:
                     tasks.append(session.saving)
         if tasks:
             await asyncio.wait(tasks, timeout=CANCEL_GRACE_SECONDS)
+
+
+def _created(session: Session) -> tuple[int, str]:
+    return session.created_at, session.id
+
+
+def stored_view(record: SessionRecord) -> SessionObject:
+    """A session another replica holds (or none does), as its stored record describes it."""
+    memory = record.memory
+    busy = any(d.status in ("queued", "ingesting") for d in record.documents)
+    return SessionObject(
+        id=record.id,
+        created_at=record.created_at,
+        memory=SessionMemory(
+            strategy=memory["strategy"] if memory else None,
+            params=dict(memory.get("params", {})) if memory else {},
+        ),
+        ttl_seconds=record.ttl_seconds,
+        expires_at=int(record.last_used + record.ttl_seconds),
+        documents=len(record.documents),
+        memory_tokens=sum(d.tokens or 0 for d in record.documents if d.status == "ready"),
+        status="ingesting" if busy else "ready",
+        metadata=dict(record.metadata),
+    )
 
 
 def registry_of(request: Request) -> SessionRegistry:

@@ -1,7 +1,9 @@
 """/v1/sessions and /v1/sessions/{id}/documents (longserve's own API; the openai SDK reaches it
 with plain HTTP). Every route looks the session up by (tenant, id) first (restoring it from the
 memory store when this replica does not hold it), so another tenant's session is a 404 before
-its body is even read. Listing shows the sessions this replica holds."""
+its body is even read. Listing shows the tenant's sessions from the memory store's tenant index
+(every replica's), or only those this replica holds when there is no store or it is down: a
+partial list beats a 503 for a read that changes nothing."""
 
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ async def create_session(
 
 @router.get("/sessions", response_model=SessionList)
 async def list_sessions(request: Request, tenant: str = Depends(require_tenant)) -> SessionList:
-    return SessionList(data=[s.view() for s in registry_of(request).sessions(tenant)])
+    return SessionList(data=await registry_of(request).list_views(tenant))
 
 
 @router.get("/sessions/{session_id}", response_model=SessionObject)
