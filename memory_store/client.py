@@ -301,9 +301,7 @@ class InProcessMemoryStoreClient(MemoryStoreClient):
         )
 
     async def put_record(self, namespace: str, key: str, record: Mapping[str, Any]) -> None:
-        await self._observe(
-            "put_record", lambda: self.records.put_record(namespace, key, record)
-        )
+        await self._observe("put_record", lambda: self.records.put_record(namespace, key, record))
 
     async def get_record(self, namespace: str, key: str) -> dict[str, Any]:
         return await self._observe("get_record", lambda: self.records.get_record(namespace, key))
@@ -523,9 +521,7 @@ class HttpMemoryStoreClient(MemoryStoreClient):
         ]
 
     async def collection_chunks(self, name: str) -> list[ChunkRef]:
-        response = await self._request(
-            "collection_chunks", "GET", f"/v1/collections/{name}/chunks"
-        )
+        response = await self._request("collection_chunks", "GET", f"/v1/collections/{name}/chunks")
         return [ChunkRef(d["fingerprint"], d["chain_hash"], 0.0) for d in response.json()["data"]]
 
     async def delete_collection(self, name: str) -> int:
@@ -555,9 +551,7 @@ class HttpMemoryStoreClient(MemoryStoreClient):
 
     async def delete_record(self, namespace: str, key: str) -> bool:
         KeySpace.record(namespace, key)
-        response = await self._request(
-            "delete_record", "DELETE", f"/v1/records/{namespace}/{key}"
-        )
+        response = await self._request("delete_record", "DELETE", f"/v1/records/{namespace}/{key}")
         return bool(response.json()["deleted"])
 
     async def put_blob(self, namespace: str, key: str, data: bytes) -> None:

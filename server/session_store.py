@@ -163,7 +163,9 @@ class SessionStore:
         )
         if new:
             await self.client.put_record(
-                self._index(record.tenant), record.id, {"id": record.id, "created_at": record.created_at}
+                self._index(record.tenant),
+                record.id,
+                {"id": record.id, "created_at": record.created_at},
             )
 
     async def save_document(self, tenant: str, session_id: str, doc: DocumentRecord) -> None:
@@ -178,6 +180,11 @@ class SessionStore:
             self._namespace(tenant, session_id),
             COLLECTION_PREFIX + collection.name,
             collection.to_meta(),
+        )
+
+    async def delete_collection(self, tenant: str, session_id: str, name: str) -> None:
+        await self.client.delete_record(
+            self._namespace(tenant, session_id), COLLECTION_PREFIX + name
         )
 
     async def save_text(self, tenant: str, session_id: str, doc_id: str, text: str) -> None:
