@@ -44,6 +44,7 @@ from engine.protocol import (
     MemorySpec,
     StoreUnavailableError,
 )
+from memory_store.backends import InvalidRequest as StoreInvalidRequest
 from memory_store.backends import NotFound, StoreError
 from server.auth import tenant_session_id
 from server.documents import DocumentLimits, DocumentReader, Upload
@@ -303,7 +304,7 @@ class SessionRegistry:
         try:
             ids = await self.store.session_ids(tenant)
             records = await asyncio.gather(
-                *(self.store.load(tenant, sid) for sid in ids if sid not in held)
+                *(self._load_listed(tenant, sid) for sid in ids if sid not in held)
             )
         except StoreError as exc:
             logger.info("listing sessions from the memory store failed (%s): held ones only", exc)
@@ -322,6 +323,16 @@ class SessionRegistry:
             and record.id not in self._by_tenant.get(tenant, {})
         ]
         return sorted(views, key=lambda v: (v.created_at, v.id))
+
+    async def _load_listed(self, tenant: str, session_id: str) -> SessionRecord | None:
+        """A listed session's record; None (logged) for one that cannot be read back, so one
+        bad record does not hide the others. An unreachable store still raises."""
+        assert self.store is not None
+        try:
+            return await self.store.load(tenant, session_id)
+        except StoreInvalidRequest as exc:
+            logger.warning("session %s in the tenant index is unreadable: %s", session_id, exc)
+            return None
 
     async def _gone_from_store(self, session: Session) -> bool:
         """True only when the store answers that the session's record is gone (deleted through

@@ -485,3 +485,14 @@ async def test_listing_with_the_store_down_lists_held_sessions(
         assert (await r.chat(session_id)).status_code == 200  # held: keeps serving
         memory_service.redis.start()
         assert await list_ids(r) == [session_id]
+
+
+async def test_an_unreadable_record_does_not_hide_the_others(tmp_path: Path) -> None:
+    async with replica(embedded_client(tmp_path / "s"), {}) as a:
+        good = (await a.http.post("/v1/sessions")).json()["id"]
+    store = embedded_client(tmp_path / "s")
+    bad = "sess_" + "f" * 32
+    await store.put_record(f"tenant:{tenant_of(API_KEY)}", bad, {"id": bad})
+    await store.put_record(f"sess:{tenant_session_id(tenant_of(API_KEY), bad)}", "session", {})
+    async with replica(store, {}) as b:
+        assert await list_ids(b) == [good]
