@@ -25,6 +25,9 @@ class EngineConfig:
     encodings; data_dir: keep them in an embedded store under DATA_DIR/memory-store instead.
     With neither, documents are only read into the sessions' memories (nothing is stored).
     memory_store_timeout_s: how long one store call may take before it counts as an outage.
+    collection_max_chunks: a collection of at most this many chunks is read whole into a
+    session's memory when attached (64 chunks of 512 tokens is about 32K tokens); a larger one
+    is searched per request: EmbQ(last user message) picks its collection_top_k chunks.
     """
 
     model: str | None = None
@@ -40,6 +43,8 @@ class EngineConfig:
     memory_store_url: str | None = None
     data_dir: str | None = None
     memory_store_timeout_s: float = 30.0
+    collection_max_chunks: int = 64
+    collection_top_k: int = 16
 
     def __post_init__(self) -> None:
         if self.model is not None and not self.model.strip():
@@ -53,7 +58,7 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("max_waiting_requests", "max_running_requests", "max_memory_tokens",
-                     "prefill_chunk_tokens"):
+                     "prefill_chunk_tokens", "collection_max_chunks", "collection_top_k"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
