@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import functools
 import importlib
 import logging
 import re
@@ -29,6 +30,9 @@ from engine.config import EngineConfig
 from engine.generate import Generation, KVCacheState, MemoryState, generate_steps, step_batch
 from engine.loader import LoadedModel, load_model
 from engine.protocol import (
+    CollectionAttachment,
+    CollectionIncompatible,
+    CollectionNotFound,
     EngineHealth,
     EngineStats,
     GenerationDelta,
@@ -44,11 +48,13 @@ from engine.protocol import (
     SessionNotFound,
     StoreUnavailableError,
 )
-from engine.store import StoreBridge, document_id, model_fingerprint
+from engine.store import StoreBridge, document_id, model_fingerprint, session_fingerprint
 from engine.store import ingest_steps as store_ingest_steps
 from engine.worker import Collector, Job, Steps, Worker
-from memory_store.backends import StoreError
+from memory_store.backends import InvalidRequest as StoreInvalidRequest
+from memory_store.backends import NotFound, StoreError
 from memory_store.client import MemoryStoreClient
+from memory_store.encodings import ChunkEncoding, ChunkRef
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +205,28 @@ def assistant_turn_end(tokenizer: Any) -> list[int]:
     return list(tokenizer(closing, add_special_tokens=False).input_ids) if closing else []
 
 
+def _on_abort(prompt_tokens: int) -> Any:
+    """The delta that ends an aborted request."""
+
+    def on_abort(last: GenerationDelta | None) -> GenerationDelta:
+        return GenerationDelta(
+            text="",
+            token_ids=[],
+            prompt_tokens=prompt_tokens,
+            completion_tokens=last.completion_tokens if last is not None else 0,
+            finish_reason="abort",
+            stats=RequestStats(queue_seconds=0.0),
+        )
+
+    return on_abort
+
+
+def _default_query_encoder() -> Any:
+    from memory_store.embedder import default_embedder
+
+    return default_embedder()
+
+
 def _validate_sampling(sampling: SamplingParams) -> None:
     def bad(msg: str, param: str) -> InvalidRequest:
         return InvalidRequest(msg, param=param)
@@ -218,6 +246,15 @@ def _validate_sampling(sampling: SamplingParams) -> None:
 
 
 @dataclass
+class _Collection:
+    """A collection attached to a session. `order` maps each chunk's chain hash to its place
+    in the collection (document order), to put a query's selection back in reading order."""
+
+    attachment: CollectionAttachment
+    order: dict[str, int]
+
+
+@dataclass
 class _Session:
     """A session's memory and the conversation it holds (device thread only)."""
 
@@ -227,6 +264,24 @@ class _Session:
     # answer generated for them (see LocalEngine._session_steps).
     turns: list[Turn] = dataclasses.field(default_factory=list)
     last_used: float = dataclasses.field(default_factory=time.monotonic)
+    collections: dict[str, _Collection] = dataclasses.field(default_factory=dict)
+
+    @property
+    def selected(self) -> list[_Collection]:
+        """Collections searched per request (too large to load whole)."""
+        return [c for c in self.collections.values() if c.attachment.loading == "selected"]
+
+
+def query_text(prompt: Prompt) -> str:
+    """EmbQ's input x: the last user message of a chat (what the question is), or a
+    completion prompt's text."""
+    if isinstance(prompt, str):
+        return prompt
+    for i in range(len(prompt) - 1, -1, -1):
+        role, text = _message_text(prompt[i], i)
+        if role == "user":
+            return text
+    return _message_text(prompt[-1], len(prompt) - 1)[1]
 
 
 class _OutputStream:
@@ -306,6 +361,8 @@ class LocalEngine:
         # Larimar sessions keep their memory in the memory service, read on the asyncio side.
         self._larimar_sessions: dict[str, MemorySpec] = {}
         self._larimar_reader: Any = None
+        # EmbQ for collections too large to load whole; None: the bundled MiniLM (EmbD's).
+        self._query_encoder: Any = None
 
     # -- tokenization (asyncio side) ----------------------------------------------------------
 
@@ -346,7 +403,11 @@ class LocalEngine:
         if session_id is not None:
             if memory_module() is None or session_id not in self._sessions:
                 raise SessionNotFound(f"session {session_id!r} has no memory")
-            self._check_memory_cap(self._sessions[session_id].memory.num_tokens + total)
+            session = self._sessions[session_id]
+            self._check_memory_cap(session.memory.num_tokens + total)
+            if session.selected:
+                return self._selected_generate(request_id, prompt, prompt_ids, sampling,
+                                               session_id, queued_at)
             steps = self._session_steps(session_id, prompt, prompt_ids, sampling, queued_at)
         elif total <= self.loaded.max_model_len:
             steps = self._kv_steps(prompt_ids, sampling, queued_at)
@@ -366,19 +427,162 @@ class LocalEngine:
             self._check_strategy(mem, spec)
             steps = self._ephemeral_steps(mem, spec, prompt_ids, sampling, queued_at)
 
-        prompt_tokens = len(ids)
+        return self._submit(request_id, steps, session_id, _on_abort(len(ids)))
 
-        def on_abort(last: GenerationDelta | None) -> GenerationDelta:
-            return GenerationDelta(
-                text="",
-                token_ids=[],
-                prompt_tokens=prompt_tokens,
-                completion_tokens=last.completion_tokens if last is not None else 0,
-                finish_reason="abort",
-                stats=RequestStats(queue_seconds=0.0),
-            )
+    # -- collections (Decoupled Context Processing: encodings stored once, loaded by EmbQ) ---
 
-        return self._submit(request_id, steps, session_id, on_abort)
+    def _bridge(self) -> StoreBridge:
+        if self._store is None:
+            raise InvalidRequest("collections need a memory store (--data-dir or --memory-store)",
+                                 param="collections")
+        return self._store
+
+    async def _fetch_chunks(self, refs: Sequence[ChunkRef]) -> list[ChunkEncoding]:
+        bridge = self._bridge()
+        out = []
+        for ref in refs:
+            try:
+                get = functools.partial(bridge.client.get_chunk, ref.fingerprint, ref.chain_hash)
+                out.append(await bridge.acall("get_chunk", get))
+            except NotFound as e:
+                raise StoreUnavailableError(f"chunk {ref.chain_hash} of a collection is missing "
+                                            "from the memory store") from e
+        return out
+
+    async def attach_collection(self, session_id: str, name: str) -> CollectionAttachment:
+        """Attach `name` (written by `longserve ingest`) to the session.
+
+        Its chunks must carry this session's fingerprint (model + strategy + memory knobs):
+        encodings made under another configuration mean something else to this frame. A
+        collection of at most `collection_max_chunks` chunks is read whole now, in document
+        order, by `import_chunk` (no forward): everything is fetched before anything is
+        imported, so a store failure changes nothing. A larger one is only recorded here; each
+        request then loads its EmbQ selection (`_selected_generate`).
+        """
+        self._worker.check_alive()
+        if session_id in self._larimar_sessions:
+            raise CollectionIncompatible("a larimar session keeps no encodings; collections "
+                                         "attach to segments, tokens and neurocache sessions")
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionNotFound(f"session {session_id!r} has no memory")
+        if name in session.collections:
+            return session.collections[name].attachment
+        bridge = self._bridge()
+        try:
+            refs = await bridge.acall("collection_chunks",
+                                      lambda: bridge.client.collection_chunks(name))
+        except StoreInvalidRequest as e:
+            raise InvalidRequest(str(e), param="name") from e
+        except NotFound as e:
+            raise CollectionNotFound(f"collection {name!r} not found") from e
+        wanted = session_fingerprint(self._model_fingerprint, session.memory)
+        if any(ref.fingerprint != wanted for ref in refs):
+            raise CollectionIncompatible(
+                f"collection {name!r} was encoded with another model or memory configuration "
+                f"than this session's {session.strategy!r} memory; re-run `longserve ingest` "
+                "with the session's strategy and knobs, or create the session with theirs")
+        order = {ref.chain_hash: i for i, ref in enumerate(refs)}
+        if len(refs) > self.config.collection_max_chunks:
+            attached = CollectionAttachment(name, len(refs), 0, "selected")
+
+            def record() -> None:
+                session.collections[name] = _Collection(attached, order)
+
+            await self._on_device(record)
+            return attached
+        chunks = await self._fetch_chunks(refs)
+        tokens = sum(chunk.num_tokens for chunk in chunks)
+        self._check_memory_cap(session.memory.num_tokens + tokens)
+        attached = CollectionAttachment(name, len(refs), tokens, "whole")
+
+        def load() -> None:
+            if self._sessions.get(session_id) is not session:
+                raise SessionNotFound(f"session {session_id!r} was dropped")
+            if name in session.collections:
+                return
+            for chunk in chunks:
+                session.memory.import_chunk(chunk)
+            session.collections[name] = _Collection(attached, order)
+
+        await self._on_device(load)
+        return attached
+
+    async def _select(self, session: _Session, prompt: Prompt) -> list[ChunkEncoding]:
+        """EmbQ(x) . EmbD(c) top-k of each selected collection, in document order."""
+        bridge = self._bridge()
+        encoder = self._query_encoder or _default_query_encoder()
+        query = await asyncio.to_thread(encoder.embed, [query_text(prompt)])  # (1, d)
+        picked: list[tuple[int, int, ChunkRef]] = []
+        for rank, collection in enumerate(session.selected):
+            name = collection.attachment.name
+            try:
+                select = functools.partial(bridge.client.select_chunks, name, query[0],
+                                           self.config.collection_top_k)
+                refs = await bridge.acall("select_chunks", select)
+            except StoreInvalidRequest as e:  # EmbQ and EmbD from different encoders
+                raise CollectionIncompatible(f"collection {name!r}: {e}") from e
+            except NotFound as e:
+                raise CollectionNotFound(f"collection {name!r} is no longer stored") from e
+            picked += [(rank, collection.order.get(r.chain_hash, 0), r) for r in refs]
+        picked.sort(key=lambda p: (p[0], p[1]))
+        return await self._fetch_chunks([ref for _, _, ref in picked])
+
+    async def _selected_generate(self, request_id: str, prompt: Prompt, prompt_ids: torch.Tensor,
+                                 sampling: SamplingParams, session_id: str, queued_at: float
+                                 ) -> AsyncIterator[GenerationDelta]:
+        """A request on a session with a large collection: select, then generate on a fork.
+
+        The selected chunks are read into a fork of the session's memory made for this request
+        (after the session's own documents and turns, just before the question), never into
+        the session's memory itself: the next question selects its own chunks, and a memory
+        that kept every selection would grow into the whole collection and fill its frame with
+        chunks picked for earlier questions. Re-forking per request (rather than caching a fork
+        per selection) costs one copy of the session's own tensors and no forward; a cache
+        could not be reused anyway, since every turn changes the session. The turn (question
+        and answer) then joins the session's own memory, one forward over its tokens, so later
+        questions can refer to it as in any session.
+        """
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionNotFound(f"session {session_id!r} has no memory")
+        chunks = await self._select(session, prompt)
+        selected_tokens = sum(c.num_tokens for c in chunks)
+        self._check_memory_cap(session.memory.num_tokens + selected_tokens + len(prompt_ids)
+                               + sampling.max_tokens)
+        steps = self._fork_steps(session_id, chunks, prompt, prompt_ids, sampling, queued_at)
+        async for delta in self._submit(request_id, steps, session_id,
+                                        _on_abort(len(prompt_ids))):
+            yield delta
+
+    def _fork_steps(self, session_id: str, chunks: list[ChunkEncoding], prompt: Prompt,
+                    prompt_ids: torch.Tensor, sampling: SamplingParams, queued_at: float
+                    ) -> Generator[GenerationDelta | None, None, None]:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionNotFound(f"session {session_id!r} has no memory")
+        prompt_ids, new = self._turn_prompt(session, prompt, prompt_ids)
+        fork = session.memory.fork()
+        for chunk in chunks:
+            fork.import_chunk(chunk)
+        generated: list[int] = []
+        answer: list[str] = []
+        state = MemoryState(fork, session.strategy)
+        for delta in generate_steps(state, prompt_ids, sampling, self._device_tokenizer,
+                                    queued_at=queued_at, **self._decode_kwargs()):
+            if delta is not None:
+                generated += delta.token_ids
+                answer.append(delta.text)
+            yield delta
+        del fork, state
+        if new is not None:
+            closing = self._turn_end
+            generated += closing[1:] if generated and generated[-1:] == closing[:1] else closing
+            session.turns = [*session.turns, *new, ("assistant", "".join(answer))]
+        turn = torch.cat((prompt_ids, torch.tensor(generated, dtype=torch.long)))
+        with torch.inference_mode():
+            session.memory.append(turn)
+        session.last_used = time.monotonic()
 
     def _submit(self, request_id: str, steps: Steps, session_id: str | None,
                 on_abort: Any) -> _OutputStream:
@@ -450,15 +654,7 @@ class LocalEngine:
         session = self._sessions.get(session_id)
         if session is None:
             raise SessionNotFound(f"session {session_id!r} has no memory")
-        new: list[Turn] | None = None
-        if not isinstance(prompt, str):
-            sent = message_turns(prompt)
-            held = session.turns
-            new = sent[len(held) :] if sent[: len(held)] == held else sent
-            prompt_ids = torch.tensor(
-                encode_chat(self._device_tokenizer, prompt[len(sent) - len(new) :], held),
-                dtype=torch.long,
-            )  # (T,)
+        prompt_ids, new = self._turn_prompt(session, prompt, prompt_ids)
         self._check_memory_cap(session.memory.num_tokens + len(prompt_ids) + sampling.max_tokens)
         tokens_before = session.memory.num_tokens
         generation = generate_steps(MemoryState(session.memory, session.strategy), prompt_ids,
@@ -473,6 +669,20 @@ class LocalEngine:
         finally:  # finished, failed or aborted: the memory keeps what it read, turn closed
             if self._sessions.get(session_id) is session:
                 self._end_turn(session, generation, tokens_before, new, "".join(answer))
+
+    def _turn_prompt(self, session: _Session, prompt: Prompt, prompt_ids: torch.Tensor
+                     ) -> tuple[torch.Tensor, list[Turn] | None]:
+        """What a request appends to a session (device thread): a completion prompt as it is;
+        chat messages past the turns the session holds when they start with exactly those,
+        else all of them, rendered as the conversation's continuation. Returns the ids (T,)
+        and the chat messages appended (None for a completion)."""
+        if isinstance(prompt, str):
+            return prompt_ids, None
+        sent = message_turns(prompt)
+        held = session.turns
+        new = sent[len(held) :] if sent[: len(held)] == held else sent
+        ids = encode_chat(self._device_tokenizer, prompt[len(sent) - len(new) :], held)
+        return torch.tensor(ids, dtype=torch.long), new
 
     def _end_turn(self, session: _Session, generation: Generation, tokens_before: int,
                   new: list[Turn] | None, answer: str) -> None:

@@ -27,6 +27,9 @@ class EngineConfig:
     memory_store_timeout_s: how long one store call may take before it counts as an outage.
     session_offload_after_s: a session idle this long (no request or ingestion) moves from the
     device to host memory (SessionMemory.offload); its next request moves it back. 0 never.
+    collection_max_chunks: a collection of at most this many chunks is read whole into a
+    session's memory when attached (64 chunks of 512 tokens is about 32K tokens); a larger one
+    is searched per request: EmbQ(last user message) picks its collection_top_k chunks.
     """
 
     model: str | None = None
@@ -43,6 +46,8 @@ class EngineConfig:
     data_dir: str | None = None
     memory_store_timeout_s: float = 30.0
     session_offload_after_s: float = 300.0
+    collection_max_chunks: int = 64
+    collection_top_k: int = 16
 
     def __post_init__(self) -> None:
         if self.model is not None and not self.model.strip():
@@ -56,7 +61,7 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("max_waiting_requests", "max_running_requests", "max_memory_tokens",
-                     "prefill_chunk_tokens"):
+                     "prefill_chunk_tokens", "collection_max_chunks", "collection_top_k"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -53,6 +53,15 @@ class SessionNotFound(EngineError):
     """The engine holds no memory for this session id. -> 404."""
 
 
+class CollectionNotFound(EngineError):
+    """No collection of that name in the memory store. -> 404."""
+
+
+class CollectionIncompatible(EngineError):
+    """The collection cannot join this session: encoded with another model or memory
+    configuration (its fingerprint differs), or the session's strategy keeps no encodings. -> 409."""
+
+
 class EngineDead(EngineError):
     """A fatal error stopped the worker; /ready fails until the process restarts. -> 503."""
 
@@ -161,6 +170,21 @@ class IngestProgress:
 
 
 @dataclass(frozen=True)
+class CollectionAttachment:
+    """A collection attached to a session.
+
+    loading "whole": its chunks were read into the session's memory when it was attached.
+    "selected": too many chunks for that (`collection_max_chunks`); each request on the session
+    loads only the top-k chunks by EmbQ(query) . EmbD(chunk).
+    """
+
+    name: str
+    chunks: int
+    tokens: int
+    loading: Literal["whole", "selected"]
+
+
+@dataclass(frozen=True)
 class EngineHealth:
     ok: bool
     detail: str = ""
@@ -245,6 +269,10 @@ class EngineClient(Protocol):
     def session_memory_info(self, session_id: str) -> SessionMemoryInfo | None:
         """The session's memory now; None when this engine holds none in its own memory
         (unknown session, or one kept in the memory service)."""
+    async def attach_collection(self, session_id: str, name: str) -> CollectionAttachment:
+        """Attach a pre-encoded collection (`longserve ingest`) to a session, with no model
+        forward. Idempotent. CollectionNotFound, CollectionIncompatible, SessionNotFound,
+        StoreUnavailableError; any of them leaves the session unchanged."""
         ...
 
     async def health(self) -> EngineHealth: ...

@@ -38,6 +38,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.protocol import IngestProgress, StoreUnavailableError
+from memory_store.backends import InvalidRequest as StoreInvalidRequest
 from memory_store.backends import NotFound, StoreError
 from memory_store.client import MemoryStoreClient
 from memory_store.encodings import ChunkEncoding, DocumentManifest, chain_hash
@@ -83,6 +84,21 @@ class StoreBridge:
         try:
             return future.result(self.timeout_s)
         except NotFound:
+            raise
+        except (StoreError, TimeoutError, OSError) as e:
+            future.cancel()
+            raise StoreUnavailableError(f"memory store {op} failed: {type(e).__name__}: {e}") from e
+
+    async def acall(self, op: str, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """`_call` for the engine's asyncio side: awaits the client on the bridge's loop
+        without blocking the caller's loop. NotFound passes through; other store failures
+        become StoreUnavailableError."""
+        if self._loop.is_closed():
+            raise StoreUnavailableError("the memory store client is closed")
+        future = asyncio.run_coroutine_threadsafe(make(), self._loop)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+        except (NotFound, StoreInvalidRequest):
             raise
         except (StoreError, TimeoutError, OSError) as e:
             future.cancel()

@@ -16,7 +16,14 @@ Chunk encodings travel as `application/octet-stream` in the chunk wire format
     DELETE /v1/sessions/{sid}                             manifests and Larimar memory
     POST   /v1/collections/{name}/chunks                  {"fingerprint", "chain_hashes", "dim", "embeddings_b64"}
     POST   /v1/collections/{name}/select                  {"query_embedding", "top_k"}
+    GET    /v1/collections/{name}/chunks                  every chunk, in document order
     DELETE /v1/collections/{name}
+    PUT    /v1/records/{namespace}/{key}                  JSON object (namespace "sess:ID" | "tenant:ID")
+    GET    /v1/records/{namespace}/{key}                  the object
+    GET    /v1/records/{namespace}?prefix=P               {"object": "list", "data": [{"key", "record"}]}
+    DELETE /v1/records/{namespace}/{key}                  {"deleted"}
+    PUT    /v1/blobs/{namespace}/{key}                    body: bytes
+    GET    /v1/blobs/{namespace}/{key}                    bytes
     POST   /v1/sessions/{sid}/larimar/write               {"text" | "segments", "save"}
     POST   /v1/sessions/{sid}/larimar/read                {"query", "top_k", "use_prefix"}
     POST   /v1/sessions/{sid}/larimar/save | /load
@@ -52,6 +59,7 @@ from memory_store.embedder import Embedder, TextEncoder
 from memory_store.encodings import DocumentManifest, EncodingStore, embeddings_from_bytes
 from memory_store.larimar import LarimarConfig, LarimarStore
 from memory_store.metrics import MemoryStoreMetrics
+from memory_store.records import RecordStore
 from memory_store.settings import MemoryStoreSettings
 
 logger = logging.getLogger(__name__)
@@ -139,6 +147,7 @@ class MemoryStoreService:
     settings: MemoryStoreSettings
     backend: Backend
     encodings: EncodingStore
+    records: RecordStore
     larimar: LarimarStore
     metrics: MemoryStoreMetrics
 
@@ -177,6 +186,7 @@ def build_app(
         settings=settings,
         backend=backend,
         encodings=EncodingStore(backend),
+        records=RecordStore(backend),
         larimar=LarimarStore(
             backend, encoder, LarimarConfig(prefix_length=settings.larimar_prefix_length)
         ),
@@ -311,11 +321,61 @@ def build_app(
             ],
         }
 
+    @app.get("/v1/collections/{name}/chunks")
+    async def collection_chunks(name: str) -> dict[str, Any]:
+        async with svc.track("collection_chunks"):
+            refs = await svc.encodings.collection_chunks(name)
+        return {
+            "object": "list",
+            "data": [{"fingerprint": r.fingerprint, "chain_hash": r.chain_hash} for r in refs],
+        }
+
     @app.delete("/v1/collections/{name}")
     async def delete_collection(name: str) -> dict[str, Any]:
         async with svc.track("delete_collection"):
             deleted = await svc.encodings.delete_collection(name)
         return {"name": name, "deleted": deleted}
+
+    # Records and blobs ------------------------------------------------------------------------
+
+    @app.put("/v1/records/{namespace}/{key}")
+    async def put_record(namespace: str, key: str, record: dict[str, Any]) -> dict[str, Any]:
+        async with svc.track("put_record"):
+            await svc.records.put_record(namespace, key, record)
+        return record
+
+    @app.get("/v1/records/{namespace}/{key}")
+    async def get_record(namespace: str, key: str) -> dict[str, Any]:
+        async with svc.track("get_record"):
+            return await svc.records.get_record(namespace, key)
+
+    @app.get("/v1/records/{namespace}")
+    async def list_records(namespace: str, prefix: str = "") -> dict[str, Any]:
+        async with svc.track("list_records"):
+            records = await svc.records.list_records(namespace, prefix)
+        return {
+            "object": "list",
+            "data": [{"key": key, "record": record} for key, record in records.items()],
+        }
+
+    @app.delete("/v1/records/{namespace}/{key}")
+    async def delete_record(namespace: str, key: str) -> dict[str, Any]:
+        async with svc.track("delete_record"):
+            deleted = await svc.records.delete_record(namespace, key)
+        return {"key": key, "deleted": deleted}
+
+    @app.put("/v1/blobs/{namespace}/{key}")
+    async def put_blob(namespace: str, key: str, request: Request) -> dict[str, Any]:
+        async with svc.track("put_blob"):
+            data = await read_body(request)
+            await svc.records.put_blob(namespace, key, data)
+        return {"key": key, "bytes": len(data)}
+
+    @app.get("/v1/blobs/{namespace}/{key}")
+    async def get_blob(namespace: str, key: str) -> Response:
+        async with svc.track("get_blob"):
+            data = await svc.records.get_blob(namespace, key)
+        return Response(data, media_type=OCTET)
 
     # Larimar ----------------------------------------------------------------------------------
 

@@ -142,6 +142,31 @@ class KeySpace:
 
     COLLECTION_BATCH_PREFIX = "batch/"
 
+    # Generic records and blobs (memory_store/records.py), grouped in namespaces. A namespace
+    # is "<kind>:<id>" and IS a hash tag: "sess:ID" shares the tag of that session's manifests
+    # and Larimar memory, so deleting the session deletes its records too.
+    NAMESPACE_KINDS = (SESSION, "tenant")
+    RECORD_PREFIX = "rec/"
+    BLOB_PREFIX = "blob/"
+
+    @staticmethod
+    def namespace_tag(namespace: str) -> str:
+        kind, sep, ident = namespace.partition(":") if isinstance(namespace, str) else ("", "", "")
+        if not sep or kind not in KeySpace.NAMESPACE_KINDS:
+            kinds = ", ".join(f"'{k}:ID'" for k in KeySpace.NAMESPACE_KINDS)
+            raise InvalidRequest(f"invalid namespace {namespace!r}: use one of {kinds}")
+        return f"{kind}:{validate_id(ident, 'namespace id')}"
+
+    @staticmethod
+    def record(namespace: str, key: str) -> Key:
+        tag = KeySpace.namespace_tag(namespace)
+        return Key(tag, KeySpace.RECORD_PREFIX + validate_id(key, "record key"))
+
+    @staticmethod
+    def blob(namespace: str, key: str) -> Key:
+        tag = KeySpace.namespace_tag(namespace)
+        return Key(tag, KeySpace.BLOB_PREFIX + validate_id(key, "blob key"))
+
 
 # ---------------------------------------------------------------------------------------------
 # Serializer for records.

@@ -18,7 +18,7 @@ import asyncio
 import base64
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -27,6 +27,7 @@ from memory_store.backends import (
     Backend,
     Conflict,
     InvalidRequest,
+    KeySpace,
     NotFound,
     RetryPolicy,
     StoreError,
@@ -46,6 +47,7 @@ from memory_store.encodings import (
     encode_chunk,
 )
 from memory_store.larimar import LarimarConfig, LarimarHit, LarimarStore
+from memory_store.records import RecordStore
 
 T = TypeVar("T")
 
@@ -147,7 +149,35 @@ class MemoryStoreClient(ABC):
     ) -> list[ChunkRef]: ...
 
     @abstractmethod
+    async def collection_chunks(self, name: str) -> list[ChunkRef]:
+        """Every chunk of the collection in document order (score 0); NotFound if none."""
+
+    @abstractmethod
     async def delete_collection(self, name: str) -> int: ...
+
+    # Generic records and blobs (memory_store/records.py) -----------------------------------
+
+    @abstractmethod
+    async def put_record(self, namespace: str, key: str, record: Mapping[str, Any]) -> None:
+        """Store (or replace) a JSON object under `key` in `namespace` ("sess:ID", "tenant:ID")."""
+
+    @abstractmethod
+    async def get_record(self, namespace: str, key: str) -> dict[str, Any]:
+        """Raises NotFound."""
+
+    @abstractmethod
+    async def list_records(self, namespace: str, prefix: str = "") -> dict[str, dict[str, Any]]:
+        """The namespace's records whose key starts with `prefix`, by key."""
+
+    @abstractmethod
+    async def delete_record(self, namespace: str, key: str) -> bool: ...
+
+    @abstractmethod
+    async def put_blob(self, namespace: str, key: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    async def get_blob(self, namespace: str, key: str) -> bytes:
+        """Raises NotFound."""
 
     @abstractmethod
     async def larimar_write(
@@ -196,6 +226,7 @@ class InProcessMemoryStoreClient(MemoryStoreClient):
         self.backend = backend
         self.backend_name = backend.name
         self.encodings = EncodingStore(backend)
+        self.records = RecordStore(backend)
         self.larimar = LarimarStore(backend, encoder, larimar)
 
     async def ping(self) -> None:
@@ -259,10 +290,37 @@ class InProcessMemoryStoreClient(MemoryStoreClient):
             "select_chunks", lambda: self.encodings.select_chunks(name, query_embedding, top_k)
         )
 
+    async def collection_chunks(self, name: str) -> list[ChunkRef]:
+        return await self._observe(
+            "collection_chunks", lambda: self.encodings.collection_chunks(name)
+        )
+
     async def delete_collection(self, name: str) -> int:
         return await self._observe(
             "delete_collection", lambda: self.encodings.delete_collection(name)
         )
+
+    async def put_record(self, namespace: str, key: str, record: Mapping[str, Any]) -> None:
+        await self._observe("put_record", lambda: self.records.put_record(namespace, key, record))
+
+    async def get_record(self, namespace: str, key: str) -> dict[str, Any]:
+        return await self._observe("get_record", lambda: self.records.get_record(namespace, key))
+
+    async def list_records(self, namespace: str, prefix: str = "") -> dict[str, dict[str, Any]]:
+        return await self._observe(
+            "list_records", lambda: self.records.list_records(namespace, prefix)
+        )
+
+    async def delete_record(self, namespace: str, key: str) -> bool:
+        return await self._observe(
+            "delete_record", lambda: self.records.delete_record(namespace, key)
+        )
+
+    async def put_blob(self, namespace: str, key: str, data: bytes) -> None:
+        await self._observe("put_blob", lambda: self.records.put_blob(namespace, key, data))
+
+    async def get_blob(self, namespace: str, key: str) -> bytes:
+        return await self._observe("get_blob", lambda: self.records.get_blob(namespace, key))
 
     async def larimar_write(
         self,
@@ -315,6 +373,9 @@ class _RetryableStatus(Exception):
 
 class HttpMemoryStoreClient(MemoryStoreClient):
     """httpx.AsyncClient to `longserve memory-store`.
+
+    Record and blob namespaces and keys are validated here before they become URL segments
+    (a "/" in one would name another route).
 
     Idempotent calls are retried on connection errors, timeouts and 503s; calls that append
     (Larimar writes) only when the connection was never made. After the last try the error is
@@ -459,9 +520,54 @@ class HttpMemoryStoreClient(MemoryStoreClient):
             for d in response.json()["data"]
         ]
 
+    async def collection_chunks(self, name: str) -> list[ChunkRef]:
+        response = await self._request("collection_chunks", "GET", f"/v1/collections/{name}/chunks")
+        return [ChunkRef(d["fingerprint"], d["chain_hash"], 0.0) for d in response.json()["data"]]
+
     async def delete_collection(self, name: str) -> int:
         response = await self._request("delete_collection", "DELETE", f"/v1/collections/{name}")
         return int(response.json()["deleted"])
+
+    async def put_record(self, namespace: str, key: str, record: Mapping[str, Any]) -> None:
+        KeySpace.record(namespace, key)
+        await self._request(
+            "put_record", "PUT", f"/v1/records/{namespace}/{key}", json=dict(record)
+        )
+
+    async def get_record(self, namespace: str, key: str) -> dict[str, Any]:
+        KeySpace.record(namespace, key)
+        response = await self._request("get_record", "GET", f"/v1/records/{namespace}/{key}")
+        record = response.json()
+        if not isinstance(record, dict):
+            raise StoreError("the memory store answered a record that is not an object")
+        return record
+
+    async def list_records(self, namespace: str, prefix: str = "") -> dict[str, dict[str, Any]]:
+        KeySpace.namespace_tag(namespace)
+        response = await self._request(
+            "list_records", "GET", f"/v1/records/{namespace}", params={"prefix": prefix}
+        )
+        return {str(d["key"]): dict(d["record"]) for d in response.json()["data"]}
+
+    async def delete_record(self, namespace: str, key: str) -> bool:
+        KeySpace.record(namespace, key)
+        response = await self._request("delete_record", "DELETE", f"/v1/records/{namespace}/{key}")
+        return bool(response.json()["deleted"])
+
+    async def put_blob(self, namespace: str, key: str, data: bytes) -> None:
+        KeySpace.blob(namespace, key)
+        await self._request(
+            "put_blob",
+            "PUT",
+            f"/v1/blobs/{namespace}/{key}",
+            content=bytes(data),
+            headers={"content-type": "application/octet-stream"},
+        )
+
+    async def get_blob(self, namespace: str, key: str) -> bytes:
+        KeySpace.blob(namespace, key)
+        response = await self._request("get_blob", "GET", f"/v1/blobs/{namespace}/{key}")
+        return bytes(response.content)
 
     async def larimar_write(
         self,

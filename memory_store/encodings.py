@@ -430,6 +430,12 @@ class EncodingStore:
         top = top[np.argsort(-scores[top], kind="stable")]
         return [ChunkRef(fps[i], hashes[i], float(scores[i])) for i in top]
 
+    async def collection_chunks(self, name: str) -> list[ChunkRef]:
+        """Every chunk of the collection in document order: batches in the order they were
+        added (`longserve ingest` adds one file per batch), chunks in each in reading order."""
+        fps, hashes, _ = await self._load_collection(name)
+        return [ChunkRef(fp, h, 0.0) for fp, h in zip(fps, hashes, strict=True)]
+
     async def delete_collection(self, name: str) -> int:
         self._collections.pop(name, None)
         return await self.backend.delete_tag(KeySpace.collection_tag(name))

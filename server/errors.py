@@ -16,6 +16,8 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.protocol import (
+    CollectionIncompatible,
+    CollectionNotFound,
     EngineDead,
     EngineError,
     EngineOverloaded,
@@ -165,6 +167,12 @@ def document_not_found(document_id: str) -> APIError:
     )
 
 
+def collection_not_found(name: str) -> APIError:
+    return APIError(
+        404, f"No collection found with name '{name}'.", param="name", code="collection_not_found"
+    )
+
+
 def session_busy(message: str) -> APIError:
     return APIError(409, message, param="session_id", code="session_busy")
 
@@ -198,8 +206,9 @@ def document_too_large(message: str) -> APIError:
 _STATUS_DESCRIPTIONS = {
     400: "Invalid request (body, parameter, or a limit such as n or max_tokens).",
     401: "Missing or incorrect API key.",
-    404: "Unknown model, session or document (another tenant's included).",
-    409: "The session is still reading documents (session_busy).",
+    404: "Unknown model, session, document or collection (another tenant's session included).",
+    409: "The session is still reading documents (session_busy), or the collection was encoded "
+    "for another model or memory configuration (collection_incompatible).",
     413: "The request body, or the document in it, is too large.",
     415: "Unsupported media type or Content-Encoding.",
     429: "Overloaded (with Retry-After), or a per-key quota is reached.",
@@ -247,6 +256,12 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(
             404, str(exc) or "Session not found.", param="session_id", code="session_not_found"
         )
+    if isinstance(exc, CollectionNotFound):
+        return APIError(
+            404, str(exc) or "Collection not found.", param="name", code="collection_not_found"
+        )
+    if isinstance(exc, CollectionIncompatible):
+        return APIError(409, str(exc), param="name", code="collection_incompatible")
     if isinstance(exc, EngineDead):
         return APIError(503, f"The engine is not available: {exc}", code="engine_dead")
     if isinstance(exc, StoreUnavailable | StoreUnavailableError):

@@ -258,6 +258,7 @@ class SessionCreateRequest(OpenAIModel):
     memory: MemoryRequest | None = None
     ttl_seconds: int | None = Field(default=None, ge=1)
     metadata: dict[str, str] | None = None
+    collections: list[str] | None = None  # names to attach, as POST .../collections does
 
     @field_validator("metadata")
     @classmethod
@@ -296,6 +297,7 @@ class SessionObject(OpenAIModel):
     memory_tokens: int
     status: Literal["ready", "ingesting"]
     metadata: dict[str, str] = Field(default_factory=dict)
+    collections: list[str] = Field(default_factory=list)
 
 
 class SessionList(OpenAIModel):
@@ -329,3 +331,25 @@ class SessionDocument(OpenAIModel):
 class SessionDocumentList(OpenAIModel):
     object: Literal["list"] = "list"
     data: list[SessionDocument]
+
+
+class CollectionAttachRequest(OpenAIModel):
+    name: str
+
+
+class SessionCollection(OpenAIModel):
+    """A collection attached to a session. loading "whole": read into the session's memory when
+    attached; "selected": too large for that, each request loads its top-k chunks by EmbQ."""
+
+    name: str
+    object: Literal["session.collection"] = "session.collection"
+    session_id: str
+    chunks: int | None = None  # None: not known on this replica yet
+    tokens: int | None = None
+    loading: Literal["whole", "selected"] | None = None
+    attached_at: int
+
+
+class SessionCollectionList(OpenAIModel):
+    object: Literal["list"] = "list"
+    data: list[SessionCollection]

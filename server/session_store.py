@@ -1,42 +1,41 @@
 """Durable session records in the memory service, so that sessions survive restarts and any
 replica can serve any session.
 
-What is stored, per session (tenant T, id S), through `MemoryStoreClient`:
+What is stored, through the memory store's generic records and blobs
+(`MemoryStoreClient.put_record` / `put_blob`):
 
-- under store session `T.S` (the engine's session id, `server.auth.tenant_session_id`, under
-  which the engine writes its document manifests): the session record (document id `session`)
-  and one record per document (document id `doc.<doc id>`: name, status, tokens, created_at,
-  error);
-- under store session `T.S.texts`: each document's extracted text (document id `<doc id>`).
+- in namespace `sess:T.S` (tenant T, session S; `T.S` is the engine's session id,
+  `server.auth.tenant_session_id`, so these share the hash tag `{sess:T.S}` with the document
+  manifests the engine writes, and one `delete_session` removes them all): the session record
+  (key `session`), one record per document (`doc.<doc id>`: name, status, tokens, created_at,
+  error), one per attached collection (`coll.<name>`: name, attached_at), and each document's
+  extracted text as a blob (`text.<doc id>`; blobs are never read by a listing);
+- in namespace `tenant:T`: the tenant's index, one record per session (key S), so that any
+  replica can list a tenant's sessions without scanning the store.
 
-Texts sit apart so that listing a session's document records never reads them. The engine keeps
-the documents' encodings itself (content-addressed by model fingerprint and token chain hash), so
-re-ingesting a stored text on another replica runs no model forward.
+The engine keeps the documents' encodings itself (content-addressed by model fingerprint and
+token chain hash), so re-ingesting a stored text on another replica runs no model forward.
 
-The memory service's client offers typed manifests but no generic record/blob API yet, so records
-ride in a manifest's `meta` under a fingerprint of our own. This class is the only place that
-knows; swapping to generic records changes nothing outside it.
-
-One record per document (not one list in the session record) keeps two replicas that add
-documents to one session at once from overwriting each other's.
+One record per document, per attachment and per index entry (not one list in a record) keeps
+two replicas that change one session, or one tenant, at once from overwriting each other.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from memory_store.backends import InvalidRequest, NotFound
+from memory_store.backends import InvalidRequest, KeySpace, NotFound
 from memory_store.client import MemoryStoreClient
-from memory_store.encodings import DocumentManifest
 from server.auth import tenant_session_id
 
-RECORD_FINGERPRINT = "longserve-session-record"
-SESSION_DOC = "session"
+SESSION_KEY = "session"
 DOC_PREFIX = "doc."
-RECORD_VERSION = 1
+COLLECTION_PREFIX = "coll."
+TEXT_PREFIX = "text."
+RECORD_VERSION = 2
 
 # Only ids this server hands out are looked up in the store (anything else cannot be there, and
 # must not reach the store's key validation).
@@ -81,6 +80,22 @@ class DocumentRecord:
 
 
 @dataclass(frozen=True)
+class CollectionRecord:
+    """A collection attached to a session; replayed in `attached_at` order with the documents
+    when the session is restored, so the memory is rebuilt in the order it was filled."""
+
+    name: str
+    attached_at: float
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"name": self.name, "attached_at": self.attached_at}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> CollectionRecord:
+        return cls(name=str(meta["name"]), attached_at=float(meta.get("attached_at", 0.0)))
+
+
+@dataclass(frozen=True)
 class SessionRecord:
     id: str
     tenant: str
@@ -90,6 +105,7 @@ class SessionRecord:
     memory: dict[str, Any] | None  # {"strategy", "params"} or None (the engine's default)
     metadata: dict[str, str] = field(default_factory=dict)
     documents: tuple[DocumentRecord, ...] = ()  # oldest first; filled in by `load`
+    collections: tuple[CollectionRecord, ...] = ()  # oldest first; filled in by `load`
 
     def to_meta(self) -> dict[str, Any]:
         return {
@@ -121,102 +137,122 @@ class SessionRecord:
 
 
 class SessionStore:
-    """Session records and document texts in the memory service. Every method raises the
-    store's errors (`StoreUnavailable`, ...) unchanged; the caller decides what they mean."""
+    """Session records, document texts and the per-tenant index in the memory service. Every
+    method raises the store's errors (`StoreUnavailable`, ...) unchanged; the caller decides
+    what they mean."""
 
     def __init__(self, client: MemoryStoreClient) -> None:
         self.client = client
 
     @staticmethod
-    def _records_id(tenant: str, session_id: str) -> str:
-        # The engine's own id of the session: its document manifests land beside the records,
-        # and deleting the session deletes them too.
-        return tenant_session_id(tenant, session_id)
+    def _namespace(tenant: str, session_id: str) -> str:
+        return f"{KeySpace.SESSION}:{tenant_session_id(tenant, session_id)}"
 
     @staticmethod
-    def _texts_id(tenant: str, session_id: str) -> str:
-        return f"{tenant_session_id(tenant, session_id)}.texts"
-
-    @staticmethod
-    def _manifest(doc_id: str, name: str, meta: dict[str, Any]) -> DocumentManifest:
-        return DocumentManifest(
-            doc_id=doc_id,
-            fingerprint=RECORD_FINGERPRINT,
-            chunk_hashes=(),
-            name=name,
-            created_at=time.time(),
-            meta=meta,
-        )
+    def _index(tenant: str) -> str:
+        return f"tenant:{tenant}"
 
     async def ping(self) -> None:
         await self.client.ping()
 
-    async def save_session(self, record: SessionRecord) -> None:
-        await self.client.put_manifest(
-            self._records_id(record.tenant, record.id),
-            SESSION_DOC,
-            self._manifest(SESSION_DOC, record.id, record.to_meta()),
+    async def save_session(self, record: SessionRecord, *, new: bool = False) -> None:
+        """Store the session record; `new` also enters it in the tenant's index (after the
+        record: an index entry whose record is missing is skipped, never the reverse)."""
+        await self.client.put_record(
+            self._namespace(record.tenant, record.id), SESSION_KEY, record.to_meta()
         )
+        if new:
+            await self.client.put_record(
+                self._index(record.tenant),
+                record.id,
+                {"id": record.id, "created_at": record.created_at},
+            )
 
     async def save_document(self, tenant: str, session_id: str, doc: DocumentRecord) -> None:
-        doc_id = DOC_PREFIX + doc.id
-        await self.client.put_manifest(
-            self._records_id(tenant, session_id),
-            doc_id,
-            self._manifest(doc_id, doc.name, doc.to_meta()),
+        await self.client.put_record(
+            self._namespace(tenant, session_id), DOC_PREFIX + doc.id, doc.to_meta()
+        )
+
+    async def save_collection(
+        self, tenant: str, session_id: str, collection: CollectionRecord
+    ) -> None:
+        await self.client.put_record(
+            self._namespace(tenant, session_id),
+            COLLECTION_PREFIX + collection.name,
+            collection.to_meta(),
+        )
+
+    async def delete_collection(self, tenant: str, session_id: str, name: str) -> None:
+        await self.client.delete_record(
+            self._namespace(tenant, session_id), COLLECTION_PREFIX + name
         )
 
     async def save_text(self, tenant: str, session_id: str, doc_id: str, text: str) -> None:
-        await self.client.put_manifest(
-            self._texts_id(tenant, session_id), doc_id, self._manifest(doc_id, "", {"text": text})
+        await self.client.put_blob(
+            self._namespace(tenant, session_id),
+            TEXT_PREFIX + doc_id,
+            text.encode("utf-8", "surrogatepass"),
         )
 
     async def load_text(self, tenant: str, session_id: str, doc_id: str) -> str:
-        manifest = await self.client.get_manifest(self._texts_id(tenant, session_id), doc_id)
-        return str(manifest.meta["text"])
+        data = await self.client.get_blob(self._namespace(tenant, session_id), TEXT_PREFIX + doc_id)
+        return data.decode("utf-8", "surrogatepass")
+
+    async def exists(self, tenant: str, session_id: str) -> bool:
+        """Whether the store still holds the session (another replica may have deleted it)."""
+        if not storable_session_id(session_id):
+            return False
+        try:
+            await self.client.get_record(self._namespace(tenant, session_id), SESSION_KEY)
+        except NotFound:
+            return False
+        return True
+
+    async def session_ids(self, tenant: str) -> list[str]:
+        """The tenant's indexed sessions (some may have expired or be half-deleted: `load`
+        each to know)."""
+        index = await self.client.list_records(self._index(tenant))
+        return [sid for sid in index if storable_session_id(sid)]
 
     async def load(self, tenant: str, session_id: str) -> SessionRecord | None:
-        """The session with its documents, or None when the store holds no such session for
-        this tenant."""
+        """The session with its documents and collections, or None when the store holds no
+        such session for this tenant."""
         if not storable_session_id(session_id):
             return None
-        records_id = self._records_id(tenant, session_id)
-        try:
-            head = await self.client.get_manifest(records_id, SESSION_DOC)
-        except NotFound:
+        namespace = self._namespace(tenant, session_id)
+        records = await self.client.list_records(namespace)
+        head = records.get(SESSION_KEY)
+        if head is None:
             return None
         try:
-            record = SessionRecord.from_meta(head.meta)
+            record = SessionRecord.from_meta(head)
+            if record.tenant != tenant or record.id != session_id:
+                return None
+            documents = [
+                DocumentRecord.from_meta(meta)
+                for key, meta in records.items()
+                if key.startswith(DOC_PREFIX)
+            ]
+            collections = [
+                CollectionRecord.from_meta(meta)
+                for key, meta in records.items()
+                if key.startswith(COLLECTION_PREFIX)
+            ]
         except (KeyError, TypeError, ValueError) as e:
-            raise InvalidRequest(f"malformed session record for {records_id}: {e}") from e
-        if record.tenant != tenant or record.id != session_id:
-            return None
-        documents = []
-        for manifest in await self.client.list_documents(records_id):
-            if manifest.fingerprint != RECORD_FINGERPRINT or not manifest.doc_id.startswith(
-                DOC_PREFIX
-            ):
-                continue
-            doc = DocumentRecord.from_meta(manifest.meta)
-            if _DOCUMENT_ID_RE.match(doc.id):
-                documents.append(doc)
+            raise InvalidRequest(f"malformed session record in {namespace}: {e}") from e
+        documents = [d for d in documents if _DOCUMENT_ID_RE.match(d.id)]
         documents.sort(key=lambda d: (d.created_at, d.id))
-        return SessionRecord(
-            id=record.id,
-            tenant=record.tenant,
-            created_at=record.created_at,
-            ttl_seconds=record.ttl_seconds,
-            last_used=record.last_used,
-            memory=record.memory,
-            metadata=record.metadata,
-            documents=tuple(documents),
+        collections.sort(key=lambda c: (c.attached_at, c.name))
+        return dataclasses.replace(
+            record, documents=tuple(documents), collections=tuple(collections)
         )
 
     async def delete(self, tenant: str, session_id: str) -> None:
-        """The session record, its document records and texts (the record first: once it is
-        gone no replica restores the session, whatever remains)."""
-        await self.client.delete_session(self._records_id(tenant, session_id))
-        await self.client.delete_session(self._texts_id(tenant, session_id))
+        """The session's records, texts and manifests, then its index entry (the records
+        first: once they are gone no replica restores or lists the session, whatever
+        remains)."""
+        await self.client.delete_session(tenant_session_id(tenant, session_id))
+        await self.client.delete_record(self._index(tenant), session_id)
 
     async def close(self) -> None:
         await self.client.close()

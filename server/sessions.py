@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 import secrets
 import time
 from collections import Counter
@@ -34,6 +35,9 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from engine.protocol import (
+    CollectionAttachment,
+    CollectionIncompatible,
+    CollectionNotFound,
     EngineClient,
     EngineError,
     IngestProgress,
@@ -41,6 +45,7 @@ from engine.protocol import (
     SessionMemoryInfo,
     StoreUnavailableError,
 )
+from memory_store.backends import InvalidRequest as StoreInvalidRequest
 from memory_store.backends import NotFound, StoreError
 from server.auth import tenant_session_id
 from server.documents import DocumentLimits, DocumentReader, Upload
@@ -55,13 +60,19 @@ from server.errors import (
 from server.metrics import Metrics
 from server.protocol import (
     DocumentStatus,
+    SessionCollection,
     SessionCreateRequest,
     SessionDocument,
     SessionMemory,
     SessionObject,
 )
 from server.serving import until_disconnected
-from server.session_store import DocumentRecord, SessionRecord, SessionStore
+from server.session_store import (
+    CollectionRecord,
+    DocumentRecord,
+    SessionRecord,
+    SessionStore,
+)
 from server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -71,6 +82,8 @@ CANCEL_GRACE_SECONDS = 5.0
 # A document the engine has read becomes ready once its record is durable; these are the waits
 # between tries while the store is down, after which the document is marked failed.
 READY_SAVE_BACKOFF_SECONDS = (0.25, 0.5, 1.0, 2.0, 4.0)
+# Collection names are the memory store's ids (`longserve ingest --collection NAME`).
+_COLLECTION_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def new_session_id() -> str:
@@ -145,6 +158,30 @@ class Document:
 
 
 @dataclass(eq=False)
+class AttachedCollection:
+    """A collection attached to a session. Collections are written by the operator
+    (`longserve ingest`) and readable by every tenant; what is per tenant is the session."""
+
+    name: str
+    attached_at: float
+    attachment: CollectionAttachment | None = None  # what the engine loaded (None: not yet)
+
+    def record(self) -> CollectionRecord:
+        return CollectionRecord(name=self.name, attached_at=self.attached_at)
+
+    def view(self, session_id: str) -> SessionCollection:
+        loaded = self.attachment
+        return SessionCollection(
+            name=self.name,
+            session_id=session_id,
+            chunks=loaded.chunks if loaded else None,
+            tokens=loaded.tokens if loaded else None,
+            loading=loaded.loading if loaded else None,
+            attached_at=int(self.attached_at),
+        )
+
+
+@dataclass(eq=False)
 class Session:
     id: str
     tenant: str
@@ -154,6 +191,7 @@ class Session:
     metadata: dict[str, str]
     last_used: float
     documents: dict[str, Document] = field(default_factory=dict)
+    collections: dict[str, AttachedCollection] = field(default_factory=dict)
     saved_last_used: float = 0.0  # last_used as the store holds it
     saving: asyncio.Task[None] | None = None  # a background save of last_used
     removed: bool = False
@@ -164,7 +202,10 @@ class Session:
 
     @property
     def memory_tokens(self) -> int:
-        return sum(doc.tokens_done for doc in self.documents.values())
+        loaded = sum(
+            c.attachment.tokens for c in self.collections.values() if c.attachment is not None
+        )
+        return loaded + sum(doc.tokens_done for doc in self.documents.values())
 
     @property
     def pending_bytes(self) -> int:
@@ -206,6 +247,7 @@ class Session:
             memory_tokens=self.memory_tokens,
             status="ingesting" if self.ingesting() else "ready",
             metadata=self.metadata,
+            collections=list(self.collections),
         )
 
 
@@ -253,10 +295,70 @@ class SessionRegistry:
             raise session_not_found(session_id)
         return session
 
+    async def list_views(self, tenant: str) -> list[SessionObject]:
+        """The tenant's sessions, oldest first: every one the store's tenant index names (held
+        here or not: another replica's appear too), else, with no store or the store down,
+        the ones this replica holds. Listing never restores a session (no engine work).
+
+        A held session the index no longer names was deleted through another replica: it is
+        let go here too. Index entries whose record is gone (a delete half done) or expired
+        are skipped.
+        """
+        held = dict(self._by_tenant.get(tenant, {}))
+        if self.store is None:
+            return [self.view(s) for s in sorted(held.values(), key=_created)]
+        try:
+            ids = await self.store.session_ids(tenant)
+            records = await asyncio.gather(
+                *(self._load_listed(tenant, sid) for sid in ids if sid not in held)
+            )
+        except StoreError as exc:
+            logger.info("listing sessions from the memory store failed (%s): held ones only", exc)
+            return [self.view(s) for s in sorted(held.values(), key=_created)]
+        indexed = set(ids)
+        for session in held.values():
+            if session.id not in indexed and await self._gone_from_store(session):
+                await self._remove(session, "The session was deleted.")
+        now = self.clock()
+        views = [self.view(s) for s in self._by_tenant.get(tenant, {}).values()]
+        views += [
+            stored_view(record)
+            for record in records
+            if record is not None
+            and not record.expired(now)
+            and record.id not in self._by_tenant.get(tenant, {})
+        ]
+        return sorted(views, key=lambda v: (v.created_at, v.id))
+
+    async def _load_listed(self, tenant: str, session_id: str) -> SessionRecord | None:
+        """A listed session's record; None (logged) for one that cannot be read back, so one
+        bad record does not hide the others. An unreachable store still raises."""
+        assert self.store is not None
+        try:
+            return await self.store.load(tenant, session_id)
+        except StoreInvalidRequest as exc:
+            logger.warning("session %s in the tenant index is unreadable: %s", session_id, exc)
+            return None
+
+    async def _gone_from_store(self, session: Session) -> bool:
+        """True only when the store answers that the session's record is gone (deleted through
+        another replica); a store that cannot answer keeps held sessions serving."""
+        if self.store is None:
+            return False
+        try:
+            return not await self.store.exists(session.tenant, session.id)
+        except StoreError as exc:
+            logger.debug("could not check session %s in the memory store: %s", session.id, exc)
+            return False
+
     async def lookup(self, tenant: str, session_id: str) -> Session:
-        """A held session, or one restored from the store; 404 when neither has it."""
+        """A held session (unless the store says it was deleted meanwhile), or one restored
+        from the store; 404 when neither has it."""
         session = self._by_tenant.get(tenant, {}).get(session_id)
         if session is not None:
+            if await self._gone_from_store(session):
+                await self._remove(session, "The session was deleted.")
+                raise session_not_found(session_id)
             return session
         if self.store is None:
             raise session_not_found(session_id)
@@ -324,10 +426,19 @@ class SessionRegistry:
             except NotFound:
                 doc.update(status="failed", error="The document's text is no longer stored.")
         await self.engine.create_session(session.engine_id, memory)
+        # Ready documents and attached collections, in the order they filled the memory.
+        events: list[tuple[float, DocumentRecord | CollectionRecord]] = [
+            (d.created_at, d) for d in record.documents
+        ]
+        events += [(c.attached_at, c) for c in record.collections]
+        events.sort(key=lambda e: e[0])
         try:
-            for doc_record in record.documents:
-                doc = session.documents[doc_record.id]
-                if doc_record.status == "ready" and doc.id in texts:
+            for _, event in events:
+                if isinstance(event, CollectionRecord):
+                    await self._reattach(session, event)
+                    continue
+                doc = session.documents[event.id]
+                if event.status == "ready" and doc.id in texts:
                     await self._reingest(session, doc, texts.pop(doc.id))
         except BaseException:
             with contextlib.suppress(Exception):
@@ -354,6 +465,73 @@ class SessionRegistry:
             len(session.documents),
         )
         return session
+
+    async def _reattach(self, session: Session, record: CollectionRecord) -> None:
+        """Attach a stored collection to a restored session. A collection deleted or re-encoded
+        since is left out (logged): the rest of the session still serves."""
+        attached = AttachedCollection(record.name, record.attached_at)
+        try:
+            attached.attachment = await self.engine.attach_collection(
+                session.engine_id, record.name
+            )
+        except (CollectionNotFound, CollectionIncompatible) as exc:
+            logger.warning(
+                "session %s: collection %s not restored: %s", session.id, record.name, exc
+            )
+            return
+        session.collections[record.name] = attached
+
+    def check_collection_names(self, names: list[str], param: str) -> list[str]:
+        """Valid, distinct names (in order), at most max_collections_per_session; 400 else."""
+        for i, name in enumerate(names):
+            if not _COLLECTION_NAME_RE.match(name):
+                raise invalid_request(
+                    f"Invalid collection name '{name[:64]}': use letters, digits, '.', '_' and "
+                    "'-' (at most 128 characters, starting with a letter or digit).",
+                    param=param.format(i=i),
+                )
+        unique = list(dict.fromkeys(names))
+        limit = self.settings.max_collections_per_session
+        if len(unique) > limit:
+            raise invalid_request(
+                f"A session can attach at most {limit} collections.", param=param.format(i=limit)
+            )
+        return unique
+
+    async def attach_collection(
+        self, tenant: str, session_id: str, name: str
+    ) -> AttachedCollection:
+        """Attach a collection (idempotent). The record is stored first, then the engine loads
+        it; when the engine refuses (unknown collection 404, other fingerprint 409) the record
+        goes again and the session is as it was."""
+        self.check_collection_names([name], "name")
+        session = await self.lookup(tenant, session_id)
+        if name in session.collections:
+            return session.collections[name]
+        if len(session.collections) >= self.settings.max_collections_per_session:
+            raise limit_reached(
+                "collection_limit",
+                f"The session already has {self.settings.max_collections_per_session} "
+                "collections attached, the most allowed.",
+            )
+        # A whole collection joins the memory where it stands: not in the middle of a document.
+        if session.ingesting() and not await self._wait_idle(
+            session, self.settings.session_wait_timeout_seconds
+        ):
+            raise session_busy(f"Session '{session_id}' is still reading documents.")
+        attached = AttachedCollection(name, self.clock())
+        if self.store is not None:
+            await self.store.save_collection(tenant, session.id, attached.record())
+        try:
+            attached.attachment = await self.engine.attach_collection(session.engine_id, name)
+        except BaseException:
+            if self.store is not None:
+                with contextlib.suppress(StoreError):
+                    await self.store.delete_collection(tenant, session.id, name)
+            raise
+        session.collections[name] = attached
+        self.touch(session)
+        return attached
 
     async def _reingest(self, session: Session, doc: Document, text: str) -> None:
         """Read a ready document into a restored session's memory, before anyone sees it."""
@@ -414,10 +592,21 @@ class SessionRegistry:
             metadata=dict(body.metadata or {}),
             last_used=now,
         )
+        names = self.check_collection_names(body.collections or [], "collections[{i}]")
         self._creating[tenant] += 1
         # Shielded: once the engine holds the memory, the session is registered (and so swept
         # when its TTL passes) even if the client has gone away meanwhile.
         await asyncio.shield(self._create_in_engine(session))
+        try:
+            for name in names:
+                await self.attach_collection(tenant, session.id, name)
+        except BaseException:
+            # A collection that cannot be attached fails the whole create: no session is left.
+            if self.store is not None:
+                with contextlib.suppress(StoreError):
+                    await asyncio.shield(self._delete_everywhere(tenant, session.id, session))
+            await asyncio.shield(self._remove(session, "The session could not be created."))
+            raise
         return session
 
     async def _create_in_engine(self, session: Session) -> None:
@@ -425,7 +614,7 @@ class SessionRegistry:
             await self.engine.create_session(session.engine_id, session.memory)
             if self.store is not None:
                 try:
-                    await self.store.save_session(session.record())
+                    await self.store.save_session(session.record(), new=True)
                 except BaseException:
                     with contextlib.suppress(Exception):
                         await self.engine.drop_session(session.engine_id)
@@ -694,11 +883,9 @@ class SessionRegistry:
         to judge: it raises SessionNotFound (404) when it holds no memory under the
         tenant-scoped id, so tenants stay apart either way.
         """
-        session = self._by_tenant.get(tenant, {}).get(session_id)
-        if session is None:
-            if self.store is None:
-                return
-            session = await self.lookup(tenant, session_id)
+        if self.store is None and session_id not in self._by_tenant.get(tenant, {}):
+            return
+        session = await self.lookup(tenant, session_id)
         self.touch(session)
         if not session.ingesting():
             return
@@ -793,6 +980,31 @@ class SessionRegistry:
                     tasks.append(session.saving)
         if tasks:
             await asyncio.wait(tasks, timeout=CANCEL_GRACE_SECONDS)
+
+
+def _created(session: Session) -> tuple[int, str]:
+    return session.created_at, session.id
+
+
+def stored_view(record: SessionRecord) -> SessionObject:
+    """A session another replica holds (or none does), as its stored record describes it."""
+    memory = record.memory
+    busy = any(d.status in ("queued", "ingesting") for d in record.documents)
+    return SessionObject(
+        id=record.id,
+        created_at=record.created_at,
+        memory=SessionMemory(
+            strategy=memory["strategy"] if memory else None,
+            params=dict(memory.get("params", {})) if memory else {},
+        ),
+        ttl_seconds=record.ttl_seconds,
+        expires_at=int(record.last_used + record.ttl_seconds),
+        documents=len(record.documents),
+        memory_tokens=sum(d.tokens or 0 for d in record.documents if d.status == "ready"),
+        status="ingesting" if busy else "ready",
+        metadata=dict(record.metadata),
+        collections=[c.name for c in record.collections],
+    )
 
 
 def registry_of(request: Request) -> SessionRegistry:

@@ -70,6 +70,13 @@ class ServerSettings(BaseSettings):
     # back); 0 never moves it. Eviction is default_session_ttl_seconds' business.
     session_offload_after_seconds: float = Field(default=300.0, ge=0)
 
+    # Collections written by `longserve ingest`, attached to sessions (engine/client.py): one
+    # of at most collection_max_chunks chunks loads whole; a larger one is searched per request
+    # for its collection_top_k chunks nearest the question (EmbQ . EmbD).
+    max_collections_per_session: int = Field(default=8, ge=0)
+    collection_max_chunks: int = Field(default=64, ge=1)
+    collection_top_k: int = Field(default=16, ge=1)
+
     memory_store_url: str | None = None
     data_dir: str = "./data"
     drain_timeout_seconds: float = Field(default=30.0, ge=0)

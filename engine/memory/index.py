@@ -21,7 +21,9 @@ drops and backend switches; scores are inner products ("ip") or negative squared
 
 from __future__ import annotations
 
+import copy
 import math
+from typing import Any
 
 import torch
 
@@ -57,6 +59,17 @@ class VectorIndex:
         self._faiss = None  # built lazily: the faiss index over _vectors[:_faiss_size]
         self._faiss_size = 0
         self._trained_at = 0
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> VectorIndex:
+        """A copy of the vectors; the faiss index is not copied but rebuilt from them on the
+        next search (faiss objects do not deep-copy, and a forked session may never search)."""
+        twin = copy.copy(self)
+        memo[id(self)] = twin
+        twin._vectors = self._vectors.clone()
+        twin._faiss, twin._faiss_size, twin._trained_at = None, 0, 0
+        twin.__dict__.pop("_resources", None)
+        twin.__dict__.pop("_on_faiss_gpu", None)
+        return twin
 
     @property
     def ntotal(self) -> int:

@@ -30,6 +30,7 @@ c 2, r = 3/4 depth, d = hidden/4, fit_tokens 1024, sinks 64, local window 1024, 
 from __future__ import annotations
 
 import base64
+import copy
 import time
 import weakref
 from collections import deque
@@ -77,9 +78,22 @@ class NeurocacheSelector:
         self._previous: deque[torch.Tensor] = deque(maxlen=max(config.c - 1, 1))
         self._current: torch.Tensor | None = None  # memory indices retrieved for this chunk
         self._window: torch.Tensor | None = None  # this chunk's own hits + window (for export)
-        layer = model.get_decoder().layers[self.r]
-        handle = layer.register_forward_hook(self._after_layer_r, with_kwargs=True)
+        self._layer = model.get_decoder().layers[self.r]
+        self._hook_layer_r()
+
+    def _hook_layer_r(self) -> None:
+        handle = self._layer.register_forward_hook(self._after_layer_r, with_kwargs=True)
         weakref.finalize(self, handle.remove)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> NeurocacheSelector:
+        """A forked session's selector: its own state, and its own hook on layer r (the hook
+        acts only for the frame it belongs to). `memo` must hold the model's modules."""
+        twin = object.__new__(type(self))
+        memo[id(self)] = twin
+        for name, value in self.__dict__.items():
+            setattr(twin, name, copy.deepcopy(value, memo))
+        twin._hook_layer_r()
+        return twin
 
     def _load_projection(self, path: str) -> None:
         try:

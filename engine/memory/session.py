@@ -13,6 +13,7 @@ still runs plain SDPA attention.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import numpy as np
@@ -230,6 +231,19 @@ class SessionMemory:
             self._frame.commit()
         self._advance_hash(torch.as_tensor(np.asarray(encoding.token_ids, dtype=np.int64)))
         self._last_logits = None
+
+    def fork(self) -> SessionMemory:
+        """An independent copy of this memory (frame, blocks, summaries, indices, chain hash)
+        sharing the model: what one request reads extra chunks into (a collection's EmbQ
+        selection) without changing the session. Costs a copy of the session's own tensors,
+        no forward."""
+        shared: dict[int, object] = {}
+        for module in self.model.modules():
+            shared[id(module)] = module
+        for tensor in (*self.model.parameters(), *self.model.buffers()):
+            shared[id(tensor)] = tensor
+        with torch.inference_mode():
+            return copy.deepcopy(self, shared)
 
     def _take(self, encoding: ChunkEncoding, forwarded: bool) -> None:
         self._frame.replace_pending(

@@ -1,7 +1,9 @@
-"""/v1/sessions and /v1/sessions/{id}/documents (longserve's own API; the openai SDK reaches it
-with plain HTTP). Every route looks the session up by (tenant, id) first (restoring it from the
+"""/v1/sessions, /v1/sessions/{id}/documents and /v1/sessions/{id}/collections (longserve's own
+API; the openai SDK reaches it with plain HTTP). Every route looks the session up by (tenant, id) first (restoring it from the
 memory store when this replica does not hold it), so another tenant's session is a 404 before
-its body is even read. Listing shows the sessions this replica holds."""
+its body is even read. Listing shows the tenant's sessions from the memory store's tenant index
+(every replica's), or only those this replica holds when there is no store or it is down: a
+partial list beats a 503 for a read that changes nothing."""
 
 from __future__ import annotations
 
@@ -18,7 +20,10 @@ from server.documents import Upload, split_content_type
 from server.errors import error_responses, invalid_request, unsupported_media_type
 from server.limits import JSONBodyRoute
 from server.protocol import (
+    CollectionAttachRequest,
     DocumentCreateRequest,
+    SessionCollection,
+    SessionCollectionList,
     SessionCreateRequest,
     SessionDeleted,
     SessionDocument,
@@ -32,7 +37,7 @@ from server.sessions import SessionRegistry, registry_of
 router = APIRouter(
     prefix="/v1",
     route_class=JSONBodyRoute,
-    responses=error_responses(400, 401, 404, 413, 415, 429, 431, 500, 503),
+    responses=error_responses(400, 401, 404, 409, 413, 415, 429, 431, 500, 503),
 )
 
 # The documents route reads its body itself (JSON or multipart), so it declares it here.
@@ -68,8 +73,7 @@ async def create_session(
 
 @router.get("/sessions", response_model=SessionList)
 async def list_sessions(request: Request, tenant: str = Depends(require_tenant)) -> SessionList:
-    registry = registry_of(request)
-    return SessionList(data=[registry.view(s) for s in registry.sessions(tenant)])
+    return SessionList(data=await registry_of(request).list_views(tenant))
 
 
 @router.get("/sessions/{session_id}", response_model=SessionObject)
@@ -86,6 +90,39 @@ async def delete_session(
 ) -> SessionDeleted:
     await registry_of(request).delete(tenant, session_id)
     return SessionDeleted(id=session_id)
+
+
+@router.post(
+    "/sessions/{session_id}/collections",
+    response_model=SessionCollection,
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": CollectionAttachRequest.model_json_schema()}
+            },
+        }
+    },
+)
+async def attach_collection(
+    session_id: str, request: Request, tenant: str = Depends(require_tenant)
+) -> SessionCollection:
+    """Attach a collection written by `longserve ingest` (operator-written, readable by every
+    tenant). Idempotent: attaching it again answers the same object. The body is read after
+    the session is found, so another tenant's session is a 404 whatever the body."""
+    registry = registry_of(request)
+    await registry.lookup(tenant, session_id)
+    body = CollectionAttachRequest.model_validate_json(await request.body())
+    attached = await registry.attach_collection(tenant, session_id, body.name)
+    return attached.view(session_id)
+
+
+@router.get("/sessions/{session_id}/collections", response_model=SessionCollectionList)
+async def list_collections(
+    session_id: str, request: Request, tenant: str = Depends(require_tenant)
+) -> SessionCollectionList:
+    session = await registry_of(request).lookup(tenant, session_id)
+    return SessionCollectionList(data=[c.view(session_id) for c in session.collections.values()])
 
 
 @router.post(

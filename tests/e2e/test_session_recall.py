@@ -38,6 +38,14 @@ QUESTIONS = (
 MAX_APPENDED_PROMPT_TOKENS = 64
 
 
+# Measured in process with the default memory knobs (segments k 8 u 1, read_retrieval 0), same
+# document and questions, greedy: all three answers were wrong (the model restated the question
+# and made up the rest: 'The code name of the harbor project is "HARRI', 'The harbor project is
+# based in New York City, New York'). Strict: when recall is fixed, this fails until the marker
+# goes.
+@pytest.mark.xfail(strict=True, reason="SmolLM2-135M does not recall facts at 30K tokens "
+                   "through segments memory with the default knobs (measured; see the comment)")
+@pytest.mark.timeout(1800)  # ~75 s of reading on an idle 2-core CPU, far more on a shared one
 def test_three_facts_and_a_follow_up_from_a_long_document(server):
     started = time.monotonic()
     document = haystack(lambda text: int(len(text) / CHARS_PER_TOKEN), DOCUMENT_TOKENS, FACTS)

@@ -208,3 +208,59 @@ def test_cli_arguments_build_settings(monkeypatch: pytest.MonkeyPatch, tmp_path:
         MemoryStoreSettings(redis_url="redis://x", data_dir=tmp_path)
     with pytest.raises(ValidationError):
         MemoryStoreSettings(redis_url="http://x")
+
+
+async def test_records_and_blobs_round_trip(client: tuple[MemoryStoreClient, list]) -> None:
+    c, calls = client
+    ns = "sess:tenant1.sess_a"
+    await c.put_record(ns, "session", {"id": "sess_a", "n": 1, "text": "héllo"})
+    await c.put_record(ns, "doc.d1", {"id": "d1"})
+    await c.put_record(ns, "doc.d2", {"id": "d2"})
+    await c.put_blob(ns, "text.d1", "some text, ünïcode".encode())
+    assert await c.get_record(ns, "session") == {"id": "sess_a", "n": 1, "text": "héllo"}
+    assert await c.list_records(ns, "doc.") == {"doc.d1": {"id": "d1"}, "doc.d2": {"id": "d2"}}
+    assert set(await c.list_records(ns)) == {"session", "doc.d1", "doc.d2"}  # blobs not listed
+    assert (await c.get_blob(ns, "text.d1")).decode() == "some text, ünïcode"
+    await c.put_record(ns, "doc.d1", {"id": "d1", "status": "ready"})  # replace
+    assert (await c.get_record(ns, "doc.d1"))["status"] == "ready"
+
+    assert await c.delete_record(ns, "doc.d2") is True
+    assert await c.delete_record(ns, "doc.d2") is False
+    with pytest.raises(NotFound):
+        await c.get_record(ns, "doc.d2")
+    with pytest.raises(NotFound):
+        await c.get_blob(ns, "text.none")
+    assert await c.list_records("tenant:nobody") == {}
+
+    # The session's namespace is its hash tag: deleting the session deletes its records.
+    await c.put_record("tenant:tenant1", "sess_a", {"id": "sess_a"})
+    assert await c.delete_session("tenant1.sess_a") >= 3
+    assert await c.list_records(ns) == {}
+    with pytest.raises(NotFound):
+        await c.get_blob(ns, "text.d1")
+    assert await c.list_records("tenant:tenant1") == {"sess_a": {"id": "sess_a"}}
+
+    for bad_ns, bad_key in (("sess", "k"), ("other:x", "k"), ("sess:a/b", "k"), (ns, "a/b")):
+        with pytest.raises(InvalidRequest):
+            await c.put_record(bad_ns, bad_key, {"x": 1})
+    assert ("get_record", "not_found") in {(op, status) for op, _, status in calls}
+
+
+async def test_records_live_under_the_session_hash_tag(redis_backend: RedisBackend) -> None:
+    c = MemoryStoreClient.in_process(redis_backend, encoder=HashingEncoder())
+    await c.put_record("sess:t.s1", "session", {"id": "s1"})
+    await c.put_blob("sess:t.s1", "text.d", b"abc")
+    await c.put_manifest("t.s1", "doc", DocumentManifest("doc", FP, ("h1",)))
+    keys = sorted(k.decode() for k in await redis_backend._client.keys("longserve:*"))
+    assert keys and all(k.startswith("longserve:{sess:t.s1}:") for k in keys), keys
+
+
+async def test_collection_chunks_in_document_order(client: tuple[MemoryStoreClient, list]) -> None:
+    c, _ = client
+    emb = np.eye(4, dtype=np.float32)
+    await c.add_to_collection("books", FP, ["a1", "a2"], emb[:2])
+    await c.add_to_collection("books", FP, ["b1", "b2"], emb[2:])
+    refs = await c.collection_chunks("books")
+    assert [r.chain_hash for r in refs] == ["a1", "a2", "b1", "b2"]
+    with pytest.raises(NotFound):
+        await c.collection_chunks("nothing-here")

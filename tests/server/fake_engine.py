@@ -14,6 +14,11 @@ Encodings: each ingested chunk is one "model forward" (counted in `forwards`, pe
 `forwards_by_session`), unless `encodings` (a dict standing in for the memory store's encoder
 outputs, shareable between engines) already holds it under its prefix-chain hash; then it is
 rebuilt from there and reported in `IngestProgress.tokens_from_store`, like the real engine.
+
+Collections: `collections` maps a name to (fingerprint, chunks, tokens), what `longserve
+ingest` would have stored; `attach_collection` checks the session's `fingerprint(memory)`
+against it (CollectionIncompatible) and records attachments in `attached`. A collection of more
+than `collection_max_chunks` chunks is attached "selected" (loads nothing).
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engine.protocol import (
+    CollectionAttachment,
+    CollectionIncompatible,
+    CollectionNotFound,
     EngineDead,
     EngineError,
     EngineHealth,
@@ -113,6 +121,9 @@ class FakeEngine:
         self.store_unavailable = False
         self.forwards_by_session: dict[str, int] = {}
         self.offloaded: set[str] = set()  # sessions a test says are in host memory
+        self.collections: dict[str, tuple[str, int, int]] = {}
+        self.collection_max_chunks = 64
+        self.attached: dict[str, list[str]] = {}  # session id -> collections, in order
 
     @property
     def model(self) -> ModelInfo:
@@ -244,6 +255,7 @@ class FakeEngine:
     async def drop_session(self, session_id: str) -> None:
         self.sessions.discard(session_id)
         self.session_memory.pop(session_id, None)
+        self.attached.pop(session_id, None)
         self.dropped.append(session_id)
 
     def ingest(self, request_id: str, session_id: str, text: str) -> AsyncIterator[IngestProgress]:
@@ -313,6 +325,28 @@ class FakeEngine:
         tier = "host" if session_id in self.offloaded else "device"
         words = sum(len(text.split()) for text in self.ingested.get(session_id, []))
         return SessionMemoryInfo(tokens=words, tier=tier)
+
+    def fingerprint(self, memory: MemorySpec | None) -> str:
+        spec = memory or MemorySpec()
+        return f"{self._model.id}/{spec.strategy}/{sorted(spec.params.items())}"
+
+    async def attach_collection(self, session_id: str, name: str) -> CollectionAttachment:
+        if self.dead:
+            raise EngineDead("fake engine is dead")
+        if session_id not in self.sessions:
+            raise SessionNotFound(f"session {session_id!r} has no memory")
+        if name not in self.collections:
+            raise CollectionNotFound(f"collection {name!r} not found")
+        fingerprint, chunks, tokens = self.collections[name]
+        if fingerprint != self.fingerprint(self.session_memory.get(session_id)):
+            raise CollectionIncompatible(f"collection {name!r} was encoded for another model")
+        whole = chunks <= self.collection_max_chunks
+        attached = self.attached.setdefault(session_id, [])
+        if name not in attached:
+            attached.append(name)
+        return CollectionAttachment(
+            name, chunks, tokens if whole else 0, "whole" if whole else "selected"
+        )
 
     async def health(self) -> EngineHealth:
         return EngineHealth(ok=not self.dead, detail="dead" if self.dead else "")

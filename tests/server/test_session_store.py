@@ -332,7 +332,7 @@ async def test_redis_down_then_back(memory_service: MemoryService) -> None:
         assert (await r.http.get("/health")).status_code == 200
         assert (
             await r.metric(
-                'longserve:memory_store_requests_total{backend="http",op="put_manifest",'
+                'longserve:memory_store_requests_total{backend="http",op="put_record",'
                 'status="unavailable"}'
             )
             >= 1
@@ -400,11 +400,11 @@ async def test_store_latency_and_requests_are_measured(tmp_path: Path) -> None:
         await create_with_document(r)
         text = (await r.http.get("/metrics")).text
         assert (
-            'longserve:memory_store_requests_total{backend="embedded",op="put_manifest",'
+            'longserve:memory_store_requests_total{backend="embedded",op="put_record",'
             'status="ok"}' in text
         )
         assert (
-            'longserve:memory_store_request_seconds_count{backend="embedded",op="put_manifest"}'
+            'longserve:memory_store_request_seconds_count{backend="embedded",op="put_record"}'
             in text
         )
 
@@ -427,3 +427,72 @@ def test_cli_refuses_a_memory_store_that_is_not_a_service(
 
     assert main(["serve", "--memory-store", "redis://127.0.0.1:6379/0"]) == 2
     assert "memory_store_url" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Listing from the store's tenant index.
+# ---------------------------------------------------------------------------------------------
+
+
+async def list_ids(r: Replica, key: str = API_KEY) -> list[str]:
+    response = await r.http.get("/v1/sessions", headers={"Authorization": f"Bearer {key}"})
+    assert response.status_code == 200, response.text
+    return [s["id"] for s in response.json()["data"]]
+
+
+async def test_listing_shows_every_replicas_sessions(tmp_path: Path) -> None:
+    encodings: dict[str, int] = {}
+    async with (
+        replica(embedded_client(tmp_path / "s"), encodings) as a,
+        replica(embedded_client(tmp_path / "s"), encodings) as b,
+    ):
+        on_a, doc = await create_with_document(a)
+        on_b = (await b.http.post("/v1/sessions", json={"metadata": {"team": "b"}})).json()["id"]
+        assert sorted(await list_ids(a)) == sorted(await list_ids(b)) == sorted([on_a, on_b])
+        assert b.engine.sessions == {tenant_session_id(b.tenant, on_b)}  # listing restores nothing
+        listed = {s["id"]: s for s in (await b.http.get("/v1/sessions")).json()["data"]}
+        assert listed[on_a]["documents"] == 1 and listed[on_a]["memory_tokens"] == doc["tokens"]
+        assert listed[on_a]["metadata"] == {"team": "a"}
+        assert await list_ids(a, key=OTHER_KEY) == []
+
+        # Deleted through B (which never held it): gone from A's listing, and A stops serving it.
+        assert (await b.http.delete(f"/v1/sessions/{on_a}")).status_code == 200
+        assert await list_ids(a) == [on_b]
+        assert error_code(await a.chat(on_a), 404) == "session_not_found"
+        assert tenant_session_id(a.tenant, on_a) not in a.engine.sessions
+
+
+async def test_chat_on_a_replica_after_another_deleted_the_session(tmp_path: Path) -> None:
+    encodings: dict[str, int] = {}
+    async with (
+        replica(embedded_client(tmp_path / "s"), encodings) as a,
+        replica(embedded_client(tmp_path / "s"), encodings) as b,
+    ):
+        session_id, _ = await create_with_document(a)
+        assert (await b.chat(session_id)).status_code == 200  # B restores and holds it too
+        assert (await a.http.delete(f"/v1/sessions/{session_id}")).status_code == 200
+        assert error_code(await b.chat(session_id), 404) == "session_not_found"
+        assert b.app.state.sessions.sessions(b.tenant) == []
+
+
+async def test_listing_with_the_store_down_lists_held_sessions(
+    memory_service: MemoryService,
+) -> None:
+    async with replica(memory_service.client(), {}) as r:
+        session_id = (await r.http.post("/v1/sessions")).json()["id"]
+        memory_service.redis.kill()
+        assert await list_ids(r) == [session_id]
+        assert (await r.chat(session_id)).status_code == 200  # held: keeps serving
+        memory_service.redis.start()
+        assert await list_ids(r) == [session_id]
+
+
+async def test_an_unreadable_record_does_not_hide_the_others(tmp_path: Path) -> None:
+    async with replica(embedded_client(tmp_path / "s"), {}) as a:
+        good = (await a.http.post("/v1/sessions")).json()["id"]
+    store = embedded_client(tmp_path / "s")
+    bad = "sess_" + "f" * 32
+    await store.put_record(f"tenant:{tenant_of(API_KEY)}", bad, {"id": bad})
+    await store.put_record(f"sess:{tenant_session_id(tenant_of(API_KEY), bad)}", "session", {})
+    async with replica(store, {}) as b:
+        assert await list_ids(b) == [good]
