@@ -218,6 +218,22 @@ class FrameState:
         self._pending = _Pending()
         return self._positions
 
+    def query_at_retrieval_distance(
+        self, q_pre: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """q_pre (..., len(rows), d), pre-rotary queries of the chunk's tokens `rows`, rotated by
+        their distance to the middle of the retrieved span: their inner product with a
+        pre-rotary key is then the attention logit that key would get once retrieved (rotary
+        attention depends only on q, k and their distance). Searching pre-rotary keys with
+        pre-rotary queries instead scores every key as if it sat at the query's own position,
+        where the high-frequency dimensions count fully; retrieved keys sit a window away.
+        Measured on SmolLM2-135M passkey at 4K tokens (tokens strategy, k 256): the key's digits
+        reached the frame in 26 of 90 (layer, KV head) pairs unrotated, 60 of 90 rotated."""
+        assert self._positions is not None, "FrameState.begin() was not called"
+        middle = self.config.sinks + self.config.retrieval_budget // 2
+        distance = (self._positions[rows] - middle).clamp(min=0)
+        return self.rotary.rotate(q_pre, distance)
+
     def _local_positions(self) -> torch.Tensor:
         c = self.config
         end = (

@@ -21,7 +21,9 @@ used: layers j > r reuse their own self-attention on the retrieved keys and valu
 what the paper initialises cache attention with.
 
 A multi-token chunk's one retrieval uses up to `max_queries` of its tokens (evenly spaced, the
-last one in); their hits are ranked by best score and the k best kept.
+last one in); their hits are merged rank by rank, the last token first, and the first k kept
+(tokens.fair_union: ranking by raw score lets the chunk's filler rows, which have near-exact
+copies in memory, take every slot from the last token's).
 
 Defaults (NeurocacheConfig): k 64 (the paper's setting for adapted pretrained models), w 2,
 c 2, r = 3/4 depth, d = hidden/4, fit_tokens 1024, sinks 64, local window 1024, block 64.
@@ -44,7 +46,7 @@ from engine.memory.attention import FRAME_KWARG
 from engine.memory.config import NeurocacheConfig
 from engine.memory.frame import LayerStore
 from engine.memory.index import VectorIndex, make_index
-from engine.memory.tokens import best_unique, query_rows
+from engine.memory.tokens import fair_union, query_rows
 from engine.protocol import InvalidRequest
 
 
@@ -132,9 +134,9 @@ class NeurocacheSelector:
 
     def _retrieve(self, h: torch.Tensor) -> torch.Tensor:
         c = self.config
-        rows = h[query_rows(h.shape[0], c.max_queries).to(h.device)]
-        scores, ids = self.cache.search(self._compress(rows), c.k)
-        hits = best_unique(scores.flatten(), ids.flatten(), c.k)
+        rows = h[query_rows(h.shape[0], c.max_queries).to(h.device).flip(0)]  # last first
+        _, ids = self.cache.search(self._compress(rows), c.k)
+        hits = fair_union(ids, c.k)
         window = (hits[:, None] + torch.arange(c.w, device=hits.device)).flatten()
         window = window[window < self.cache.ntotal]
         self._window = window
