@@ -1,6 +1,7 @@
 """`neurocache`: Neurocache's compressed cache, training-free, over the frame's memory.
 
-The output h_r of decoder layer r (default: 3/4 of the depth, the paper's threshold) is
+The output h_r of decoder layer r (default: layer num_layers // 6; the paper's 3/4 of the depth
+needs its trained cache attention, see config.py) is
 compressed to c = W_p h_r (d = hidden/4 by default) for every token that enters memory; the
 compressed states form the cache (one entry per memory token, FIFO with the frame's m). A
 forward chunk makes exactly ONE kNN retrieval (L2, as in the paper) over the cache with its own
@@ -26,7 +27,7 @@ last one in); their hits are merged rank by rank, the last token first, and the 
 copies in memory, take every slot from the last token's).
 
 Defaults (NeurocacheConfig): k 64 (the paper's setting for adapted pretrained models), w 2,
-c 2, r = 3/4 depth, d = hidden/4, fit_tokens 1024, sinks 64, local window 1024, block 64.
+c 2, r = num_layers // 6, d = hidden/4, fit_tokens 1024, sinks 64, local window 1024, block 64.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class NeurocacheSelector:
         self.config = config
         num_layers = model.config.num_hidden_layers
         self.hidden = model.config.hidden_size
-        self.r = config.r if config.r >= 0 else max(0, 3 * num_layers // 4 - 1)
+        self.r = config.r if config.r >= 0 else num_layers // 6
         if self.r >= num_layers - 1:
             raise InvalidRequest(
                 "memory.r must leave at least one layer above it", param="memory.r"
