@@ -208,7 +208,7 @@ async def main_async(args: argparse.Namespace) -> None:
         print(json.dumps(row), flush=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[131072, 1048576])
     parser.add_argument("-n", type=int, default=10, help="trials per length")
@@ -218,7 +218,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true", help="each trial's prompt on stderr")
-    asyncio.run(main_async(parser.parse_args()))
+    asyncio.run(main_async(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":

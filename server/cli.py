@@ -161,7 +161,7 @@ def _error_text(error: Any) -> str:
 # ---------------------------------------------------------------------------------------------
 # The subcommand table. Other parts register theirs here, each as a Subcommand whose
 # add_arguments/run live next to the code they start, imported lazily so that one subcommand
-# never loads another's dependencies. `ingest` is still to come.
+# never loads another's dependencies.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -170,6 +170,24 @@ def _lazy(module: str, attribute: str) -> Callable[..., Any]:
         return getattr(importlib.import_module(module), attribute)(*args)
 
     return call
+
+
+BENCHMARKS = (
+    "passkey", "memory_speed", "serving_overhead", "load", "larimar_passkey", "store_rebuild"
+)
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", choices=BENCHMARKS, help="which benchmark (bench/<name>.py)")
+    parser.add_argument("args", nargs=argparse.REMAINDER,
+                        help="the benchmark's own arguments (longserve bench NAME --help)")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run bench/<name>.py's main with the rest of the command line: the same program as
+    `python -m bench.<name>`, reachable wherever `longserve` is installed."""
+    importlib.import_module(f"bench.{args.name}").main(list(args.args))
+    return 0
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
@@ -183,6 +201,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "pre-encode documents offline into a memory-store collection",
         _lazy("engine.ingest_cli", "add_arguments"),
         _lazy("engine.ingest_cli", "run"),
+    ),
+    "bench": Subcommand(
+        "run a benchmark from bench/ (one JSON line per measurement)",
+        add_bench_arguments,
+        run_bench,
     ),
 }
 

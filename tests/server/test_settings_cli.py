@@ -79,3 +79,16 @@ def test_server_package_does_not_import_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == ""
+
+
+def test_bench_subcommand_passes_the_rest_to_the_benchmark() -> None:
+    import importlib
+
+    from server.cli import BENCHMARKS
+
+    args = build_parser().parse_args(["bench", "passkey", "--lengths", "4096", "-n", "2"])
+    assert args.name == "passkey" and args.args == ["--lengths", "4096", "-n", "2"]
+    for name in BENCHMARKS:  # every listed benchmark exists and takes argv
+        assert callable(importlib.import_module(f"bench.{name}").main)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "nonexistent"])
