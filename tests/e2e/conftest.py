@@ -83,3 +83,24 @@ def server(tmp_path_factory) -> Iterator[ServerProcess]:
     proc = start_server(tmp_path_factory.mktemp("e2e"))
     yield proc
     stop_server(proc)
+
+
+def upload_and_wait(
+    api_base: str, name: str, text: str, timeout_s: float, poll_s: float = 0.5
+) -> tuple[dict, dict]:
+    """Create a session, upload `text` as a document and wait until it is read: returns the
+    session and the document objects (the document `ready`, or the test fails)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=api_base, headers=headers, timeout=60) as http:
+        session = http.post("/sessions", json={}).json()
+        doc = http.post(f"/sessions/{session['id']}/documents",
+                        json={"name": name, "text": text}).json()
+        deadline = time.monotonic() + timeout_s
+        while doc["status"] not in ("ready", "failed"):
+            assert time.monotonic() < deadline, f"not read after {timeout_s} s: {doc}"
+            time.sleep(poll_s)
+            doc = http.get(f"/sessions/{session['id']}/documents/{doc['id']}").json()
+    assert doc["status"] == "ready", doc
+    return session, doc

@@ -6,12 +6,11 @@ import shutil
 import subprocess
 import time
 
-import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import API_KEY
+from .conftest import API_KEY, upload_and_wait
 
 pytestmark = pytest.mark.real_model
 
@@ -66,17 +65,7 @@ def test_every_metric_appears_and_moves(server):
     )
     usage = [c.usage for c in reply if c.usage is not None][0]
 
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.Client(base_url=server.api_base, headers=headers, timeout=60) as http:
-        session = http.post("/sessions", json={}).json()
-        doc = http.post(f"/sessions/{session['id']}/documents",
-                        json={"name": "inventory.txt", "text": DOCUMENT}).json()
-        deadline = time.monotonic() + 300
-        while doc["status"] not in ("ready", "failed"):
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
-            doc = http.get(f"/sessions/{session['id']}/documents/{doc['id']}").json()
-        assert doc["status"] == "ready", doc
+    session, _ = upload_and_wait(server.api_base, "inventory.txt", DOCUMENT, timeout_s=300)
     client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Who is the night guard?"}],
         max_tokens=8, temperature=0, extra_body={"session_id": session["id"]},
