@@ -58,6 +58,7 @@ print("\n".join(r for r in reqs if re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0] no
 COPY server ./server
 COPY engine ./engine
 COPY memory_store ./memory_store
+COPY bench ./bench
 RUN pip install --no-cache-dir --no-deps . \
  && longserve --help > /dev/null
 

@@ -338,7 +338,7 @@ def test_dockerignore_sends_only_the_build_inputs() -> None:
         p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
     }
     assert packages <= kept, "every installed package must reach the build"
-    assert kept == {"pyproject.toml", "README.md", "server", "engine", "memory_store"}
+    assert kept == {"pyproject.toml", "README.md", "server", "engine", "memory_store", "bench"}
     copied = re.findall(
         r"^COPY\s+(?!--from)(.+?)\s+\S+$", (REPO / "Dockerfile").read_text(), re.MULTILINE
     )
