@@ -30,14 +30,18 @@ def app(settings: ServerSettings, engine: FakeEngine) -> FastAPI:
     return build_app(settings, engine)
 
 
+def asgi_client(app: FastAPI, api_key: str = API_KEY) -> httpx.AsyncClient:
+    """An HTTP client calling the app in process, authenticated with api_key."""
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+        base_url="http://test",
+        headers={"Authorization": f"Bearer {api_key}"},
+    )
+
+
 @pytest.fixture
 async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-    async with httpx.AsyncClient(
-        transport=transport,
-        base_url="http://test",
-        headers={"Authorization": f"Bearer {API_KEY}"},
-    ) as http:
+    async with asgi_client(app) as http:
         yield http
 
 

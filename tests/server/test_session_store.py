@@ -31,6 +31,7 @@ from tests.memory_store.conftest import (  # noqa: F401 - redis_server is a fixt
     free_port,
     redis_server,
 )
+from tests.server.conftest import asgi_client
 from tests.server.fake_engine import FakeEngine
 
 API_KEY = "sk-replica-key"
@@ -77,12 +78,7 @@ async def replica(
     )
     engine = FakeEngine(MODEL, encodings=encodings)
     app = build_app(settings, engine, store=store)
-    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-    async with httpx.AsyncClient(
-        transport=transport,
-        base_url="http://test",
-        headers={"Authorization": f"Bearer {API_KEY}"},
-    ) as http:
+    async with asgi_client(app, API_KEY) as http:
         try:
             yield Replica(app, engine, http)
         finally:
