@@ -99,7 +99,7 @@ class CollectionRecord:
 class SessionRecord:
     id: str
     tenant: str
-    created_at: int
+    created_at: float  # unix seconds, sub-second precision (listing order)
     ttl_seconds: int
     last_used: float
     memory: dict[str, Any] | None  # {"strategy", "params"} or None (the engine's default)
@@ -125,7 +125,7 @@ class SessionRecord:
         return cls(
             id=str(meta["id"]),
             tenant=str(meta["tenant"]),
-            created_at=int(meta["created_at"]),
+            created_at=float(meta["created_at"]),
             ttl_seconds=int(meta["ttl_seconds"]),
             last_used=float(meta.get("last_used", meta["created_at"])),
             memory=dict(memory) if memory is not None else None,

@@ -185,7 +185,7 @@ class AttachedCollection:
 class Session:
     id: str
     tenant: str
-    created_at: int
+    created_at: float  # to the clock's precision: sessions created in one second keep their order
     memory: MemorySpec | None
     ttl_seconds: int
     metadata: dict[str, str]
@@ -235,7 +235,7 @@ class Session:
         memory = self.memory
         return SessionObject(
             id=self.id,
-            created_at=self.created_at,
+            created_at=int(self.created_at),
             memory=SessionMemory(
                 strategy=memory.strategy if memory else None,
                 params=dict(memory.params) if memory else {},
@@ -320,15 +320,14 @@ class SessionRegistry:
             if session.id not in indexed and await self._gone_from_store(session):
                 await self._remove(session, "The session was deleted.")
         now = self.clock()
-        views = [self.view(s) for s in self._by_tenant.get(tenant, {}).values()]
-        views += [
-            stored_view(record)
+        still_held = self._by_tenant.get(tenant, {})
+        dated = [(s.created_at, s.id, self.view(s)) for s in still_held.values()]
+        dated += [
+            (record.created_at, record.id, stored_view(record))
             for record in records
-            if record is not None
-            and not record.expired(now)
-            and record.id not in self._by_tenant.get(tenant, {})
+            if record is not None and not record.expired(now) and record.id not in still_held
         ]
-        return sorted(views, key=lambda v: (v.created_at, v.id))
+        return [view for _, _, view in sorted(dated, key=lambda d: (d[0], d[1]))]
 
     async def _load_listed(self, tenant: str, session_id: str) -> SessionRecord | None:
         """A listed session's record; None (logged) for one that cannot be read back, so one
@@ -586,7 +585,7 @@ class SessionRegistry:
         session = Session(
             id=new_session_id(),
             tenant=tenant,
-            created_at=int(now),
+            created_at=now,
             memory=memory,
             ttl_seconds=ttl,
             metadata=dict(body.metadata or {}),
@@ -982,7 +981,7 @@ class SessionRegistry:
             await asyncio.wait(tasks, timeout=CANCEL_GRACE_SECONDS)
 
 
-def _created(session: Session) -> tuple[int, str]:
+def _created(session: Session) -> tuple[float, str]:
     return session.created_at, session.id
 
 
@@ -992,7 +991,7 @@ def stored_view(record: SessionRecord) -> SessionObject:
     busy = any(d.status in ("queued", "ingesting") for d in record.documents)
     return SessionObject(
         id=record.id,
-        created_at=record.created_at,
+        created_at=int(record.created_at),
         memory=SessionMemory(
             strategy=memory["strategy"] if memory else None,
             params=dict(memory.get("params", {})) if memory else {},
