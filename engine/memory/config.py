@@ -78,6 +78,14 @@ class SegmentsConfig(FrameConfig):
         Measured on SmolLM2-135M (passkey at ~1000 of 3200 tokens, local window 512, k=4, u=1):
         "mean" put the passkey block in the frame for 46 of 90 (layer, KV head) pairs and the
         answer was wrong; "bound" for 90 of 90, and the answer was right.
+    select: who picks the top-k. "consensus" (default): a forward's block scores add up over
+        the KV heads and the layers, and layer l takes the top-k of the sum over layers 0..l,
+        the same blocks for all its KV heads. "head": every layer and KV head picks its own
+        top-k, as CacheFormer does per head. Measured on SmolLM2-135M, a 29.7K-token prose
+        document with three planted facts (tests/e2e/haystack.py), read once: per head the
+        fact's block was in the top 8 for 33, 32 and 45 of 90 (layer, KV head) pairs and the
+        model answered 1 of 3; summed over heads only (per layer) 1 of 3; summed over heads
+        and layers the facts' blocks ranked 6th, 3rd and 1st and the model answered 3 of 3.
     Defaults: sinks 64, block 64, k 8, u 1, local window 1024, chunk 512: frame
     64 + 8*3*64 + 1024 + 512 = 3136 tokens. k and u measured (bench/passkey.py prompt, 12.3K
     tokens, key at depth 0.4, one document read then the question forward swept): k 2, 4, 8,
@@ -89,6 +97,7 @@ class SegmentsConfig(FrameConfig):
     k: int = 8
     u: int = 1
     score: str = "bound"
+    select: str = "consensus"
 
     @property
     def retrieval_budget(self) -> int:
@@ -161,6 +170,7 @@ CONFIGS: dict[str, type[FrameConfig]] = {
 
 _CHOICES = {
     "score": ("mean", "bound"),
+    "select": ("consensus", "head"),
     "index": ("auto", "torch", "faiss-flat", "faiss-hnsw", "faiss-ivf"),
     "tier": ("device", "host"),
 }

@@ -153,7 +153,17 @@ class SessionMemory:
 
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
         """One forward of ids (T,) over the frame, left pending (commit or abort it);
-        returns the logits (vocab,) at its last token."""
+        returns the logits (vocab,) at its last token. A selector that votes (segments'
+        consensus) gets a voting pass first: the same forward, run and thrown away, whose
+        layers' summed block scores then choose the blocks of every layer of the real one."""
+        wants_vote = getattr(self._selector, "wants_vote", None)
+        if wants_vote is not None and wants_vote(ids.numel()):
+            self._forward_once(ids)
+            self._frame.abort()
+            self._selector.hold_vote()  # type: ignore[attr-defined]
+        return self._forward_once(ids)
+
+    def _forward_once(self, ids: torch.Tensor) -> torch.Tensor:
         positions = self._frame.begin(ids.numel())
         try:
             out = self.model(

@@ -90,6 +90,7 @@ def read(memory: SessionMemory, ids: torch.Tensor) -> torch.Tensor:
 SPECS = {
     "segments": MemorySpec("segments", dict(FRAME, k=1, u=0)),
     "segments-mean": MemorySpec("segments", dict(FRAME, k=1, u=0, score="mean")),
+    "segments-head": MemorySpec("segments", dict(FRAME, k=1, u=0, select="head")),
     "tokens": MemorySpec("tokens", dict(FRAME, k=4, index="torch")),
     "tokens-faiss": MemorySpec("tokens", dict(FRAME, k=4, index="faiss-flat")),
     "neurocache": MemorySpec("neurocache", dict(FRAME, k=1, w=2, c=2, r=0)),
