@@ -134,7 +134,9 @@ class Selector(Protocol):
     # forward failed, pop_seconds() for retrieval time spent outside `select`;
     # export_chunk_state() -> JSON-able dict of what it keeps from a forwarded chunk beyond its
     # keys and values, and import_chunk_state(state, forwarded) to take it back before commit
-    # (forwarded: the chunk was just forwarded, so only replace what the forward computed).
+    # (forwarded: the chunk was just forwarded, so only replace what the forward computed);
+    # wants_vote(num_tokens) -> bool and hold_vote(): SessionMemory then runs that forward
+    # twice, aborting the first (a voting pass) and calling hold_vote() between the two.
 
 
 @dataclass
