@@ -1,9 +1,10 @@
 """Ingest throughput, decode latency against memory size, and memory bytes per token.
 
 Each figure is a ratio measured in one run, so machine noise cancels:
-- ingest tokens/s through SessionMemory.append vs a bare forward pass of the model over the same
-  tokens in windows of the same chunk size (no memory, no retrieval: the least work that reads
-  the tokens at all);
+- ingest tokens/s through SessionMemory.append(document=True), as the engine reads an upload,
+  vs a bare forward pass of the model over the same tokens in windows of the same chunk size
+  (no memory, no retrieval, logits of the last token only: the least work that reads the
+  tokens at all), the two interleaved chunk by chunk;
 - decode ms/token with a large memory (default 128K tokens) vs a small one (4K);
 - memory bytes per token for each strategy.
 
@@ -22,6 +23,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.loader import load_model
+from engine.memory.config import parse_memory_spec
 from engine.memory.session import STRATEGIES, SessionMemory
 from engine.protocol import MemorySpec
 
@@ -41,7 +43,10 @@ def random_text_ids(tokenizer, n_tokens: int, seed: int) -> list[int]:
 def bare_forward_seconds(model, ids: torch.Tensor, chunk: int) -> float:
     started = time.perf_counter()
     for start in range(0, len(ids), chunk):
-        model(ids[start : start + chunk][None], use_cache=False)
+        # logits of the last token only, as SessionMemory computes them: the vocabulary
+        # projection of every token would be a fifth of this model's forward, work that
+        # reading a document does not need
+        model(ids[start : start + chunk][None], use_cache=False, logits_to_keep=1)
     return time.perf_counter() - started
 
 
@@ -55,6 +60,57 @@ def decode_ms_per_token(memory: SessionMemory, first: int, steps: int, device) -
     return 1000 * (time.perf_counter() - started) / steps
 
 
+def measure_ingest(model, strategy: str, ids: torch.Tensor, rounds: int,
+                   params: dict | None = None) -> dict:
+    """Ingest vs bare forward over the same tokens in the same chunks, interleaved chunk by
+    chunk (a bare forward of a chunk, then the session reading it, as the engine's ingest
+    does) so that both sides run under the same machine load; `rounds` fresh sessions, the
+    sums over all of them make the ratio."""
+    spec = MemorySpec(strategy, params or {})
+    max_positions = int(model.config.max_position_embeddings)
+    chunk = parse_memory_spec(spec, max_positions=max_positions).chunk_size
+    bare = ingest = 0.0
+    with torch.inference_mode():
+        for _ in range(rounds):
+            memory = SessionMemory(model, spec)
+            for start in range(0, len(ids), chunk):
+                piece = ids[start : start + chunk]
+                bare += bare_forward_seconds(model, piece, chunk)
+                started = time.perf_counter()
+                memory.append(piece, document=True)
+                ingest += time.perf_counter() - started
+            del memory
+    tokens = rounds * len(ids)
+    return {"bench": "ingest", "strategy": strategy, "tokens": len(ids), "chunk_size": chunk,
+            "rounds": rounds, **({"params": params} if params else {}),
+            "ingest_tokens_per_s": round(tokens / ingest, 1),
+            "bare_forward_tokens_per_s": round(tokens / bare, 1),
+            "ratio": round(bare / ingest, 3)}
+
+
+def measure_decode(model, strategy: str, all_ids: torch.Tensor, small: int, large: int,
+                   steps: int) -> list[dict]:
+    """Decode ms/token with `small` and `large` tokens of memory, and bytes per token."""
+    device = all_ids.device
+    records: list[dict] = []
+    results: dict[int, float] = {}
+    for size in (small, large):
+        memory = SessionMemory(model, MemorySpec(strategy))
+        started = time.perf_counter()
+        logits = memory.append(all_ids[:size])
+        fill = time.perf_counter() - started
+        results[size] = decode_ms_per_token(memory, int(logits.argmax()), steps, device)
+        records.append({"bench": "memory", "strategy": strategy,
+                        "memory_tokens": memory.num_tokens, "bytes": memory.nbytes(),
+                        "bytes_per_token": round(memory.nbytes() / max(memory.num_tokens, 1), 1),
+                        "fill_seconds": round(fill, 2),
+                        "decode_ms_per_token": round(results[size], 2)})
+        del memory
+    records.append({"bench": "decode", "strategy": strategy, "small": small, "large": large,
+                    "ratio_large_vs_small": round(results[large] / results[small], 3)})
+    return records
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None)
@@ -63,47 +119,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--large", type=int, default=131072)
     parser.add_argument("--ingest-tokens", type=int, default=8192)
     parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3, help="ingest vs bare forward rounds")
+    parser.add_argument("--parts", nargs="+", choices=("ingest", "decode"),
+                        default=["ingest", "decode"], help="which measurements to run")
     args = parser.parse_args(argv)
 
     loaded = load_model(EngineConfig(model=args.model))
     model, tokenizer = loaded.model, loaded.tokenizer
     device = next(model.parameters()).device
-    all_ids = torch.tensor(random_text_ids(tokenizer, args.large, seed=0), device=device)
+    needed = max(args.ingest_tokens, args.large if "decode" in args.parts else 0)
+    all_ids = torch.tensor(random_text_ids(tokenizer, needed, seed=0), device=device)
 
     def emit(record: dict) -> None:
         print(json.dumps(record), flush=True)
 
     for strategy in args.strategies:
-        # Ingest vs bare forward, same tokens, same chunk size, measured back to back.
-        memory = SessionMemory(model, MemorySpec(strategy))
-        chunk = memory.config.chunk_size
-        ids = all_ids[: args.ingest_tokens]
-        bare = bare_forward_seconds(model, ids, chunk)
-        started = time.perf_counter()
-        memory.append(ids)
-        ingest = time.perf_counter() - started
-        emit({"bench": "ingest", "strategy": strategy, "tokens": len(ids), "chunk_size": chunk,
-              "ingest_tokens_per_s": round(len(ids) / ingest, 1),
-              "bare_forward_tokens_per_s": round(len(ids) / bare, 1),
-              "ratio": round(bare / ingest, 3)})
-        del memory
-
-        # Decode latency with a small and a large memory.
-        results = {}
-        for size in (args.small, args.large):
-            memory = SessionMemory(model, MemorySpec(strategy))
-            started = time.perf_counter()
-            logits = memory.append(all_ids[:size])
-            fill = time.perf_counter() - started
-            results[size] = decode_ms_per_token(memory, int(logits.argmax()), args.decode_steps, device)
-            emit({"bench": "memory", "strategy": strategy, "memory_tokens": memory.num_tokens,
-                  "bytes": memory.nbytes(),
-                  "bytes_per_token": round(memory.nbytes() / max(memory.num_tokens, 1), 1),
-                  "fill_seconds": round(fill, 2),
-                  "decode_ms_per_token": round(results[size], 2)})
-            del memory
-        emit({"bench": "decode", "strategy": strategy, "small": args.small, "large": args.large,
-              "ratio_large_vs_small": round(results[args.large] / results[args.small], 3)})
+        if "ingest" in args.parts:
+            emit(measure_ingest(model, strategy, all_ids[: args.ingest_tokens], args.rounds))
+        if "decode" in args.parts:
+            for record in measure_decode(
+                model, strategy, all_ids, args.small, args.large, args.decode_steps
+            ):
+                emit(record)
 
 
 if __name__ == "__main__":

@@ -783,7 +783,7 @@ class LocalEngine:
             doc = torch.tensor(ids, dtype=torch.long)  # (T,)
             for start in range(0, len(ids), chunk):
                 with torch.inference_mode():
-                    session.memory.append(doc[start : start + chunk])
+                    session.memory.append(doc[start : start + chunk], document=True)
                 done = min(start + chunk, len(ids))
                 yield IngestProgress(done, len(ids), time.perf_counter() - started,
                                      done=done == len(ids))

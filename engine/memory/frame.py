@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.memory.config import FrameConfig
-from engine.memory.rotary import RotaryTable
+from engine.memory.rotary import Angles, RotaryTable
 
 
 class GrowingBuffer:
@@ -121,7 +121,8 @@ class Selector(Protocol):
         ...
 
     def on_memory_added(self, layer: int, k_pre: torch.Tensor, v: torch.Tensor) -> None:
-        """A block (kv_heads, block, head_dim) joined the end of this layer's memory."""
+        """Whole blocks (kv_heads, n * block, head_dim) joined the end of this layer's memory,
+        oldest first."""
         ...
 
     def on_memory_dropped(self, layer: int, n: int) -> None:
@@ -186,6 +187,10 @@ class FrameState:
         self.last_selected: dict[int, torch.Tensor] = {}  # layer -> (kv_heads, R), for tests
         self._positions: torch.Tensor | None = None
         self._pending = _Pending()
+        self._mask_cache: dict[tuple[int, int], torch.Tensor] = {}
+        # rotary angles of this forward's chunk and local window, looked up once for all layers
+        self._angles: dict[str, Angles] = {}
+        self._sinks_rotated: dict[int, torch.Tensor] = {}
         self._device = device
 
     # -- tiers -------------------------------------------------------------------------------
@@ -202,6 +207,7 @@ class FrameState:
         memory_device = torch.device("cpu") if host else device
         for store in self.layers:
             store.to(device, memory_device, pin=host)
+        self._sinks_rotated = {}
         move = getattr(self.selector, "to", None)
         if move is not None:
             move(device)
@@ -218,6 +224,8 @@ class FrameState:
             first = self.n_sinks + self.n_local
         self._positions = torch.arange(first, first + num_new, device=self._device)
         self._pending = _Pending()
+        self._mask_cache = {}
+        self._angles = {}
         return self._positions
 
     def query_at_retrieval_distance(
@@ -245,6 +253,26 @@ class FrameState:
         )
         return torch.arange(end - self.n_local, end, device=self._device)
 
+    def _rotated_sinks(self, layer: int) -> torch.Tensor:
+        """The layer's sink keys rotated at 0..n_sinks-1, where they always sit: rotated once,
+        kept until a commit adds sinks or the frame moves."""
+        cached = self._sinks_rotated.get(layer)
+        if cached is None or cached.shape[1] != self.n_sinks:
+            positions = torch.arange(self.n_sinks, device=self._device)
+            cached = self._sinks_rotated[layer] = self.rotary.rotate(
+                self.layers[layer].sink_k, positions
+            )
+        return cached
+
+    def _window_seen(self, num_new: int) -> int:
+        """How many of the local window's newest tokens a forward of num_new tokens attends:
+        all of them, except that a reading chunk (a forward that does not retrieve) of a
+        document already longer than the frame sees only the newest `read_window`."""
+        c = self.config
+        if c.read_window and self.memory_used and not c.retrieves(num_new):
+            return min(c.read_window, self.n_local)
+        return self.n_local
+
     # -- the attention of one layer ----------------------------------------------------------
 
     def attend(
@@ -262,16 +290,19 @@ class FrameState:
         store = self.layers[layer]
         kvh, T = key.shape[1], key.shape[2]
         group = query.shape[1] // kvh
-        self._pending.k_pre[layer] = self.rotary.unrotate(key[0], positions)
+        chunk_angles = self._angles.get("chunk")
+        if chunk_angles is None:
+            chunk_angles = self._angles["chunk"] = self.rotary.angles(positions)
+        self._pending.k_pre[layer] = self.rotary.unrotate(key[0], chunk_angles)
         self._pending.v[layer] = value[0]
 
-        keys = [self.rotary.rotate(store.sink_k, torch.arange(self.n_sinks, device=self._device))]
+        keys = [self._rotated_sinks(layer)]
         values = [store.sink_v]
         prefix_ok = [torch.ones(kvh, self.n_sinks, dtype=torch.bool, device=self._device)]
 
-        if self.n_memory:
+        if self.n_memory and self.config.retrieves(T):  # no selector retrieves otherwise
             start = time.perf_counter()
-            q_pre = self.rotary.unrotate(query[0], positions)
+            q_pre = self.rotary.unrotate(query[0], chunk_angles)
             q_pre = q_pre.view(kvh, group, T, -1)
             idx = self.selector.select(layer, q_pre, store, scaling)
             self.retrieval_seconds += time.perf_counter() - start
@@ -288,24 +319,60 @@ class FrameState:
                 values.append(mem_v)
                 prefix_ok.append(ok)
 
-        keys.append(self.rotary.rotate(store.local_k, self._local_positions()))
-        values.append(store.local_v)
-        prefix_ok.append(torch.ones(kvh, self.n_local, dtype=torch.bool, device=self._device))
+        skip = self.n_local - self._window_seen(T)  # oldest window tokens this forward skips
+        window_angles = self._angles.get("window")
+        if window_angles is None:
+            window_angles = self._angles["window"] = self.rotary.angles(
+                self._local_positions()[skip:]
+            )
+        keys.append(self.rotary.rotate(store.local_k[:, skip:], window_angles))
+        values.append(store.local_v[:, skip:])
+        prefix_ok.append(
+            torch.ones(kvh, self.n_local - skip, dtype=torch.bool, device=self._device)
+        )
         keys.append(key[0])
         values.append(value[0])
 
         k_frame = torch.cat(keys, dim=1)[None]  # (1, kv_heads, F, d)
         v_frame = torch.cat(values, dim=1)[None]
-        prefix = torch.cat(prefix_ok, dim=1)  # (kv_heads, F - T)
-        causal = torch.ones(T, T, dtype=torch.bool, device=self._device).tril()
-        mask = torch.cat(
-            (prefix[:, None, :].expand(kvh, T, -1), causal[None].expand(kvh, T, T)), dim=2
-        )  # (kv_heads, T, F)
-        mask = mask.repeat_interleave(group, dim=0)[None]  # (1, H, T, F)
+        mask = self._mask(torch.cat(prefix_ok, dim=1), T, group, query.dtype)
         out = F.scaled_dot_product_attention(
             query, k_frame, v_frame, attn_mask=mask, scale=scaling, enable_gqa=group > 1
         )
         return out.transpose(1, 2)
+
+    def _mask(
+        self, prefix_ok: torch.Tensor, T: int, group: int, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """Additive mask (1, 1 or H, T, F) for a chunk of T tokens after a prefix whose
+        visible slots are prefix_ok (kv_heads, P); None when nothing is hidden (one token, all
+        visible). A prefix with every slot visible (reading a chunk, or retrieval without
+        padding) gets one (1, 1, T, P + T) mask shared by all heads and, cached per forward, by
+        all layers: a boolean per-head mask made SDPA build a float copy per layer, which cost
+        as much as a fifth of reading a document on CPU."""
+        P = prefix_ok.shape[1]
+        if bool(prefix_ok.all()):
+            if T == 1:
+                return None
+            cached = self._mask_cache.get((P, T))
+            if cached is None:
+                cached = torch.zeros(T, P + T, dtype=dtype, device=self._device)
+                cached[:, P:].masked_fill_(
+                    torch.ones(T, T, dtype=torch.bool, device=self._device).triu(1),
+                    torch.finfo(dtype).min,
+                )
+                cached = self._mask_cache[(P, T)] = cached[None, None]
+            return cached
+        hidden = torch.finfo(dtype).min
+        prefix = torch.zeros(prefix_ok.shape, dtype=dtype, device=self._device)
+        prefix.masked_fill_(~prefix_ok, hidden)
+        causal = torch.zeros(T, T, dtype=dtype, device=self._device)
+        causal.masked_fill_(torch.ones_like(causal, dtype=torch.bool).triu(1), hidden)
+        kvh = prefix_ok.shape[0]
+        mask = torch.cat(
+            (prefix[:, None, :].expand(kvh, T, P), causal[None].expand(kvh, T, T)), dim=2
+        )  # (kv_heads, T, F)
+        return mask.repeat_interleave(group, dim=0)[None]
 
     # -- after the forward -------------------------------------------------------------------
 
@@ -360,16 +427,18 @@ class FrameState:
         self.n_sinks += to_sinks
         self.n_local += num_new - to_sinks
         self.num_tokens += num_new
-        while self.n_local > c.local_window:
+        if self.n_local > c.local_window:
+            # the oldest whole blocks that take the window back to at most W tokens, moved at once
+            move = -(-(self.n_local - c.local_window) // c.block) * c.block
             for layer, store in enumerate(self.layers):
-                blk_k, blk_v = store.local_k[:, : c.block], store.local_v[:, : c.block]
+                blk_k, blk_v = store.local_k[:, :move], store.local_v[:, :move]
                 store.mem_k.append(blk_k)
                 store.mem_v.append(blk_v)
                 self.selector.on_memory_added(layer, blk_k, blk_v)
-                store.local_k = store.local_k[:, c.block :]
-                store.local_v = store.local_v[:, c.block :]
-            self.n_local -= c.block
-            self.n_memory += c.block
+                store.local_k = store.local_k[:, move:]
+                store.local_v = store.local_v[:, move:]
+            self.n_local -= move
+            self.n_memory += move
             self.memory_used = True
         while c.m and self.n_memory > c.m:
             for layer, store in enumerate(self.layers):

@@ -8,13 +8,23 @@ own rotary module, so any rope scaling it applies (llama3, yarn, ...) is the mod
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from transformers import PreTrainedModel
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
+class Angles(NamedTuple):
+    """cos and sin of some positions, (n, head_dim) each, sin with its first half negated: the
+    sign of rotate_half folded in, so a rotation is x * cos + swap_halves(x) * sin."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def swap_halves(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return torch.cat((x[..., half:], x[..., :half]), dim=-1)
 
 
 class RotaryTable:
@@ -27,19 +37,25 @@ class RotaryTable:
         # fp32 tables and fp32 math: a bf16 model's keys survive un-rotation and re-rotation.
         cos, sin = rotary(torch.zeros(1, device=param.device, dtype=torch.float32), positions)
         self.cos = cos[0].float()  # (P, head_dim)
-        self.sin = sin[0].float()
+        half = self.cos.shape[-1] // 2
+        self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1).float()
         # Some rope types scale cos and sin by a constant; undoing a rotation divides by it twice.
         self.scale_sq = float(getattr(rotary, "attention_scaling", 1.0)) ** 2
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x (..., n, head_dim) pre-rotary, positions (n,) or (..., n) -> rotated like the model."""
-        cos, sin = self.cos[positions], self.sin[positions]
-        xf = x.float()
-        return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+    def angles(self, positions: torch.Tensor) -> Angles:
+        """The table's rows for positions (n,) or (..., n): look them up once, rotate often."""
+        return Angles(self.cos[positions], self.sin[positions])
 
-    def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Inverse of `rotate`: x (..., n, head_dim) as the model rotated it -> pre-rotary."""
-        cos, sin = self.cos[positions], self.sin[positions]
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor | Angles) -> torch.Tensor:
+        """x (..., n, head_dim) pre-rotary, positions (n,) or (..., n) (or their angles) ->
+        rotated like the model."""
+        cos, sin = positions if isinstance(positions, Angles) else self.angles(positions)
         xf = x.float()
-        out = xf * cos - rotate_half(xf) * sin
+        return torch.addcmul(xf * cos, swap_halves(xf), sin).to(x.dtype)
+
+    def unrotate(self, x: torch.Tensor, positions: torch.Tensor | Angles) -> torch.Tensor:
+        """Inverse of `rotate`: x (..., n, head_dim) as the model rotated it -> pre-rotary."""
+        cos, sin = positions if isinstance(positions, Angles) else self.angles(positions)
+        xf = x.float()
+        out = torch.addcmul(xf * cos, swap_halves(xf), sin, value=-1)
         return (out if self.scale_sq == 1.0 else out / self.scale_sq).to(x.dtype)

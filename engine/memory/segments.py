@@ -73,11 +73,13 @@ class SegmentSelector:
 
     def on_memory_added(self, layer: int, k_pre: torch.Tensor, v: torch.Tensor) -> None:
         summary = self.summaries[layer]
+        kvh, n, d = k_pre.shape
+        blocks = k_pre.reshape(kvh, n // self.config.block, self.config.block, d)
         if self.config.score == "mean":
-            summary["mean"].append(k_pre.mean(dim=1, keepdim=True))
+            summary["mean"].append(blocks.mean(dim=2))
         else:
-            summary["max"].append(k_pre.amax(dim=1, keepdim=True))
-            summary["min"].append(k_pre.amin(dim=1, keepdim=True))
+            summary["max"].append(blocks.amax(dim=2))
+            summary["min"].append(blocks.amin(dim=2))
 
     def on_memory_dropped(self, layer: int, n: int) -> None:
         for buf in self.summaries[layer].values():

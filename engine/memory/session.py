@@ -124,10 +124,13 @@ class SessionMemory:
         *,
         on_progress: Callable[[int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        document: bool = False,
     ) -> torch.Tensor:
         """Read input_ids (T,) in chunks; return the logits (vocab,) at the last token read.
 
-        Chunks are chunk_size tokens, except that the last `tail` tokens go on their own.
+        Chunks are chunk_size tokens, except that the last `tail` tokens go on their own (they
+        end a question, and retrieve for themselves); document=True reads a document, whose
+        end asks nothing: chunk_size pieces only, no tail forward.
 
         should_stop() is checked before every chunk but the first; stopping leaves the memory
         holding exactly the chunks read. on_progress(tokens_done) follows every chunk.
@@ -140,7 +143,7 @@ class SessionMemory:
             return self._last_logits
         device = next(self.model.parameters()).device
         with torch.inference_mode():
-            for done, end in self._chunks(input_ids.numel()):
+            for done, end in self._chunks(input_ids.numel(), tail=not document):
                 if done and should_stop is not None and should_stop():
                     break
                 self._last_logits = self._forward(input_ids[done:end].to(device))
@@ -264,10 +267,10 @@ class SessionMemory:
         if take is not None:
             take(encoding.meta, forwarded)
 
-    def _chunks(self, total: int) -> list[tuple[int, int]]:
+    def _chunks(self, total: int, tail: bool = True) -> list[tuple[int, int]]:
         """[start, end) of each forward: chunk_size pieces, the last `tail` tokens apart."""
         c = self.config
-        body = total - c.tail if c.tail and total > c.tail else total
+        body = total - c.tail if tail and c.tail and total > c.tail else total
         bounds = [(s, min(s + c.chunk_size, body)) for s in range(0, body, c.chunk_size)]
         return bounds + ([(body, total)] if body < total else [])
 

@@ -48,7 +48,9 @@ def reference_logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids[None]).logits[0]
 
 
-FITS = dict(sinks=16, local_window=256, chunk_size=64, block=16, k=2, u=1)
+# read_window 32 < local_window: while everything fits, every token is still read with the
+# whole context (the read window only applies once memory is in use)
+FITS = dict(sinks=16, local_window=256, chunk_size=64, block=16, k=2, u=1, read_window=32)
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
@@ -90,6 +92,59 @@ def test_token_by_token_equals_one_append_with_memory_in_use():
     # Chunking changes which tokens share a retrieval, so equality is exact only when the
     # whole memory fits the budget; here 14 blocks > k*(2u+1) = 6, so compare the argmax.
     assert whole.argmax() == last.argmax() or torch.allclose(whole, last, atol=1e-2)
+
+
+@pytest.mark.parametrize("read_window", [16, 0])
+def test_reading_chunks_attend_the_newest_read_window_tokens(monkeypatch, read_window):
+    """Once memory is in use, a reading chunk attends the sinks, the newest read_window tokens
+    of the local window and itself; the question's tail attends the whole window (and what it
+    retrieves). read_window 0 is the whole window for every forward."""
+    model = tiny("llama")
+    knobs = dict(sinks=8, local_window=64, chunk_size=16, block=8, k=2, u=1, tail=4)
+    memory = SessionMemory(model, MemorySpec("segments", {**knobs, "read_window": read_window}))
+    frame = memory._frame
+    attended: list[tuple[int, int, int, bool, int]] = []  # T, keys, window, in use, sinks
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, **kwargs):
+        attended.append(
+            (query.shape[2], key.shape[2], frame.n_local, frame.memory_used, frame.n_sinks)
+        )
+        return real(query, key, value, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    ids = torch.randint(0, 300, (212,), generator=torch.Generator().manual_seed(6))
+    memory.append(ids)  # 13 chunks of 16, then the tail of 4 (twice: a voting pass)
+    reading = [a for a in attended if a[0] == 16 and a[3]]
+    before = [a for a in attended if a[0] == 16 and not a[3]]
+    tail = [a for a in attended if a[0] == 4]
+    assert reading and before and len(tail) == 2 * 2  # two layers, vote + real pass
+    for _, keys, window, _, sinks in before:  # the plain context: sinks, window, chunk
+        assert keys == sinks + window + 16
+    for _, keys, window, _, _ in reading:
+        assert keys == 8 + (min(read_window, window) if read_window else window) + 16
+    for _, keys, window, _, _ in tail:  # whole window + 6 retrieved blocks of 8
+        assert keys == 8 + 48 + window + 4
+
+
+def test_a_document_is_read_without_a_tail_forward():
+    """A question's last `tail` tokens get a forward of their own; a document's end asks
+    nothing, so document=True reads chunk_size pieces only."""
+    model = tiny("llama")
+    sizes: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(7))
+        spec = MemorySpec("segments", dict(sinks=8, local_window=64, chunk_size=16, tail=4, k=2))
+        SessionMemory(model, spec).append(ids, document=True)
+        assert sizes == [16, 16, 8]
+        sizes.clear()
+        SessionMemory(model, spec).append(ids)
+        assert sizes == [16, 16, 4, 4]
+    finally:
+        hook.remove()
 
 
 def test_without_a_session_the_model_is_unchanged():
