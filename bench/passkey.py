@@ -5,7 +5,8 @@ The landmark format of Mohtashami & Jaggi, as quoted in the Larimar paper's foot
 the pass key? The pass key is". The answer is scored by the first number generated (greedy).
 
 Every cell runs through the engine's SessionMemory (the whole prompt is appended into the memory,
-then a few tokens are decoded), and the same run measures the model's own full attention at a
+then a few tokens are decoded; the filler the prompts of a cell share is read once and forked,
+which gives the same forwards, see `answers_sharing_prefix`), and the same run measures the model's own full attention at a
 length that fits its window (the baseline). One JSON line per cell on stdout:
 
     python -m bench.passkey --lengths 4096 16384 32768 --strategies segments tokens neurocache -n 10
@@ -53,8 +54,12 @@ def first_number(text: str) -> str | None:
 
 @torch.inference_mode()
 def answer_with_memory(model, tokenizer, ids: list[int], spec: MemorySpec, new_tokens: int):
-    memory = SessionMemory(model, spec)
-    device = next(model.parameters()).device
+    return decode_answer(tokenizer, SessionMemory(model, spec), ids, new_tokens)
+
+
+def decode_answer(tokenizer, memory: SessionMemory, ids: list[int], new_tokens: int):
+    """Append ids to memory (a question: its tail forwarded on its own), decode greedily."""
+    device = next(memory.model.parameters()).device
     logits = memory.append(torch.tensor(ids, device=device))
     out: list[int] = []
     for _ in range(new_tokens):
@@ -62,6 +67,47 @@ def answer_with_memory(model, tokenizer, ids: list[int], spec: MemorySpec, new_t
         out.append(token)
         logits = memory.append(torch.tensor([token], device=device))
     return tokenizer.decode(out), memory
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@torch.inference_mode()
+def answers_sharing_prefix(model, tokenizer, prompts: list[list[int]], spec: MemorySpec,
+                           new_tokens: int):
+    """Answer every prompt of a cell, reading the opening they share only once.
+
+    The prompts of one cell differ only from their needle on (same intro, same filler), so
+    taken shallowest needle first, a base memory reads, in whole chunks, the tokens the prompt
+    shares with every deeper one, and each prompt is answered on a fork of it (a copy: no
+    forward) that appends the rest. Chunks are cut at the same multiples of chunk_size as
+    appending the whole prompt at once, and a chunk of a prompt that long does not retrieve,
+    so every forward is the one the whole prompt would get: the answers are the same, the
+    shared filler is forwarded once instead of once per prompt. Pass the prompts shallowest
+    needle first (any order is exact, that one shares most). Yields (index, text, memory)."""
+    base = SessionMemory(model, spec)
+    chunk, tail = base.config.chunk_size, base.config.tail
+    device = next(model.parameters()).device
+    read = 0
+    for i, ids in enumerate(prompts):
+        shared = min((common_prefix(ids, later) for later in prompts[i + 1 :]), default=0)
+        body = len(ids) - tail if tail and len(ids) > tail else len(ids)
+        if read > body:  # cannot happen for prompts of one length; stay exact if it does
+            yield i, *answer_with_memory(model, tokenizer, ids, spec, new_tokens)
+            continue
+        cut = max(read, min(shared, body) // chunk * chunk)
+        if cut > read:
+            base.append(torch.tensor(ids[read:cut], device=device), document=True)
+            read = cut
+        memory = base.fork() if i + 1 < len(prompts) else base
+        text, memory = decode_answer(tokenizer, memory, ids[read:], new_tokens)
+        yield i, text, memory
 
 
 @torch.inference_mode()
@@ -108,15 +154,17 @@ def main(argv: list[str] | None = None) -> None:
           "n": len(cases), "accuracy": hits / len(cases),
           "seconds": round(time.perf_counter() - started, 2)})
 
+    by_depth = sorted(cases, key=lambda case: case[1])  # shallowest first: most shared
     for strategy in args.strategies:
         for length in args.lengths:
             hits, started, misses = 0, time.perf_counter(), []
             memory_bytes, memory_tokens = 0, 0
-            for key, depth in cases:
-                ids = passkey_prompt(tokenizer, length, key, depth)
-                text, memory = answer_with_memory(
-                    model, tokenizer, ids, MemorySpec(strategy, params), args.new_tokens
-                )
+            prompts = [passkey_prompt(tokenizer, length, key, depth) for key, depth in by_depth]
+            answers = answers_sharing_prefix(
+                model, tokenizer, prompts, MemorySpec(strategy, params), args.new_tokens
+            )
+            for i, text, memory in answers:
+                key, depth = by_depth[i]
                 got = first_number(text)
                 hits += got == key
                 if got != key:
@@ -128,7 +176,6 @@ def main(argv: list[str] | None = None) -> None:
                   "seconds": round(time.perf_counter() - started, 2),
                   "memory_bytes_per_token": round(memory_bytes / max(memory_tokens, 1), 1),
                   "misses": misses[:5]})
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,49 @@
+"""bench/passkey.py reads the opening a cell's prompts share once and forks it: the answers
+and final logits must be exactly those of reading every prompt whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from bench.passkey import answer_with_memory, answers_sharing_prefix
+from engine.protocol import MemorySpec
+
+FRAME = dict(sinks=8, local_window=32, chunk_size=16, block=8, tail=4, read_window=16)
+SPECS = {
+    "segments": dict(FRAME, k=2, u=1),
+    "tokens": dict(FRAME, k=8),
+    "neurocache": dict(FRAME, k=4, fit_tokens=32),
+}
+
+
+class Ids:
+    """A stand-in tokenizer: decode writes the ids."""
+
+    @staticmethod
+    def decode(ids: list[int]) -> str:
+        return " ".join(map(str, ids))
+
+
+@pytest.mark.parametrize("strategy", list(SPECS))
+def test_shared_prefix_gives_the_answers_of_whole_prompts(strategy):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )).eval()
+    filler = torch.randint(10, 300, (400,), generator=torch.Generator().manual_seed(1)).tolist()
+    # needles at growing depths in the same filler; lengths differ a little, as keys do
+    prompts = [filler[:at] + [1, 2, 3 + i] + filler[at:] + [4, 5] for i, at in
+               enumerate((37, 120, 121, 250, 395))]
+    spec = MemorySpec(strategy, SPECS[strategy])
+    shared = {i: (text, memory) for i, text, memory in
+              answers_sharing_prefix(model, Ids, prompts, spec, new_tokens=3)}
+    assert sorted(shared) == list(range(len(prompts)))
+    for i, ids in enumerate(prompts):
+        text, memory = answer_with_memory(model, Ids, ids, spec, new_tokens=3)
+        assert shared[i][0] == text
+        torch.testing.assert_close(shared[i][1].append(torch.tensor([7])),
+                                   memory.append(torch.tensor([7])), atol=1e-5, rtol=0)
+        assert shared[i][1].num_tokens == memory.num_tokens
