@@ -15,6 +15,9 @@ Backends:
   4*sqrt(n), nprobe = nlist/4); retrained whenever the set has doubled since.
 - "auto": torch on a GPU; on CPU torch exact up to `threshold` vectors, faiss HNSW past it.
 
+A faiss HNSW or flat index takes vectors as they are added (the first add past the auto
+threshold builds it from all held so far); IVF is trained at its first search.
+
 Every backend keeps the vectors in a torch buffer as well, so faiss indices can be rebuilt on
 drops and backend switches; scores are inner products ("ip") or negative squared L2 ("l2").
 """
@@ -87,6 +90,10 @@ class VectorIndex:
             self._vectors = grown
         self._vectors[self._size : self._size + x.shape[0]] = x
         self._size += x.shape[0]
+        if self._faiss is not None or self.current_backend() in ("faiss-hnsw", "faiss-flat"):
+            # keep a graph or flat faiss index current as vectors arrive: building it belongs
+            # to reading the document, not to the first question after it (IVF trains lazily)
+            self._faiss_index()
 
     def drop_front(self, n: int) -> None:
         kept = self._vectors[n : self._size].clone()

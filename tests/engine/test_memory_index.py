@@ -43,6 +43,22 @@ def test_drop_front_shifts_ids_and_auto_switches_backend():
     assert ids.item() == 50  # vector 150 is now id 50
 
 
+def test_past_the_auto_threshold_the_graph_is_built_as_vectors_arrive():
+    """The HNSW graph is built by the add that crosses the threshold and kept current by
+    later adds, so the first search after a long document does not pay for building it."""
+    gen = torch.Generator().manual_seed(2)
+    data = torch.randn(300, 16, generator=gen)
+    index = make_index(16, "auto", "ip", threshold=200)
+    index.add(data[:150])
+    assert index._faiss is None  # exact torch scan below the threshold: nothing to build
+    index.add(data[150:250])
+    assert index._faiss is not None and index._faiss.ntotal == 250
+    index.add(data[250:])
+    assert index._faiss.ntotal == 300
+    _, ids = index.search(data[280:281], 1)
+    assert ids.item() == 280
+
+
 def test_search_of_an_empty_index_returns_nothing():
     index = make_index(8, "faiss-flat")
     scores, ids = index.search(torch.randn(3, 8), 5)
