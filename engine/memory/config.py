@@ -44,13 +44,16 @@ class FrameConfig:
         when the decode steps after it retrieve (12.6K chat prompt: " a magical item ...").
     read_window: how many of the local window's newest tokens a reading chunk attends (a
         forward that does not retrieve, once the session is longer than sinks + local window);
-        0 (or anything from local_window up) means the whole window. The question's tail, decode steps and every forward while the
-        session still fits attend the whole window, so a session that fits is still exactly
-        the model's own attention. Each document token is then read with 256 to 767 tokens of
-        context (the overlap of Unlimiformer's chunked encoding) instead of 1024 to 1535.
-        Measured on SmolLM2-135M, CPU, 4096 tokens in chunks of 512 (bench/memory_speed.py):
-        reading ran at 0.82 of a bare forward over the same chunks with the whole 1024-token
-        window, 0.98 with 256 (attending the window was most of the difference).
+        0 (or anything from local_window up) means the whole window. The question's tail,
+        decode steps and every forward while the session still fits attend the whole window,
+        so a session that fits is still exactly the model's own attention. Each document
+        token is then read with 512 to 1023 tokens of context (the overlap of Unlimiformer's
+        chunked encoding) instead of 1024 to 1535. Measured on SmolLM2-135M, CPU: reading
+        8192 tokens in chunks of 512 ran at 0.73 of a bare forward over the same chunks with
+        the whole 1024-token window, 0.85 with 256 (bench/memory_speed.py, bare and reading
+        interleaved); but on the 29.7K-token prose document of tests/e2e/test_session_recall.py
+        256 lost the second fact (answered "Southampton" for "Lisbon") where 512 and the whole
+        window answered all three and the follow-up. Passkey with 256: 10/10 at 4K and 16K.
     tier: where memory blocks live. "device" (default) keeps them beside the model; "host"
         keeps them in (page-locked) host memory and copies only the rows a forward retrieves
         to the device, so a GPU holds sinks, window, summaries and indices while the bulk of
@@ -65,7 +68,7 @@ class FrameConfig:
     m: int = 0
     tail: int = 32
     read_retrieval: int = 0
-    read_window: int = 256
+    read_window: int = 512
     tier: str = "device"
 
     def retrieves(self, num_tokens: int) -> bool:
