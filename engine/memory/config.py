@@ -50,8 +50,8 @@ class FrameConfig:
         token is then read with 512 to 1023 tokens of context (the overlap of Unlimiformer's
         chunked encoding) instead of 1024 to 1535. Measured on SmolLM2-135M, CPU: reading
         8192 tokens in chunks of 512 ran at 0.73 of a bare forward over the same chunks with
-        the whole 1024-token window, 0.85 with 256 (bench/memory_speed.py, bare and reading
-        interleaved); but on the 29.7K-token prose document of tests/e2e/test_session_recall.py
+        the whole 1024-token window, 0.78 with 512, 0.85 with 256 (bench/memory_speed.py,
+        bare and reading interleaved); but on the 29.7K-token prose document of tests/e2e/test_session_recall.py
         256 lost the second fact (answered "Southampton" for "Lisbon") where 512 and the whole
         window answered all three and the follow-up. Passkey with 256: 10/10 at 4K and 16K.
     tier: where memory blocks live. "device" (default) keeps them beside the model; "host"
