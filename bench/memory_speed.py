@@ -23,7 +23,6 @@ import torch
 
 from engine.config import EngineConfig
 from engine.loader import load_model
-from engine.memory.config import parse_memory_spec
 from engine.memory.session import STRATEGIES, SessionMemory
 from engine.protocol import MemorySpec
 
@@ -67,8 +66,7 @@ def measure_ingest(model, strategy: str, ids: torch.Tensor, rounds: int,
     does) so that both sides run under the same machine load; `rounds` fresh sessions, the
     sums over all of them make the ratio."""
     spec = MemorySpec(strategy, params or {})
-    max_positions = int(model.config.max_position_embeddings)
-    chunk = parse_memory_spec(spec, max_positions=max_positions).chunk_size
+    chunk = SessionMemory(model, spec).config.chunk_size
     bare = ingest = 0.0
     with torch.inference_mode():
         for _ in range(rounds):

@@ -6,8 +6,8 @@ the pass key? The pass key is". The answer is scored by the first number generat
 
 Every cell runs through the engine's SessionMemory (the whole prompt is appended into the memory,
 then a few tokens are decoded; the filler the prompts of a cell share is read once and forked,
-which gives the same forwards, see `answers_sharing_prefix`), and the same run measures the model's own full attention at a
-length that fits its window (the baseline). One JSON line per cell on stdout:
+which gives the same forwards, see `answers_sharing_prefix`), and the same run measures the
+model's own full attention at a length that fits its window (the baseline). One JSON line per cell on stdout:
 
     python -m bench.passkey --lengths 4096 16384 32768 --strategies segments tokens neurocache -n 10
 """
@@ -92,12 +92,12 @@ def answers_sharing_prefix(model, tokenizer, prompts: list[list[int]], spec: Mem
     shared filler is forwarded once instead of once per prompt. Pass the prompts shallowest
     needle first (any order is exact, that one shares most). Yields (index, text, memory)."""
     base = SessionMemory(model, spec)
-    chunk, tail = base.config.chunk_size, base.config.tail
+    chunk = base.config.chunk_size
     device = next(model.parameters()).device
     read = 0
     for i, ids in enumerate(prompts):
         shared = min((common_prefix(ids, later) for later in prompts[i + 1 :]), default=0)
-        body = len(ids) - tail if tail and len(ids) > tail else len(ids)
+        body = base.config.tail_start(len(ids))  # where a whole-prompt append's chunks end
         if read > body:  # cannot happen for prompts of one length; stay exact if it does
             yield i, *answer_with_memory(model, tokenizer, ids, spec, new_tokens)
             continue
@@ -176,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
                   "seconds": round(time.perf_counter() - started, 2),
                   "memory_bytes_per_token": round(memory_bytes / max(memory_tokens, 1), 1),
                   "misses": misses[:5]})
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -71,6 +71,11 @@ class FrameConfig:
     read_window: int = 512
     tier: str = "device"
 
+    def tail_start(self, total: int) -> int:
+        """Where the last `tail` tokens of an append of `total` tokens begin (they are
+        forwarded on their own); `total` when they are not split off."""
+        return total - self.tail if self.tail and total > self.tail else total
+
     def retrieves(self, num_tokens: int) -> bool:
         """Whether a forward of num_tokens tokens retrieves from memory (see read_retrieval)."""
         return bool(self.read_retrieval) or not self.tail or num_tokens <= self.tail

@@ -188,8 +188,11 @@ class FrameState:
         self._positions: torch.Tensor | None = None
         self._pending = _Pending()
         self._mask_cache: dict[tuple[int, int], torch.Tensor] = {}
-        # rotary angles of this forward's chunk and local window, looked up once for all layers
-        self._angles: dict[str, Angles] = {}
+        # fixed by begin() for all layers of a forward: the rotary angles of the chunk and of
+        # the window tokens it attends, and how many of the oldest window tokens it skips
+        self._chunk_angles: Angles | None = None
+        self._window_angles: Angles | None = None
+        self._window_skip = 0
         self._sinks_rotated: dict[int, torch.Tensor] = {}
         self._device = device
 
@@ -225,7 +228,9 @@ class FrameState:
         self._positions = torch.arange(first, first + num_new, device=self._device)
         self._pending = _Pending()
         self._mask_cache = {}
-        self._angles = {}
+        self._chunk_angles = self.rotary.angles(self._positions)
+        self._window_skip = self.n_local - self._window_seen(num_new)
+        self._window_angles = self.rotary.angles(self._local_positions()[self._window_skip :])
         return self._positions
 
     def query_at_retrieval_distance(
@@ -285,20 +290,17 @@ class FrameState:
     ) -> torch.Tensor:
         """query (1, H, T, d), key/value (1, kv_heads, T, d), rotated at the chunk's positions
         -> attention output (1, T, H, d)."""
-        assert self._positions is not None, "FrameState.begin() was not called"
-        positions = self._positions
+        chunk_angles, window_angles = self._chunk_angles, self._window_angles
+        assert chunk_angles is not None and window_angles is not None, "begin() was not called"
         store = self.layers[layer]
         kvh, T = key.shape[1], key.shape[2]
         group = query.shape[1] // kvh
-        chunk_angles = self._angles.get("chunk")
-        if chunk_angles is None:
-            chunk_angles = self._angles["chunk"] = self.rotary.angles(positions)
         self._pending.k_pre[layer] = self.rotary.unrotate(key[0], chunk_angles)
         self._pending.v[layer] = value[0]
 
         keys = [self._rotated_sinks(layer)]
         values = [store.sink_v]
-        prefix_ok = [torch.ones(kvh, self.n_sinks, dtype=torch.bool, device=self._device)]
+        retrieved_ok: torch.Tensor | None = None  # (kv_heads, R) False at padding, if any
 
         if self.n_memory and self.config.retrieves(T):  # no selector retrieves otherwise
             start = time.perf_counter()
@@ -317,58 +319,55 @@ class FrameState:
                 frame_pos = self.config.sinks + torch.arange(idx.shape[1], device=self._device)
                 keys.append(self.rotary.rotate(mem_k, frame_pos))
                 values.append(mem_v)
-                prefix_ok.append(ok)
+                if not bool(ok.all()):
+                    retrieved_ok = ok
 
-        skip = self.n_local - self._window_seen(T)  # oldest window tokens this forward skips
-        window_angles = self._angles.get("window")
-        if window_angles is None:
-            window_angles = self._angles["window"] = self.rotary.angles(
-                self._local_positions()[skip:]
-            )
+        skip = self._window_skip
         keys.append(self.rotary.rotate(store.local_k[:, skip:], window_angles))
         values.append(store.local_v[:, skip:])
-        prefix_ok.append(
-            torch.ones(kvh, self.n_local - skip, dtype=torch.bool, device=self._device)
-        )
         keys.append(key[0])
         values.append(value[0])
 
         k_frame = torch.cat(keys, dim=1)[None]  # (1, kv_heads, F, d)
         v_frame = torch.cat(values, dim=1)[None]
-        mask = self._mask(torch.cat(prefix_ok, dim=1), T, group, query.dtype)
+        mask = self._mask(k_frame.shape[2] - T, retrieved_ok, T, group, query.dtype)
         out = F.scaled_dot_product_attention(
             query, k_frame, v_frame, attn_mask=mask, scale=scaling, enable_gqa=group > 1
         )
         return out.transpose(1, 2)
 
     def _mask(
-        self, prefix_ok: torch.Tensor, T: int, group: int, dtype: torch.dtype
+        self,
+        P: int,
+        retrieved_ok: torch.Tensor | None,
+        T: int,
+        group: int,
+        dtype: torch.dtype,
     ) -> torch.Tensor | None:
-        """Additive mask (1, 1 or H, T, F) for a chunk of T tokens after a prefix whose
-        visible slots are prefix_ok (kv_heads, P); None when nothing is hidden (one token, all
-        visible). A prefix with every slot visible (reading a chunk, or retrieval without
-        padding) gets one (1, 1, T, P + T) mask shared by all heads and, cached per forward, by
-        all layers: a boolean per-head mask made SDPA build a float copy per layer, which cost
-        as much as a fifth of reading a document on CPU."""
-        P = prefix_ok.shape[1]
-        if bool(prefix_ok.all()):
+        """Additive mask (1, 1 or H, T, P + T) for a chunk of T tokens after a prefix of P
+        slots, all visible except retrieval padding (retrieved_ok (kv_heads, R) False, the R
+        slots right after the sinks); None when nothing is hidden (one token, no padding).
+        Without padding (reading a chunk, or retrieval that filled its budget) one
+        (1, 1, T, P + T) mask is shared by all heads and, cached per forward, by all layers: a
+        boolean per-head mask made SDPA build a float copy per layer, which cost as much as a
+        fifth of reading a document on CPU."""
+        hidden = torch.finfo(dtype).min
+        if retrieved_ok is None:
             if T == 1:
                 return None
             cached = self._mask_cache.get((P, T))
             if cached is None:
                 cached = torch.zeros(T, P + T, dtype=dtype, device=self._device)
                 cached[:, P:].masked_fill_(
-                    torch.ones(T, T, dtype=torch.bool, device=self._device).triu(1),
-                    torch.finfo(dtype).min,
+                    torch.ones(T, T, dtype=torch.bool, device=self._device).triu(1), hidden
                 )
                 cached = self._mask_cache[(P, T)] = cached[None, None]
             return cached
-        hidden = torch.finfo(dtype).min
-        prefix = torch.zeros(prefix_ok.shape, dtype=dtype, device=self._device)
-        prefix.masked_fill_(~prefix_ok, hidden)
+        kvh, R = retrieved_ok.shape
+        prefix = torch.zeros(kvh, P, dtype=dtype, device=self._device)
+        prefix[:, self.n_sinks : self.n_sinks + R].masked_fill_(~retrieved_ok, hidden)
         causal = torch.zeros(T, T, dtype=dtype, device=self._device)
         causal.masked_fill_(torch.ones_like(causal, dtype=torch.bool).triu(1), hidden)
-        kvh = prefix_ok.shape[0]
         mask = torch.cat(
             (prefix[:, None, :].expand(kvh, T, P), causal[None].expand(kvh, T, T)), dim=2
         )  # (kv_heads, T, F)
@@ -381,6 +380,7 @@ class FrameState:
             self.selector.on_abort()
         self._pending = _Pending()
         self._positions = None
+        self._chunk_angles = self._window_angles = None
 
     def pending_chunk(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The forwarded (not yet committed) chunk's pre-rotary keys and values, one
@@ -448,6 +448,7 @@ class FrameState:
             self.n_memory -= c.block
         self._pending = _Pending()
         self._positions = None
+        self._chunk_angles = self._window_angles = None
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.layers) + self.selector.nbytes()

@@ -270,7 +270,7 @@ class SessionMemory:
     def _chunks(self, total: int, tail: bool = True) -> list[tuple[int, int]]:
         """[start, end) of each forward: chunk_size pieces, the last `tail` tokens apart."""
         c = self.config
-        body = total - c.tail if tail and c.tail and total > c.tail else total
+        body = c.tail_start(total) if tail else total
         bounds = [(s, min(s + c.chunk_size, body)) for s in range(0, body, c.chunk_size)]
         return bounds + ([(body, total)] if body < total else [])
 
