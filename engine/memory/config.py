@@ -42,18 +42,21 @@ class FrameConfig:
         With chunk_size <= tail, or tail 0 (no forward of its own for the question), every
         forward retrieves: measured, a question forward without retrieval answers wrong even
         when the decode steps after it retrieve (12.6K chat prompt: " a magical item ...").
-    read_window: how many of the local window's newest tokens a reading chunk attends (a
-        forward that does not retrieve, once the session is longer than sinks + local window);
-        0 (or anything from local_window up) means the whole window. The question's tail,
-        decode steps and every forward while the session still fits attend the whole window,
-        so a session that fits is still exactly the model's own attention. Each document
-        token is then read with 512 to 1023 tokens of context (the overlap of Unlimiformer's
-        chunked encoding) instead of 1024 to 1535. Measured on SmolLM2-135M, CPU: reading
-        8192 tokens in chunks of 512 ran at 0.73 of a bare forward over the same chunks with
-        the whole 1024-token window, 0.78 with 512, 0.85 with 256 (bench/memory_speed.py,
-        bare and reading interleaved); but on the 29.7K-token prose document of tests/e2e/test_session_recall.py
-        256 lost the second fact (answered "Southampton" for "Lisbon") where 512 and the whole
-        window answered all three and the follow-up. Passkey with 256: 10/10 at 4K and 16K.
+    read_window: how much of the local window a reading chunk attends (a forward that does
+        not retrieve, once the session is longer than sinks + local window): every token of
+        the chunk attends the sinks and at least the `read_window` tokens before it, at most
+        read_window + 127 (query rows go in blocks of 128, each attending one contiguous
+        slice: see FrameState._attend_band); 0 (or anything from local_window up) means the
+        whole window. The question's tail, decode steps and every forward while the session
+        still fits attend the whole window, so a session that fits is still exactly the
+        model's own attention. Measured on SmolLM2-135M, CPU, reading 8192 tokens in chunks
+        of 512 against a bare forward over the same chunks (bench/memory_speed.py, interleaved):
+        0.73 with the whole 1024-token window, 0.78 with 512 when every row of a chunk attended
+        the same newest 512 (512 to 1023 tokens of context), 0.87 with the band of 512 (512 to
+        639), 0.91 with a band of 256. On the 29.7K-token prose document of
+        tests/e2e/test_session_recall.py (three facts and a follow-up) 512 answers all four,
+        both as a band and not; 256 loses the second fact (answers "Southampton" for
+        "Lisbon"), both as a band and not. Passkey with 256 (not a band): 10/10 at 4K and 16K.
     tier: where memory blocks live. "device" (default) keeps them beside the model; "host"
         keeps them in (page-locked) host memory and copies only the rows a forward retrieves
         to the device, so a GPU holds sinks, window, summaries and indices while the bulk of

@@ -11,6 +11,8 @@ and causally to itself. After the forward (`commit`), the chunk's keys and value
 sinks (until S are held), then the local window; whenever the window holds more than W tokens,
 its oldest `block` tokens move to memory, so memory grows in whole blocks and the window keeps
 between W - block + 1 and W tokens. With a capacity m, the oldest memory blocks are dropped.
+A chunk read without retrieval once memory is in use (a document's body) attends the sinks
+and a band of at least `read_window` tokens before each of its tokens, not the whole window.
 
 Positions. While nothing has reached memory, the frame is the plain context and every token
 sits at its document position: the forward is then the model's own attention. Once memory is
@@ -31,9 +33,16 @@ import torch.nn.functional as F
 from engine.memory.config import FrameConfig
 from engine.memory.rotary import Angles, RotaryTable
 
+BAND_ROWS = 128  # query rows per attention call of a reading chunk (FrameState._attend_band)
+
 
 class GrowingBuffer:
-    """(heads, n, dim) with amortised O(1) appends along n and O(n) drops from the front.
+    """(heads, n, dim) with amortised O(1) appends along n and O(1) drops from the front.
+
+    Rows live in data[:, start : start + size]; an append that does not fit moves the live
+    rows to the front when that frees at least half the capacity, else doubles it, so each row
+    is copied a constant number of times on average (a sliding local window is not re-copied
+    whole on every commit).
 
     pin: keep the data in page-locked host memory (a host tier feeding a CUDA device), so
     copies of retrieved rows to the device can run asynchronously."""
@@ -47,19 +56,27 @@ class GrowingBuffer:
         pin: bool = False,
     ) -> None:
         self.data = torch.empty(heads, 0, dim, dtype=dtype, device=device)
+        self.start = 0
         self.size = 0
         self.pin = pin and device.type == "cpu" and torch.cuda.is_available()
 
     def append(self, x: torch.Tensor) -> None:  # x (heads, n, dim)
         n = x.shape[1]
-        if self.size + n > self.data.shape[1]:
-            capacity = max(2 * self.data.shape[1], self.size + n, 256)
-            grown = self.data.new_empty(self.data.shape[0], capacity, self.data.shape[2])
-            if self.pin:
-                grown = grown.pin_memory()
-            grown[:, : self.size] = self.data[:, : self.size]
-            self.data = grown
-        self.data[:, self.size : self.size + n] = x.to(self.data.device)
+        capacity = self.data.shape[1]
+        if self.start + self.size + n > capacity:
+            live = self.view()
+            if self.size + n <= capacity // 2:
+                self.data[:, : self.size] = live.clone()
+            else:
+                capacity = max(2 * capacity, self.size + n, 256)
+                grown = self.data.new_empty(self.data.shape[0], capacity, self.data.shape[2])
+                if self.pin:
+                    grown = grown.pin_memory()
+                grown[:, : self.size] = live
+                self.data = grown
+            self.start = 0
+        end = self.start + self.size
+        self.data[:, end : end + n] = x.to(self.data.device)
         self.size += n
 
     @property
@@ -68,17 +85,18 @@ class GrowingBuffer:
 
     def to(self, device: torch.device, pin: bool = False) -> None:
         """Move the held rows (only those: spare capacity is dropped) to device."""
-        data = self.data[:, : self.size].to(device)
+        data = self.view().to(device)
         self.pin = pin and device.type == "cpu" and torch.cuda.is_available()
         self.data = data.pin_memory() if self.pin else data.clone()
+        self.start = 0
 
     def drop_front(self, n: int) -> None:
-        kept = self.data[:, n : self.size].clone()
-        self.data[:, : kept.shape[1]] = kept
+        n = min(n, self.size)
+        self.start += n
         self.size -= n
 
     def view(self) -> torch.Tensor:
-        return self.data[:, : self.size]
+        return self.data[:, self.start : self.start + self.size]
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
@@ -86,27 +104,35 @@ class GrowingBuffer:
 
 @dataclass
 class LayerStore:
-    """One layer's pre-rotary keys and values, each (kv_heads, n, head_dim)."""
+    """One layer's pre-rotary keys and values, each (kv_heads, n, head_dim): sinks (fixed once
+    filled), the local window and memory (growing buffers)."""
 
     sink_k: torch.Tensor
     sink_v: torch.Tensor
-    local_k: torch.Tensor
-    local_v: torch.Tensor
+    window_k: GrowingBuffer
+    window_v: GrowingBuffer
     mem_k: GrowingBuffer
     mem_v: GrowingBuffer
 
+    @property
+    def local_k(self) -> torch.Tensor:
+        return self.window_k.view()
+
+    @property
+    def local_v(self) -> torch.Tensor:
+        return self.window_v.view()
+
     def to(self, device: torch.device, memory_device: torch.device, pin: bool) -> None:
         self.sink_k, self.sink_v = self.sink_k.to(device), self.sink_v.to(device)
-        self.local_k, self.local_v = self.local_k.to(device), self.local_v.to(device)
+        self.window_k.to(device)
+        self.window_v.to(device)
         self.mem_k.to(memory_device, pin)
         self.mem_v.to(memory_device, pin)
 
     def nbytes(self) -> int:
-        small = (self.sink_k, self.sink_v, self.local_k, self.local_v)
-        return (
-            sum(t.numel() * t.element_size() for t in small)
-            + self.mem_k.nbytes()
-            + (self.mem_v.nbytes())
+        buffers = (self.window_k, self.window_v, self.mem_k, self.mem_v)
+        return sum(t.numel() * t.element_size() for t in (self.sink_k, self.sink_v)) + sum(
+            b.nbytes() for b in buffers
         )
 
 
@@ -171,8 +197,8 @@ class FrameState:
             LayerStore(
                 empty,
                 empty,
-                empty,
-                empty,
+                GrowingBuffer(kv_heads, head_dim, dtype, device),
+                GrowingBuffer(kv_heads, head_dim, dtype, device),
                 GrowingBuffer(kv_heads, head_dim, dtype, memory_device, pin=host),
                 GrowingBuffer(kv_heads, head_dim, dtype, memory_device, pin=host),
             )
@@ -323,18 +349,70 @@ class FrameState:
                     retrieved_ok = ok
 
         skip = self._window_skip
-        keys.append(self.rotary.rotate(store.local_k[:, skip:], window_angles))
+        window_k = self.rotary.rotate(store.local_k[:, skip:], window_angles)
+        if skip:  # a reading chunk once memory is in use: see _attend_band
+            return self._attend_band(layer, query, key, value, window_k, scaling, group)
+        keys.append(window_k)
         values.append(store.local_v[:, skip:])
         keys.append(key[0])
         values.append(value[0])
 
         k_frame = torch.cat(keys, dim=1)[None]  # (1, kv_heads, F, d)
         v_frame = torch.cat(values, dim=1)[None]
-        mask = self._mask(k_frame.shape[2] - T, retrieved_ok, T, group, query.dtype)
+        P = k_frame.shape[2] - T
+        # the session's first chunk attends only itself: plain causal attention, which SDPA's
+        # kernels compute without the blocks above the diagonal that an explicit mask costs
+        causal = P == 0 and T > 1
+        mask = None if causal else self._mask(P, retrieved_ok, T, group, query.dtype)
         out = F.scaled_dot_product_attention(
-            query, k_frame, v_frame, attn_mask=mask, scale=scaling, enable_gqa=group > 1
+            query,
+            k_frame,
+            v_frame,
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scaling,
+            enable_gqa=group > 1,
         )
         return out.transpose(1, 2)
+
+    def _attend_band(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        window_k: torch.Tensor,
+        scaling: float,
+        group: int,
+    ) -> torch.Tensor:
+        """Attention of a reading chunk once memory is in use (nothing retrieved): every token
+        attends the sinks and at least the `read_window` tokens before it, at most
+        read_window + BAND_ROWS - 1. Query rows go in blocks of BAND_ROWS; the block starting
+        at chunk row s attends the window tokens from its s-th newest of the last read_window
+        on, the sinks, and the chunk up to itself, which with keys laid out as
+        [window | sinks | chunk] is one contiguous slice: no copy, and a third fewer
+        (query, key) pairs than one block attending everything (rotary attention depends only
+        on q, k and their distance, so the order of the keys in the slice is free)."""
+        store = self.layers[layer]
+        rw, S, T = window_k.shape[1], self.n_sinks, query.shape[2]
+        k_all = torch.cat((window_k, self._rotated_sinks(layer), key[0]), dim=1)[None]
+        v_all = torch.cat(
+            (store.local_v[:, self._window_skip :], store.sink_v, value[0]), dim=1
+        )[None]
+        out = query.new_empty(1, T, query.shape[1], query.shape[3])
+        for s in range(0, T, BAND_ROWS):
+            rows = min(BAND_ROWS, T - s)
+            start, end = min(s, rw), rw + S + s + rows
+            mask = self._mask(end - start - rows, None, rows, group, query.dtype)
+            out[:, s : s + rows] = F.scaled_dot_product_attention(
+                query[:, :, s : s + rows],
+                k_all[:, :, start:end],
+                v_all[:, :, start:end],
+                attn_mask=mask,
+                scale=scaling,
+                enable_gqa=group > 1,
+            ).transpose(1, 2)
+        return out
 
     def _mask(
         self,
@@ -422,8 +500,8 @@ class FrameState:
             if to_sinks:
                 store.sink_k = torch.cat((store.sink_k, k_pre[:, :to_sinks]), dim=1)
                 store.sink_v = torch.cat((store.sink_v, v[:, :to_sinks]), dim=1)
-            store.local_k = torch.cat((store.local_k, k_pre[:, to_sinks:]), dim=1)
-            store.local_v = torch.cat((store.local_v, v[:, to_sinks:]), dim=1)
+            store.window_k.append(k_pre[:, to_sinks:])
+            store.window_v.append(v[:, to_sinks:])
         self.n_sinks += to_sinks
         self.n_local += num_new - to_sinks
         self.num_tokens += num_new
@@ -431,12 +509,14 @@ class FrameState:
             # the oldest whole blocks that take the window back to at most W tokens, moved at once
             move = -(-(self.n_local - c.local_window) // c.block) * c.block
             for layer, store in enumerate(self.layers):
-                blk_k, blk_v = store.local_k[:, :move], store.local_v[:, :move]
-                store.mem_k.append(blk_k)
-                store.mem_v.append(blk_v)
-                self.selector.on_memory_added(layer, blk_k, blk_v)
-                store.local_k = store.local_k[:, move:]
-                store.local_v = store.local_v[:, move:]
+                store.mem_k.append(store.local_k[:, :move])
+                store.mem_v.append(store.local_v[:, :move])
+                store.window_k.drop_front(move)
+                store.window_v.drop_front(move)
+                # the memory's own copy: the window's rows are overwritten by a later append
+                self.selector.on_memory_added(
+                    layer, store.mem_k.view()[:, -move:], store.mem_v.view()[:, -move:]
+                )
             self.n_local -= move
             self.n_memory += move
             self.memory_used = True

@@ -127,6 +127,49 @@ def test_reading_chunks_attend_the_newest_read_window_tokens(monkeypatch, read_w
         assert keys == 8 + 48 + window + 4
 
 
+@pytest.mark.parametrize("chunk", [16, 13, 40])
+def test_a_reading_chunk_attends_a_band_of_at_least_read_window_tokens(monkeypatch, chunk):
+    """Reading a chunk once memory is in use, query rows go in blocks of BAND_ROWS; a row in
+    the block starting at chunk row s attends the sinks, the window's newest read_window - s
+    tokens (none once s >= read_window) and the chunk up to itself. Checked against one dense
+    masked attention over [sinks | newest read_window window tokens | chunk] built from that
+    rule, for blocks that divide the chunk, that do not, and that run past read_window."""
+    from engine.memory import frame as frame_module
+
+    monkeypatch.setattr(frame_module, "BAND_ROWS", 6)
+    model = tiny("llama")
+    spec = dict(sinks=8, local_window=64, chunk_size=chunk, block=8, k=2, u=1, tail=4)
+    memory = SessionMemory(model, MemorySpec("segments", {**spec, "read_window": 16}))
+    ids = torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(8))
+    memory.append(ids, document=True)
+    frame = memory._frame
+    assert frame.memory_used and frame.n_local > 16
+    g = torch.Generator().manual_seed(9)
+    kvh, d, H = 2, 16, 4
+    frame.begin(chunk)
+    query = torch.randn(1, H, chunk, d, generator=g)
+    key = torch.randn(1, kvh, chunk, d, generator=g)
+    value = torch.randn(1, kvh, chunk, d, generator=g)
+    out = frame.attend(0, query, key, value, scaling=d**-0.5)
+    frame.abort()
+
+    store = frame.layers[0]
+    rw, S = 16, frame.n_sinks
+    window = frame.rotary.rotate(store.local_k[:, -rw:], frame._local_positions()[-rw:])
+    keys = torch.cat((frame._rotated_sinks(0), window, key[0]), dim=1)[None]
+    values = torch.cat((store.sink_v, store.local_v[:, -rw:], value[0]), dim=1)[None]
+    visible = torch.zeros(chunk, S + rw + chunk, dtype=torch.bool)
+    for r in range(chunk):
+        s = r - r % 6
+        visible[r, :S] = True
+        visible[r, S + min(s, rw) : S + rw] = True
+        visible[r, S + rw : S + rw + r + 1] = True
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=visible, scale=d**-0.5, enable_gqa=True
+    ).transpose(1, 2)
+    torch.testing.assert_close(out, dense, atol=1e-5, rtol=0)
+
+
 def test_a_document_is_read_without_a_tail_forward():
     """A question's last `tail` tokens get a forward of their own; a document's end asks
     nothing, so document=True reads chunk_size pieces only."""

@@ -36,7 +36,8 @@ def selector(select: str, layers: int = 2) -> tuple[SegmentSelector, list[LayerS
             block = keys[:, b * BLOCK : (b + 1) * BLOCK]
             chooser.on_memory_added(layer, block, block)
         empty = torch.empty(KV_HEADS, 0, HEAD_DIM)
-        stores.append(LayerStore(empty, empty, empty, empty, mem_k, mem_k))
+        window = GrowingBuffer(KV_HEADS, HEAD_DIM, torch.float32, cpu)
+        stores.append(LayerStore(empty, empty, window, window, mem_k, mem_k))
     return chooser, stores
 
 
