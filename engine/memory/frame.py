@@ -99,7 +99,9 @@ class GrowingBuffer:
         return self.data[:, self.start : self.start + self.size]
 
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        """Bytes of the rows held (the capacity behind them, grown by doubling, is up to twice
+        that while a session grows)."""
+        return self.size * self.data.shape[0] * self.data.shape[2] * self.data.element_size()
 
 
 @dataclass

@@ -182,7 +182,9 @@ class VectorIndex:
             index.hnsw.efSearch = ef_search
 
     def nbytes(self) -> int:
-        size = self._vectors.numel() * self._vectors.element_size()
+        """Bytes of the vectors held, twice that with a faiss index (its own copy, or for HNSW
+        its copy plus 2M neighbour ids per vector at M 32: about the same again)."""
+        size = self._size * self.dim * self._vectors.element_size()
         return size * (2 if self._faiss is not None else 1)
 
 
