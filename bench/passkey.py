@@ -108,6 +108,9 @@ def answers_sharing_prefix(model, tokenizer, prompts: list[list[int]], spec: Mem
         memory = base.fork() if i + 1 < len(prompts) else base
         text, memory = decode_answer(tokenizer, memory, ids[read:], new_tokens)
         yield i, text, memory
+        # the caller is done with this fork: drop it before the next one is made, so at most
+        # the base and one fork are alive (a 32K tokens-strategy cell was OOM-killed at 24 GB)
+        del memory
 
 
 @torch.inference_mode()
@@ -171,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
                     misses.append({"depth": round(depth, 3), "key": key, "answer": text})
                 memory_bytes, memory_tokens = memory.nbytes(), memory.num_tokens
                 del memory
+            del answers
             emit({"bench": "passkey", "strategy": strategy, "params": params, "tokens": length,
                   "n": len(cases), "accuracy": hits / len(cases),
                   "seconds": round(time.perf_counter() - started, 2),
