@@ -150,7 +150,7 @@ class Selector(Protocol):
 
     def on_memory_added(self, layer: int, k_pre: torch.Tensor, v: torch.Tensor) -> None:
         """Whole blocks (kv_heads, n * block, head_dim) joined the end of this layer's memory,
-        oldest first."""
+        oldest first (views valid during the call only: copy what you keep)."""
         ...
 
     def on_memory_dropped(self, layer: int, n: int) -> None:
@@ -511,14 +511,14 @@ class FrameState:
             # the oldest whole blocks that take the window back to at most W tokens, moved at once
             move = -(-(self.n_local - c.local_window) // c.block) * c.block
             for layer, store in enumerate(self.layers):
-                store.mem_k.append(store.local_k[:, :move])
-                store.mem_v.append(store.local_v[:, :move])
+                blk_k, blk_v = store.local_k[:, :move], store.local_v[:, :move]
+                store.mem_k.append(blk_k)
+                store.mem_v.append(blk_v)
+                # views of the window's rows, valid until the window's next append: selectors
+                # copy what they keep
+                self.selector.on_memory_added(layer, blk_k, blk_v)
                 store.window_k.drop_front(move)
                 store.window_v.drop_front(move)
-                # the memory's own copy: the window's rows are overwritten by a later append
-                self.selector.on_memory_added(
-                    layer, store.mem_k.view()[:, -move:], store.mem_v.view()[:, -move:]
-                )
             self.n_local -= move
             self.n_memory += move
             self.memory_used = True
