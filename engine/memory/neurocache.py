@@ -85,7 +85,15 @@ class NeurocacheSelector:
         self._hook_layer_r()
 
     def _hook_layer_r(self) -> None:
-        handle = self._layer.register_forward_hook(self._after_layer_r, with_kwargs=True)
+        # the hook holds the selector weakly: a bound method in the model's hook dict would
+        # keep every selector (and through `frame` its whole session) alive with the model
+        selector = weakref.ref(self)
+
+        def after_layer_r(module, args, kwargs, output):
+            alive = selector()
+            return None if alive is None else alive._after_layer_r(module, args, kwargs, output)
+
+        handle = self._layer.register_forward_hook(after_layer_r, with_kwargs=True)
         weakref.finalize(self, handle.remove)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NeurocacheSelector:

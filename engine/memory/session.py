@@ -81,6 +81,13 @@ class SessionMemory:
         self._offloaded = False
         use_memory_attention(model)
 
+    def __del__(self) -> None:
+        # frame and selector refer to each other (selector.frame): break the cycle so that a
+        # dropped session's keys and values are freed at once, not at the next full gc pass
+        selector = self.__dict__.get("_selector")
+        if selector is not None and getattr(selector, "frame", None) is not None:
+            selector.frame = None
+
     # -- tiers: an idle session leaves the device ------------------------------------------
 
     @property

@@ -140,3 +140,29 @@ def test_offload_moves_the_session_off_the_gpu(strategy):
     assert all(layer.mem_k.device.type == "cpu" for layer in memory._frame.layers)
     assert torch.isfinite(memory.append(first.argmax()[None])).all()
     assert all(layer.mem_k.device.type == "cuda" for layer in memory._frame.layers)
+
+
+@pytest.mark.parametrize("strategy", ["segments", "tokens", "neurocache"])
+def test_a_dropped_session_and_its_forks_are_freed_without_the_garbage_collector(strategy):
+    """A session's frame (all its keys and values) is freed as soon as the session is dropped:
+    no hook on the model keeps its selector alive, and the frame <-> selector reference does
+    not wait for a gc pass. Checked with the collector off."""
+    import gc
+    import weakref
+
+    model = tiny("llama")
+    spec = MemorySpec(strategy, dict(sinks=8, local_window=32, chunk_size=16, block=8, tail=4))
+    ids = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(11))
+    gc.collect()
+    gc.disable()
+    try:
+        memory = SessionMemory(model, spec)
+        memory.append(ids)
+        fork = memory.fork()
+        fork.append(ids[:20])
+        frames = [weakref.ref(memory._frame), weakref.ref(fork._frame)]
+        selectors = [weakref.ref(memory._selector), weakref.ref(fork._selector)]
+        del memory, fork
+        assert [r() for r in frames + selectors] == [None] * 4
+    finally:
+        gc.enable()
