@@ -52,7 +52,7 @@ class FrameConfig:
         model's own attention. Measured on SmolLM2-135M, CPU, reading 8192 tokens in chunks
         of 512 against a bare forward over the same chunks (bench/memory_speed.py, interleaved):
         0.73 with the whole 1024-token window, 0.78 with 512 when every row of a chunk attended
-        the same newest 512 (512 to 1023 tokens of context), 0.87 with the band of 512 (512 to
+        the same newest 512 (512 to 1023 tokens of context), 0.86 with the band of 512 (512 to
         639), 0.91 with a band of 256. On the 29.7K-token prose document of
         tests/e2e/test_session_recall.py (three facts and a follow-up) 512 answers all four,
         both as a band and not; 256 loses the second fact (answers "Southampton" for
