@@ -325,6 +325,8 @@ class FrameState:
         group = query.shape[1] // kvh
         self._pending.k_pre[layer] = self.rotary.unrotate(key[0], chunk_angles)
         self._pending.v[layer] = value[0]
+        if self._window_skip:  # a reading chunk once memory is in use: it retrieves nothing
+            return self._attend_band(layer, query, key, value, window_angles, scaling, group)
 
         keys = [self._rotated_sinks(layer)]
         values = [store.sink_v]
@@ -350,12 +352,8 @@ class FrameState:
                 if not bool(ok.all()):
                     retrieved_ok = ok
 
-        skip = self._window_skip
-        window_k = self.rotary.rotate(store.local_k[:, skip:], window_angles)
-        if skip:  # a reading chunk once memory is in use: see _attend_band
-            return self._attend_band(layer, query, key, value, window_k, scaling, group)
-        keys.append(window_k)
-        values.append(store.local_v[:, skip:])
+        keys.append(self.rotary.rotate(store.local_k, window_angles))
+        values.append(store.local_v)
         keys.append(key[0])
         values.append(value[0])
 
@@ -383,7 +381,7 @@ class FrameState:
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        window_k: torch.Tensor,
+        window_angles: Angles,
         scaling: float,
         group: int,
     ) -> torch.Tensor:
@@ -395,12 +393,11 @@ class FrameState:
         [window | sinks | chunk] is one contiguous slice: no copy, and a third fewer
         (query, key) pairs than one block attending everything (rotary attention depends only
         on q, k and their distance, so the order of the keys in the slice is free)."""
-        store = self.layers[layer]
+        store, skip = self.layers[layer], self._window_skip
+        window_k = self.rotary.rotate(store.local_k[:, skip:], window_angles)
         rw, S, T = window_k.shape[1], self.n_sinks, query.shape[2]
         k_all = torch.cat((window_k, self._rotated_sinks(layer), key[0]), dim=1)[None]
-        v_all = torch.cat(
-            (store.local_v[:, self._window_skip :], store.sink_v, value[0]), dim=1
-        )[None]
+        v_all = torch.cat((store.local_v[:, skip:], store.sink_v, value[0]), dim=1)[None]
         out = query.new_empty(1, T, query.shape[1], query.shape[3])
         for s in range(0, T, BAND_ROWS):
             rows = min(BAND_ROWS, T - s)
