@@ -9,6 +9,7 @@ Each figure is a ratio measured in one run, so machine noise cancels:
 - memory bytes per token for each strategy.
 
     python -m bench.memory_speed --strategies segments tokens neurocache --small 4096 --large 131072
+    python -m bench.memory_speed --parts ingest --params '{"read_dtype": "model"}'
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.loader import load_model
+from engine.memory.frame import read_dtype
 from engine.memory.session import STRATEGIES, SessionMemory
 from engine.protocol import MemorySpec
 
@@ -66,7 +68,10 @@ def measure_ingest(model, strategy: str, ids: torch.Tensor, rounds: int,
     does) so that both sides run under the same machine load; `rounds` fresh sessions, the
     sums over all of them make the ratio."""
     spec = MemorySpec(strategy, params or {})
-    chunk = SessionMemory(model, spec).config.chunk_size
+    config = SessionMemory(model, spec).config
+    chunk = config.chunk_size
+    param = next(model.parameters())
+    band_dtype = read_dtype(config.read_dtype, param.dtype, param.device)
     bare = ingest = 0.0
     with torch.inference_mode():
         for _ in range(rounds):
@@ -81,6 +86,8 @@ def measure_ingest(model, strategy: str, ids: torch.Tensor, rounds: int,
     tokens = rounds * len(ids)
     return {"bench": "ingest", "strategy": strategy, "tokens": len(ids), "chunk_size": chunk,
             "rounds": rounds, **({"params": params} if params else {}),
+            "model_dtype": str(param.dtype).removeprefix("torch."),
+            "read_band_dtype": str(band_dtype).removeprefix("torch."),
             "ingest_tokens_per_s": round(tokens / ingest, 1),
             "bare_forward_tokens_per_s": round(tokens / bare, 1),
             "ratio": round(bare / ingest, 3)}
@@ -120,6 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="ingest vs bare forward rounds")
     parser.add_argument("--parts", nargs="+", choices=("ingest", "decode"),
                         default=["ingest", "decode"], help="which measurements to run")
+    parser.add_argument("--params", type=json.loads, default=None,
+                        help='memory knobs for the ingest sessions, e.g. \'{"read_dtype": "model"}\'')
     args = parser.parse_args(argv)
 
     loaded = load_model(EngineConfig(model=args.model))
@@ -133,7 +142,8 @@ def main(argv: list[str] | None = None) -> None:
 
     for strategy in args.strategies:
         if "ingest" in args.parts:
-            emit(measure_ingest(model, strategy, all_ids[: args.ingest_tokens], args.rounds))
+            emit(measure_ingest(model, strategy, all_ids[: args.ingest_tokens], args.rounds,
+                                args.params))
         if "decode" in args.parts:
             for record in measure_decode(
                 model, strategy, all_ids, args.small, args.large, args.decode_steps

@@ -23,6 +23,7 @@ the true ones), and current token t at S+R+W+t. Unused budget is a gap.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -34,6 +35,31 @@ from engine.memory.config import FrameConfig
 from engine.memory.rotary import Angles, RotaryTable
 
 BAND_ROWS = 128  # query rows per attention call of a reading chunk (FrameState._attend_band)
+
+
+@functools.cache
+def _native_bfloat16(device_type: str) -> bool:
+    """Whether this machine multiplies bfloat16 matrices natively (so attention in bfloat16 is
+    faster than in fp32 rather than emulated): a CPU with AMX or AVX512-BF16, a CUDA GPU that
+    supports bfloat16."""
+    if device_type == "cpu":
+        cpu = torch.cpu
+        return any(
+            bool(getattr(cpu, name, lambda: False)())
+            for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+        )
+    if device_type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return False
+
+
+def read_dtype(setting: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a reading chunk's band attention computes in (FrameConfig.read_dtype)."""
+    if setting == "bfloat16":
+        return torch.bfloat16
+    if setting == "auto" and model_dtype == torch.float32 and _native_bfloat16(device.type):
+        return torch.bfloat16
+    return model_dtype
 
 
 class GrowingBuffer:
@@ -215,7 +241,7 @@ class FrameState:
         self.last_selected: dict[int, torch.Tensor] = {}  # layer -> (kv_heads, R), for tests
         self._positions: torch.Tensor | None = None
         self._pending = _Pending()
-        self._mask_cache: dict[tuple[int, int], torch.Tensor] = {}
+        self._mask_cache: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         # fixed by begin() for all layers of a forward: the rotary angles of the chunk and of
         # the window tokens it attends, and how many of the oldest window tokens it skips
         self._chunk_angles: Angles | None = None
@@ -392,17 +418,21 @@ class FrameState:
         on, the sinks, and the chunk up to itself, which with keys laid out as
         [window | sinks | chunk] is one contiguous slice: no copy, and a third fewer
         (query, key) pairs than one block attending everything (rotary attention depends only
-        on q, k and their distance, so the order of the keys in the slice is free)."""
+        on q, k and their distance, so the order of the keys in the slice is free). It computes
+        in FrameConfig.read_dtype (bfloat16 on native hardware for an fp32 model)."""
         store, skip = self.layers[layer], self._window_skip
         window_k = self.rotary.rotate(store.local_k[:, skip:], window_angles)
         rw, S, T = window_k.shape[1], self.n_sinks, query.shape[2]
         k_all = torch.cat((window_k, self._rotated_sinks(layer), key[0]), dim=1)[None]
         v_all = torch.cat((store.local_v[:, skip:], store.sink_v, value[0]), dim=1)[None]
         out = query.new_empty(1, T, query.shape[1], query.shape[3])
+        dtype = read_dtype(self.config.read_dtype, query.dtype, query.device)
+        if dtype != query.dtype:  # see FrameConfig.read_dtype; the output is cast back
+            query, k_all, v_all = query.to(dtype), k_all.to(dtype), v_all.to(dtype)
         for s in range(0, T, BAND_ROWS):
             rows = min(BAND_ROWS, T - s)
             start, end = min(s, rw), rw + S + s + rows
-            mask = self._mask(end - start - rows, None, rows, group, query.dtype)
+            mask = self._mask(end - start - rows, None, rows, group, dtype)
             out[:, s : s + rows] = F.scaled_dot_product_attention(
                 query[:, :, s : s + rows],
                 k_all[:, :, start:end],
@@ -432,13 +462,13 @@ class FrameState:
         if retrieved_ok is None:
             if T == 1:
                 return None
-            cached = self._mask_cache.get((P, T))
+            cached = self._mask_cache.get((P, T, dtype))
             if cached is None:
                 cached = torch.zeros(T, P + T, dtype=dtype, device=self._device)
                 cached[:, P:].masked_fill_(
                     torch.ones(T, T, dtype=torch.bool, device=self._device).triu(1), hidden
                 )
-                cached = self._mask_cache[(P, T)] = cached[None, None]
+                cached = self._mask_cache[(P, T, dtype)] = cached[None, None]
             return cached
         kvh, R = retrieved_ok.shape
         prefix = torch.zeros(kvh, P, dtype=dtype, device=self._device)

@@ -127,19 +127,29 @@ def test_reading_chunks_attend_the_newest_read_window_tokens(monkeypatch, read_w
         assert keys == 8 + 48 + window + 4
 
 
+# fp32: the kernels' own rounding. bfloat16 inputs carry 8 bits of mantissa (relative error
+# 2^-9 each), so a softmax-weighted mean of unit-scale values is off by up to ~1e-2
+BAND_ATOL = {"model": 1e-5, "bfloat16": 2e-2}
+
+
+@pytest.mark.parametrize("read_dtype", ["model", "bfloat16"])
 @pytest.mark.parametrize("chunk", [16, 13, 40])
-def test_a_reading_chunk_attends_a_band_of_at_least_read_window_tokens(monkeypatch, chunk):
+def test_a_reading_chunk_attends_a_band_of_at_least_read_window_tokens(
+    monkeypatch, chunk, read_dtype
+):
     """Reading a chunk once memory is in use, query rows go in blocks of BAND_ROWS; a row in
     the block starting at chunk row s attends the sinks, the window's newest read_window - s
     tokens (none once s >= read_window) and the chunk up to itself. Checked against one dense
-    masked attention over [sinks | newest read_window window tokens | chunk] built from that
-    rule, for blocks that divide the chunk, that do not, and that run past read_window."""
+    masked fp32 attention over [sinks | newest read_window window tokens | chunk] built from
+    that rule, for blocks that divide the chunk, that do not, and that run past read_window;
+    in the model's dtype and in bfloat16 (FrameConfig.read_dtype), whose output is fp32."""
     from engine.memory import frame as frame_module
 
     monkeypatch.setattr(frame_module, "BAND_ROWS", 6)
     model = tiny("llama")
     spec = dict(sinks=8, local_window=64, chunk_size=chunk, block=8, k=2, u=1, tail=4)
-    memory = SessionMemory(model, MemorySpec("segments", {**spec, "read_window": 16}))
+    spec.update(read_window=16, read_dtype=read_dtype)
+    memory = SessionMemory(model, MemorySpec("segments", spec))
     ids = torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(8))
     memory.append(ids, document=True)
     frame = memory._frame
@@ -167,7 +177,26 @@ def test_a_reading_chunk_attends_a_band_of_at_least_read_window_tokens(monkeypat
     dense = torch.nn.functional.scaled_dot_product_attention(
         query, keys, values, attn_mask=visible, scale=d**-0.5, enable_gqa=True
     ).transpose(1, 2)
-    torch.testing.assert_close(out, dense, atol=1e-5, rtol=0)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, dense, atol=BAND_ATOL[read_dtype], rtol=0)
+    if read_dtype == "bfloat16":  # rounded, not something else that is merely close
+        assert (out - dense).abs().max() > 1e-5
+
+
+def test_read_dtype_auto_is_bfloat16_only_for_fp32_on_native_hardware(monkeypatch):
+    from engine.memory import frame as frame_module
+
+    cpu = torch.device("cpu")
+    assert frame_module.read_dtype("model", torch.float32, cpu) == torch.float32
+    assert frame_module.read_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16
+    assert frame_module.read_dtype("auto", torch.float16, cpu) == torch.float16
+    for native in (True, False):
+        monkeypatch.setattr(frame_module, "_native_bfloat16", lambda kind, n=native: n)
+        expected = torch.bfloat16 if native else torch.float32
+        assert frame_module.read_dtype("auto", torch.float32, cpu) == expected
+    with pytest.raises(InvalidRequest) as e:
+        SessionMemory(tiny("llama"), MemorySpec("segments", {"read_dtype": "fp8"}))
+    assert e.value.param == "memory.read_dtype"
 
 
 def test_a_document_is_read_without_a_tail_forward():
