@@ -84,6 +84,9 @@ class SegmentSelector:
     def on_memory_dropped(self, layer: int, n: int) -> None:
         for buf in self.summaries[layer].values():
             buf.drop_front(n // self.config.block)
+        if layer == 0 and self._last_sum is not None:
+            # the carry scores blocks by where they were: block i is now block i - dropped
+            self._last_sum = self._last_sum[n // self.config.block :]
 
     def block_scores(self, layer: int, q_pre: torch.Tensor, scaling: float) -> torch.Tensor:
         """q_pre (kv_heads, group, T, d) -> attention mass per block (kv_heads, blocks)."""
@@ -182,7 +185,7 @@ class SegmentSelector:
 
 def _fit(scores: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """Scores of an earlier forward, cut or zero-padded to num_blocks (memory grows between
-    forwards; FIFO drops do not matter for a vote that lasts one step)."""
+    forwards; FIFO drops shift the carry in on_memory_dropped, and a vote lasts one forward)."""
     if scores.shape[0] >= num_blocks:
         return scores[:num_blocks]
     return torch.cat((scores, scores.new_zeros(num_blocks - scores.shape[0])))

@@ -102,6 +102,28 @@ def test_a_held_vote_decides_every_layer_and_a_decode_step_carries_the_last_sum(
     assert [[int(own.argmax())]] * KV_HEADS != expected  # the carry changed the choice
 
 
+def test_the_decode_carry_follows_its_blocks_when_fifo_drops_the_oldest():
+    """With a capacity m, a commit may drop the oldest blocks after the carry was summed; the
+    carry then scores each block where it now sits, not where it sat."""
+    chooser, stores = selector("consensus")
+    q0, q1 = queries(14), queries(15)
+    chooser.select(0, q0, stores[0], SCALING)
+    chooser.select(1, q1, stores[1], SCALING)
+    s0, s1 = chooser.block_scores(0, q0, SCALING).sum(0), chooser.block_scores(1, q1, SCALING).sum(0)
+    carried = s0 + s1
+    chooser.on_commit(5, 0)
+    dropped = 3
+    for layer, store in enumerate(stores):  # what FrameState.commit does past m
+        store.mem_k.drop_front(dropped * BLOCK)
+        chooser.on_memory_dropped(layer, dropped * BLOCK)
+    step = queries(22, tokens=1)
+    own = chooser.block_scores(0, step, SCALING).sum(0)
+    assert own.shape[0] == BLOCKS - dropped
+    expected = int((own + carried[dropped:]).argmax())
+    assert expected != int((own + carried[: BLOCKS - dropped]).argmax())  # the data tells them apart
+    assert chosen_blocks(chooser.select(0, step, stores[0], SCALING)) == [[expected]] * KV_HEADS
+
+
 def tiny_llama(layers: int = 3) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
