@@ -65,8 +65,10 @@ class FrameConfig:
         supports bfloat16) and "model" elsewhere. The band is where reading a document spends
         more than a bare forward (each token attends at least read_window tokens, a bare
         chunk 288 on average); measured on SmolLM2-135M, CPU with AMX, 2 threads, one band
-        attention of a 512-token chunk: 10.1 ms fp32, 4.2 ms bfloat16 (output relative error
-        0.4 %). The keys and values a session stores stay in the model's dtype.
+        attention of a 512-token chunk: 9.4-10.1 ms fp32, 3.9-4.6 ms bfloat16 (output relative
+        error 0.4 %); reading 8192 tokens vs a bare forward (bench/memory_speed.py): 0.83 fp32,
+        0.96 bfloat16; the 30K prose recall test answers 4 of 4 with either. The keys and
+        values a session stores stay in the model's dtype.
     tier: where memory blocks live. "device" (default) keeps them beside the model; "host"
         keeps them in (page-locked) host memory and copies only the rows a forward retrieves
         to the device, so a GPU holds sinks, window, summaries and indices while the bulk of
