@@ -19,6 +19,15 @@ sits at its document position: the forward is then the model's own attention. On
 in use, positions are budgets: sinks at 0..S-1, retrieved tokens at S.. in document order,
 the local window right-aligned to end at S+R+W-1 (so its distances to the current tokens are
 the true ones), and current token t at S+R+W+t. Unused budget is a gap.
+
+A decode step (one token, memory in use) does not rebuild that frame. Its window would sit one
+position further left every step, so every window key would be rotated again; instead each
+layer keeps its window keys rotated once at their document positions (less a base that keeps
+them inside the rotary table), and the step's query is rotated twice: at its frame position for
+the sinks and the retrieved tokens, at its document position for the window. Rotary attention
+depends only on the distance between query and key, and the window's distances are the true
+ones in both layouts, so the logits are the frame's; the pieces are attended without being
+concatenated (FrameState._attend_step).
 """
 
 from __future__ import annotations
@@ -111,7 +120,7 @@ class GrowingBuffer:
 
     def to(self, device: torch.device, pin: bool = False) -> None:
         """Move the held rows (only those: spare capacity is dropped) to device."""
-        data = self.view().to(device)
+        data = self.view().to(device).contiguous()  # take() reads the buffer as flat rows
         self.pin = pin and device.type == "cpu" and torch.cuda.is_available()
         self.data = data.pin_memory() if self.pin else data.clone()
         self.start = 0
@@ -123,6 +132,15 @@ class GrowingBuffer:
 
     def view(self) -> torch.Tensor:
         return self.data[:, self.start : self.start + self.size]
+
+    def take(self, idx: torch.Tensor) -> torch.Tensor:
+        """Rows idx (heads, R) of each head, in range -> (heads, R, dim). One index_select of
+        whole rows over the flat buffer: a row is one copy, where `gather` along the rows
+        reads element by element (measured 2.2 ms against 7.9 ms for 1536 rows of 3 heads)."""
+        heads, capacity, dim = self.data.shape
+        offsets = torch.arange(heads, device=idx.device)[:, None] * capacity + self.start
+        rows = (idx + offsets).reshape(-1)
+        return self.data.view(heads * capacity, dim).index_select(0, rows).view(heads, -1, dim)
 
     def nbytes(self) -> int:
         """Bytes of the rows held (the capacity behind them, grown by doubling, is up to twice
@@ -249,6 +267,10 @@ class FrameState:
         self._window_skip = 0
         self._sinks_rotated: dict[int, torch.Tensor] = {}
         self._device = device
+        # decode steps: per layer, the window's keys rotated at (document position - base),
+        # built at the first step and kept in step with the window by commit; None when unbuilt
+        self._step_window: list[GrowingBuffer] | None = None
+        self._step_base = 0
 
     # -- tiers -------------------------------------------------------------------------------
 
@@ -265,6 +287,7 @@ class FrameState:
         for store in self.layers:
             store.to(device, memory_device, pin=host)
         self._sinks_rotated = {}
+        self._step_window = None
         move = getattr(self.selector, "to", None)
         if move is not None:
             move(device)
@@ -367,16 +390,18 @@ class FrameState:
             if idx is not None and idx.shape[1]:
                 self.last_selected[layer] = idx
                 ok = idx >= 0
-                gather = idx.clamp(min=0)[..., None].expand(-1, -1, key.shape[-1])
-                gather = gather.to(store.mem_k.device)
+                rows = idx.clamp(min=0).to(store.mem_k.device)
                 # host tier: only the retrieved rows cross to the device
-                mem_k = store.mem_k.view().gather(1, gather).to(self._device, non_blocking=True)
-                mem_v = store.mem_v.view().gather(1, gather).to(self._device, non_blocking=True)
+                mem_k = store.mem_k.take(rows).to(self._device, non_blocking=True)
+                mem_v = store.mem_v.take(rows).to(self._device, non_blocking=True)
                 frame_pos = self.config.sinks + torch.arange(idx.shape[1], device=self._device)
                 keys.append(self.rotary.rotate(mem_k, frame_pos))
                 values.append(mem_v)
                 if not bool(ok.all()):
                     retrieved_ok = ok
+
+        if T == 1 and self.memory_used:
+            return self._attend_step(layer, query, key, value, keys, values, retrieved_ok, scaling)
 
         keys.append(self.rotary.rotate(store.local_k, window_angles))
         values.append(store.local_v)
@@ -442,6 +467,65 @@ class FrameState:
                 enable_gqa=group > 1,
             ).transpose(1, 2)
         return out
+
+    def _attend_step(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        prefix_k: list[torch.Tensor],
+        prefix_v: list[torch.Tensor],
+        retrieved_ok: torch.Tensor | None,
+        scaling: float,
+    ) -> torch.Tensor:
+        """Attention of one token once memory is in use: the sinks and retrieved keys
+        (prefix_k, rotated at their frame positions) against the query as the model rotated it
+        (its frame position), the window's keys rotated at their document positions against
+        the query rotated at its own, and the token itself; one softmax over all of them, no
+        concatenated frame (see the module docstring)."""
+        assert self._chunk_angles is not None
+        store = self.layers[layer]
+        kvh, d = key.shape[1], key.shape[-1]
+        group = query.shape[1] // kvh
+        window = self._rotated_window(layer)
+        step = self.num_tokens - self._step_base  # this token's position in the window's frame
+        q_window = self.rotary.rotate(
+            self.rotary.unrotate(query[0], self._chunk_angles),
+            torch.tensor([step], device=self._device),
+        )
+        q_frame = query[0].reshape(kvh, group, d)
+        q_window = q_window.reshape(kvh, group, d)
+        pieces_k = [*prefix_k, window, key[0]]
+        pieces_v = [*prefix_v, store.local_v, value[0]]
+        logits = [
+            q @ k.transpose(1, 2)
+            for q, k in zip(
+                [q_frame] * len(prefix_k) + [q_window, q_frame], pieces_k, strict=True
+            )
+        ]  # (kv_heads, group, n) each
+        if retrieved_ok is not None:  # the retrieved slots follow the sinks
+            logits[1] = logits[1].masked_fill(~retrieved_ok[:, None, :], float("-inf"))
+        weights = (torch.cat(logits, dim=-1).float() * scaling).softmax(dim=-1)
+        weights = weights.to(value.dtype).split([k.shape[1] for k in pieces_k], dim=-1)
+        out = sum(w @ v for w, v in zip(weights, pieces_v, strict=True))
+        assert isinstance(out, torch.Tensor)
+        return out.reshape(1, 1, kvh * group, d)
+
+    def _rotated_window(self, layer: int) -> torch.Tensor:
+        """The layer's window keys rotated at (document position - self._step_base), built for
+        every layer at once when missing: the base is the oldest window token's position."""
+        if self._step_window is None:
+            self._step_base = self.num_tokens - self.n_local
+            positions = torch.arange(self.n_local, device=self._device)
+            self._step_window = []
+            for store in self.layers:
+                buffer = GrowingBuffer(
+                    self.kv_heads, store.sink_k.shape[-1], store.sink_k.dtype, self._device
+                )
+                buffer.append(self.rotary.rotate(store.local_k, positions))
+                self._step_window.append(buffer)
+        return self._step_window[layer].view()
 
     def _mask(
         self,
@@ -531,6 +615,7 @@ class FrameState:
                 store.sink_v = torch.cat((store.sink_v, v[:, :to_sinks]), dim=1)
             store.window_k.append(k_pre[:, to_sinks:])
             store.window_v.append(v[:, to_sinks:])
+        self._extend_step_window(to_sinks, num_new)
         self.n_sinks += to_sinks
         self.n_local += num_new - to_sinks
         self.num_tokens += num_new
@@ -546,6 +631,8 @@ class FrameState:
                 self.selector.on_memory_added(layer, blk_k, blk_v)
                 store.window_k.drop_front(move)
                 store.window_v.drop_front(move)
+                if self._step_window is not None:
+                    self._step_window[layer].drop_front(move)
             self.n_local -= move
             self.n_memory += move
             self.memory_used = True
@@ -559,5 +646,21 @@ class FrameState:
         self._positions = None
         self._chunk_angles = self._window_angles = None
 
+    def _extend_step_window(self, to_sinks: int, num_new: int) -> None:
+        """Rotate the window's new keys into the decode steps' window (commit), or drop that
+        window when the newest would fall outside the rotary table (the next step rebuilds it
+        from a new base)."""
+        if self._step_window is None or to_sinks == num_new:
+            return
+        first = self.num_tokens + to_sinks - self._step_base
+        if first + (num_new - to_sinks) >= self.rotary.cos.shape[0]:
+            self._step_window = None
+            return
+        positions = torch.arange(first, self.num_tokens + num_new - self._step_base,
+                                 device=self._device)
+        for layer, buffer in enumerate(self._step_window):
+            buffer.append(self.rotary.rotate(self._pending.k_pre[layer][:, to_sinks:], positions))
+
     def nbytes(self) -> int:
-        return sum(s.nbytes() for s in self.layers) + self.selector.nbytes()
+        step = sum(b.nbytes() for b in self._step_window or ())
+        return sum(s.nbytes() for s in self.layers) + self.selector.nbytes() + step

@@ -255,3 +255,69 @@ def test_bad_specs_are_invalid_requests(strategy, params, param):
     with pytest.raises(InvalidRequest) as e:
         SessionMemory(tiny("llama"), MemorySpec(strategy, params))
     assert e.value.param == param
+
+
+def _dense_step(self, layer, query, key, value, prefix_k, prefix_v, retrieved_ok, scaling):
+    """The frame a decode step attended before FrameState._attend_step: every key rotated at its
+    frame position, one concatenated frame, one SDPA call."""
+    store = self.layers[layer]
+    window = self.rotary.rotate(store.local_k, self._local_positions())
+    keys = torch.cat((*prefix_k, window, key[0]), dim=1)[None]
+    values = torch.cat((*prefix_v, store.local_v, value[0]), dim=1)[None]
+    group = query.shape[1] // key.shape[1]
+    mask = self._mask(keys.shape[2] - 1, retrieved_ok, 1, group, query.dtype)
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=group > 1
+    ).transpose(1, 2)
+
+
+STEP_KNOBS = {
+    "segments": dict(k=2, u=1),
+    "tokens": dict(k=12),
+    "neurocache": dict(k=4, w=2, c=2, r=0, fit_tokens=32),
+}
+
+
+@pytest.mark.parametrize("strategy", ["segments", "tokens", "neurocache"])
+def test_a_decode_step_attends_what_the_whole_frame_would(monkeypatch, strategy):
+    """A decode step keeps its window's keys rotated at document positions and rotates the
+    query twice instead of rebuilding the frame; its logits are those of the rebuilt frame, over
+    steps that move window blocks to memory and past a rebase of the window's positions (a
+    128-position table: the window's base moves every ~100 steps)."""
+
+    model = tiny("llama", max_position_embeddings=128)
+    spec = dict(sinks=8, local_window=32, chunk_size=16, block=8, tail=4, **STEP_KNOBS[strategy])
+    memory = SessionMemory(model, MemorySpec(strategy, spec))
+    ids = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(11))
+    logits = memory.append(ids)
+    dense = memory.fork()
+    monkeypatch.setattr(dense._frame, "_attend_step", _dense_step.__get__(dense._frame))
+    token, rebuilt = int(logits.argmax()), 0
+    for _ in range(130):
+        before = memory._frame._step_window
+        got = memory.append(torch.tensor([token]))
+        rebuilt += before is not None and memory._frame._step_window is not before
+        want = dense.append(torch.tensor([token]))
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        token = int(want.argmax())
+    assert memory._frame._step_window is not None
+    assert rebuilt >= 1  # the window's base moved at least once
+
+
+def test_growing_buffer_take_returns_each_heads_rows():
+    """take(idx) is gather along the rows, through appends that grow and compact the buffer,
+    front drops and a move."""
+    from engine.memory.frame import GrowingBuffer
+
+    g = torch.Generator().manual_seed(12)
+    buffer = GrowingBuffer(3, 4, torch.float32, torch.device("cpu"))
+    for n, drop in ((100, 0), (300, 50), (40, 200), (500, 0)):
+        buffer.append(torch.randn(3, n, 4, generator=g))
+        buffer.drop_front(drop)
+        idx = torch.randint(0, buffer.size, (3, 37), generator=g)
+        want = buffer.view().gather(1, idx[..., None].expand(-1, -1, 4))
+        torch.testing.assert_close(buffer.take(idx), want, atol=0, rtol=0)
+    buffer.to(torch.device("cpu"))
+    idx = torch.randint(0, buffer.size, (3, 37), generator=g)
+    want = buffer.view().gather(1, idx[..., None].expand(-1, -1, 4))
+    torch.testing.assert_close(buffer.take(idx), want, atol=0, rtol=0)
