@@ -271,6 +271,10 @@ class FrameState:
         # built at the first step and kept in step with the window by commit; None when unbuilt
         self._step_window: list[GrowingBuffer] | None = None
         self._step_base = 0
+        # decode steps: per layer, the last step's retrieval (idx, rotated keys, values), reused
+        # while a step retrieves the same rows (segments: most steps of most layers); dropped by
+        # any longer forward, a FIFO drop (rows shift) and a move
+        self._step_retrieved: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     # -- tiers -------------------------------------------------------------------------------
 
@@ -288,6 +292,7 @@ class FrameState:
             store.to(device, memory_device, pin=host)
         self._sinks_rotated = {}
         self._step_window = None
+        self._step_retrieved.clear()
         move = getattr(self.selector, "to", None)
         if move is not None:
             move(device)
@@ -304,6 +309,8 @@ class FrameState:
             first = self.n_sinks + self.n_local
         self._positions = torch.arange(first, first + num_new, device=self._device)
         self._pending = _Pending()
+        if num_new > 1:
+            self._step_retrieved.clear()
         self._mask_cache = {}
         self._chunk_angles = self.rotary.angles(self._positions)
         self._window_skip = self.n_local - self._window_seen(num_new)
@@ -390,13 +397,13 @@ class FrameState:
             if idx is not None and idx.shape[1]:
                 self.last_selected[layer] = idx
                 ok = idx >= 0
-                rows = idx.clamp(min=0).to(store.mem_k.device)
-                # host tier: only the retrieved rows cross to the device
-                mem_k = store.mem_k.take(rows).to(self._device, non_blocking=True)
-                mem_v = store.mem_v.take(rows).to(self._device, non_blocking=True)
-                frame_pos = self.config.sinks + torch.arange(idx.shape[1], device=self._device)
-                keys.append(self.rotary.rotate(mem_k, frame_pos))
-                values.append(mem_v)
+                keys_values = self._step_retrieved.get(layer) if T == 1 else None
+                if keys_values is None or not torch.equal(keys_values[0], idx):
+                    keys_values = (idx, *self._take_retrieved(store, idx))
+                    if T == 1:
+                        self._step_retrieved[layer] = keys_values
+                keys.append(keys_values[1])
+                values.append(keys_values[2])
                 if not bool(ok.all()):
                     retrieved_ok = ok
 
@@ -425,6 +432,17 @@ class FrameState:
             enable_gqa=group > 1,
         )
         return out.transpose(1, 2)
+
+    def _take_retrieved(
+        self, store: LayerStore, idx: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Memory rows idx (kv_heads, R) -> their keys rotated at the retrieved slots' frame
+        positions, and their values, on the frame's device (host tier: only these rows cross)."""
+        rows = idx.clamp(min=0).to(store.mem_k.device)
+        mem_k = store.mem_k.take(rows).to(self._device, non_blocking=True)
+        mem_v = store.mem_v.take(rows).to(self._device, non_blocking=True)
+        frame_pos = self.config.sinks + torch.arange(idx.shape[1], device=self._device)
+        return self.rotary.rotate(mem_k, frame_pos), mem_v
 
     def _attend_band(
         self,
@@ -637,6 +655,7 @@ class FrameState:
             self.n_memory += move
             self.memory_used = True
         while c.m and self.n_memory > c.m:
+            self._step_retrieved.clear()
             for layer, store in enumerate(self.layers):
                 store.mem_k.drop_front(c.block)
                 store.mem_v.drop_front(c.block)
@@ -662,5 +681,8 @@ class FrameState:
             buffer.append(self.rotary.rotate(self._pending.k_pre[layer][:, to_sinks:], positions))
 
     def nbytes(self) -> int:
-        step = sum(b.nbytes() for b in self._step_window or ())
+        step = sum(b.nbytes() for b in self._step_window or ()) + sum(
+            k.numel() * k.element_size() + v.numel() * v.element_size()
+            for _, k, v in self._step_retrieved.values()
+        )
         return sum(s.nbytes() for s in self.layers) + self.selector.nbytes() + step

@@ -271,27 +271,44 @@ def _dense_step(self, layer, query, key, value, prefix_k, prefix_v, retrieved_ok
     ).transpose(1, 2)
 
 
+class _NoReuse(dict):
+    """A decode step's retrieval cache that never keeps anything."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
 STEP_KNOBS = {
     "segments": dict(k=2, u=1),
+    "segments-fifo": dict(k=2, u=1, m=48),  # memory = k(2u+1) blocks: the same rows, shifted
     "tokens": dict(k=12),
     "neurocache": dict(k=4, w=2, c=2, r=0, fit_tokens=32),
 }
 
 
-@pytest.mark.parametrize("strategy", ["segments", "tokens", "neurocache"])
-def test_a_decode_step_attends_what_the_whole_frame_would(monkeypatch, strategy):
+@pytest.mark.parametrize("case", list(STEP_KNOBS))
+def test_a_decode_step_attends_what_the_whole_frame_would(monkeypatch, case):
     """A decode step keeps its window's keys rotated at document positions and rotates the
-    query twice instead of rebuilding the frame; its logits are those of the rebuilt frame, over
-    steps that move window blocks to memory and past a rebase of the window's positions (a
-    128-position table: the window's base moves every ~100 steps)."""
-
+    query twice instead of rebuilding the frame, and reuses the last step's retrieved rows when
+    it retrieves the same; its logits are those of the frame rebuilt and retrieved afresh every
+    step, over steps that move window blocks to memory, drop the oldest (FIFO m) and pass a
+    rebase of the window's positions (a 128-position table: its base moves every ~100 steps)."""
     model = tiny("llama", max_position_embeddings=128)
-    spec = dict(sinks=8, local_window=32, chunk_size=16, block=8, tail=4, **STEP_KNOBS[strategy])
-    memory = SessionMemory(model, MemorySpec(strategy, spec))
+    spec = dict(sinks=8, local_window=32, chunk_size=16, block=8, tail=4, **STEP_KNOBS[case])
+    memory = SessionMemory(model, MemorySpec(case.removesuffix("-fifo"), spec))
     ids = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(11))
     logits = memory.append(ids)
     dense = memory.fork()
     monkeypatch.setattr(dense._frame, "_attend_step", _dense_step.__get__(dense._frame))
+    monkeypatch.setattr(dense._frame, "_step_retrieved", _NoReuse())
+    taken = [0]
+    take = memory._frame._take_retrieved
+
+    def counting_take(store, idx):
+        taken[0] += 1
+        return take(store, idx)
+
+    monkeypatch.setattr(memory._frame, "_take_retrieved", counting_take)
     token, rebuilt = int(logits.argmax()), 0
     for _ in range(130):
         before = memory._frame._step_window
@@ -302,6 +319,10 @@ def test_a_decode_step_attends_what_the_whole_frame_would(monkeypatch, strategy)
         token = int(want.argmax())
     assert memory._frame._step_window is not None
     assert rebuilt >= 1  # the window's base moved at least once
+    if case.startswith("segments"):  # most steps retrieve what the previous one did
+        assert taken[0] < 130 * 2, f"{taken[0]} takes in 130 steps of 2 layers"
+    if case == "segments-fifo":
+        assert memory._frame.n_memory <= 48 < memory._frame.num_tokens - 8 - 32
 
 
 def test_growing_buffer_take_returns_each_heads_rows():
