@@ -5,7 +5,8 @@ Each figure is a ratio measured in one run, so machine noise cancels:
   vs a bare forward pass of the model over the same tokens in windows of the same chunk size
   (no memory, no retrieval, logits of the last token only: the least work that reads the
   tokens at all), the two interleaved chunk by chunk;
-- decode ms/token with a large memory (default 128K tokens) vs a small one (4K);
+- decode ms/token with a large memory (default 128K tokens) vs a small one (4K), and the small
+  one vs the model's own KV-cache decode over the same tokens (when they fit its window);
 - memory bytes per token for each strategy.
 
     python -m bench.memory_speed --strategies segments tokens neurocache --small 4096 --large 131072
@@ -61,6 +62,20 @@ def decode_ms_per_token(memory: SessionMemory, first: int, steps: int, device) -
     return 1000 * (time.perf_counter() - started) / steps
 
 
+@torch.inference_mode()
+def plain_decode_ms_per_token(model, ids: torch.Tensor, steps: int) -> float:
+    """Decode ms/token on the model's own KV cache after a prompt of ids (no session): what
+    a request that fits the window costs per token."""
+    out = model(ids[None], use_cache=True, logits_to_keep=1)
+    cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
+    started = time.perf_counter()
+    for _ in range(steps):
+        out = model(torch.tensor([[token]], device=ids.device), past_key_values=cache,
+                    use_cache=True)
+        cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
+    return 1000 * (time.perf_counter() - started) / steps
+
+
 def measure_ingest(model, strategy: str, ids: torch.Tensor, rounds: int,
                    params: dict | None = None) -> dict:
     """Ingest vs bare forward over the same tokens in the same chunks, interleaved chunk by
@@ -113,6 +128,11 @@ def measure_decode(model, strategy: str, all_ids: torch.Tensor, small: int, larg
         del memory
     records.append({"bench": "decode", "strategy": strategy, "small": small, "large": large,
                     "ratio_large_vs_small": round(results[large] / results[small], 3)})
+    if small <= model.config.max_position_embeddings:
+        plain = plain_decode_ms_per_token(model, all_ids[:small], steps)
+        records.append({"bench": "decode_vs_plain", "strategy": strategy, "tokens": small,
+                        "plain_kv_decode_ms_per_token": round(plain, 2),
+                        "ratio_memory_vs_plain": round(results[small] / plain, 3)})
     return records
 
 
