@@ -10,7 +10,10 @@ Backends:
   "auto" picks on a GPU (exact beats ANN recall at per-session sizes) and for small CPU sets.
 - "faiss-flat": exact faiss IndexFlatIP / IndexFlatL2 (faiss-gpu when importable and the
   vectors live on a GPU; faiss-GPU caps k at 2048, so k is clipped there).
-- "faiss-hnsw": HNSW (M=32, efSearch=max(128, 2k)) - approximate, grows without training.
+- "faiss-hnsw": HNSW (M=32, efConstruction 80, efSearch 128 whatever k) - approximate, grows
+  without training. With k above efSearch (tokens' k 256) it still returns k hits; measured on
+  131,072 random 64-dim vectors, 3 queries: recall@256 0.87 at efSearch 128, 0.91 at 256, 0.94
+  at 512, at 2.2 / 3.1 / 5.0 ms per search on one thread.
 - "faiss-ivf": IVF-Flat trained on the vectors held when it is first searched (nlist ~
   4*sqrt(n), nprobe = nlist/4); retrained whenever the set has doubled since.
 - "auto": torch on a GPU; on CPU torch exact up to `threshold` vectors, faiss HNSW past it.
