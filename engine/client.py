@@ -669,6 +669,7 @@ class LocalEngine:
         finally:  # finished, failed or aborted: the memory keeps what it read, turn closed
             if self._sessions.get(session_id) is session:
                 self._end_turn(session, generation, tokens_before, new, "".join(answer))
+                session.memory.end_request()
 
     def _turn_prompt(self, session: _Session, prompt: Prompt, prompt_ids: torch.Tensor
                      ) -> tuple[torch.Tensor, list[Turn] | None]:

@@ -680,6 +680,12 @@ class FrameState:
         for layer, buffer in enumerate(self._step_window):
             buffer.append(self.rotary.rotate(self._pending.k_pre[layer][:, to_sinks:], positions))
 
+    def release_step_caches(self) -> None:
+        """Drop what decode steps keep between steps (the window's rotated keys, the last
+        retrieval): the next step rebuilds them. For a session between requests."""
+        self._step_window = None
+        self._step_retrieved.clear()
+
     def nbytes(self) -> int:
         step = sum(b.nbytes() for b in self._step_window or ()) + sum(
             k.numel() * k.element_size() + v.numel() * v.element_size()

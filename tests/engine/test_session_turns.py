@@ -149,6 +149,20 @@ async def test_completions_leave_the_turns_alone(engine, small_memory_spec):
     assert engine._sessions["s"].turns == [("user", "Hello?"), ("assistant", first)]
 
 
+async def test_a_session_between_requests_holds_no_decode_caches(engine, small_memory_spec):
+    """Decode steps keep the window's rotated keys and their last retrieval; the request's end
+    drops them, and the next request's steps rebuild them."""
+    await engine.create_session("s", small_memory_spec)
+    memory = engine._sessions["s"].memory
+    long_question = " ".join(f"word{i}" for i in range(150)) + "?"
+    for request_id in ("a", "b"):
+        await ask(engine, request_id, [{"role": "user", "content": long_question}])
+        frame = memory._frame
+        assert frame.memory_used  # the steps ran on the decode-step path
+        assert frame._step_window is None and not frame._step_retrieved
+    assert memory.nbytes() == sum(s.nbytes() for s in frame.layers) + frame.selector.nbytes()
+
+
 # -- idle sessions move to host memory ---------------------------------------------------------
 
 
