@@ -264,6 +264,7 @@ class FrameState:
         # the window tokens it attends, and how many of the oldest window tokens it skips
         self._chunk_angles: Angles | None = None
         self._window_angles: Angles | None = None
+        self._step_angles: Angles | None = None  # a decode step's query, in the window's frame
         self._window_skip = 0
         self._sinks_rotated: dict[int, torch.Tensor] = {}
         self._device = device
@@ -315,6 +316,11 @@ class FrameState:
         self._chunk_angles = self.rotary.angles(self._positions)
         self._window_skip = self.n_local - self._window_seen(num_new)
         self._window_angles = self.rotary.angles(self._local_positions()[self._window_skip :])
+        self._step_angles = None
+        if num_new == 1 and self.memory_used:  # a decode step: FrameState._attend_step
+            self._build_step_window()
+            step = torch.tensor([self.num_tokens - self._step_base], device=self._device)
+            self._step_angles = self.rotary.angles(step)
         return self._positions
 
     def query_at_retrieval_distance(
@@ -502,15 +508,14 @@ class FrameState:
         (its frame position), the window's keys rotated at their document positions against
         the query rotated at its own, and the token itself; one softmax over all of them, no
         concatenated frame (see the module docstring)."""
-        assert self._chunk_angles is not None
+        assert self._chunk_angles is not None and self._step_angles is not None
+        assert self._step_window is not None, "begin() builds it for a decode step"
         store = self.layers[layer]
         kvh, d = key.shape[1], key.shape[-1]
         group = query.shape[1] // kvh
-        window = self._rotated_window(layer)
-        step = self.num_tokens - self._step_base  # this token's position in the window's frame
+        window = self._step_window[layer].view()
         q_window = self.rotary.rotate(
-            self.rotary.unrotate(query[0], self._chunk_angles),
-            torch.tensor([step], device=self._device),
+            self.rotary.unrotate(query[0], self._chunk_angles), self._step_angles
         )
         q_frame = query[0].reshape(kvh, group, d)
         q_window = q_window.reshape(kvh, group, d)
@@ -530,20 +535,20 @@ class FrameState:
         assert isinstance(out, torch.Tensor)
         return out.reshape(1, 1, kvh * group, d)
 
-    def _rotated_window(self, layer: int) -> torch.Tensor:
-        """The layer's window keys rotated at (document position - self._step_base), built for
-        every layer at once when missing: the base is the oldest window token's position."""
-        if self._step_window is None:
-            self._step_base = self.num_tokens - self.n_local
-            positions = torch.arange(self.n_local, device=self._device)
-            self._step_window = []
-            for store in self.layers:
-                buffer = GrowingBuffer(
-                    self.kv_heads, store.sink_k.shape[-1], store.sink_k.dtype, self._device
-                )
-                buffer.append(self.rotary.rotate(store.local_k, positions))
-                self._step_window.append(buffer)
-        return self._step_window[layer].view()
+    def _build_step_window(self) -> None:
+        """When missing, every layer's window keys rotated at (document position -
+        self._step_base), the base being the oldest window token's position."""
+        if self._step_window is not None:
+            return
+        self._step_base = self.num_tokens - self.n_local
+        positions = torch.arange(self.n_local, device=self._device)
+        self._step_window = []
+        for store in self.layers:
+            buffer = GrowingBuffer(
+                self.kv_heads, store.sink_k.shape[-1], store.sink_k.dtype, self._device
+            )
+            buffer.append(self.rotary.rotate(store.local_k, positions))
+            self._step_window.append(buffer)
 
     def _mask(
         self,
@@ -589,7 +594,7 @@ class FrameState:
             self.selector.on_abort()
         self._pending = _Pending()
         self._positions = None
-        self._chunk_angles = self._window_angles = None
+        self._chunk_angles = self._window_angles = self._step_angles = None
 
     def pending_chunk(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The forwarded (not yet committed) chunk's pre-rotary keys and values, one
@@ -663,7 +668,7 @@ class FrameState:
             self.n_memory -= c.block
         self._pending = _Pending()
         self._positions = None
-        self._chunk_angles = self._window_angles = None
+        self._chunk_angles = self._window_angles = self._step_angles = None
 
     def _extend_step_window(self, to_sinks: int, num_new: int) -> None:
         """Rotate the window's new keys into the decode steps' window (commit), or drop that
@@ -671,12 +676,11 @@ class FrameState:
         from a new base)."""
         if self._step_window is None or to_sinks == num_new:
             return
-        first = self.num_tokens + to_sinks - self._step_base
-        if first + (num_new - to_sinks) >= self.rotary.cos.shape[0]:
+        first, n = self.num_tokens + to_sinks - self._step_base, num_new - to_sinks
+        if first + n >= self.rotary.cos.shape[0]:
             self._step_window = None
             return
-        positions = torch.arange(first, self.num_tokens + num_new - self._step_base,
-                                 device=self._device)
+        positions = first + torch.arange(n, device=self._device)
         for layer, buffer in enumerate(self._step_window):
             buffer.append(self.rotary.rotate(self._pending.k_pre[layer][:, to_sinks:], positions))
 
