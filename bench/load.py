@@ -93,8 +93,12 @@ async def one_request(client, model: str, prompt: str, max_tokens: int) -> Reque
     last = None
     try:
         stream = await client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-            temperature=0, stream=True, stream_options={"include_usage": True},
+            model=model,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
         )
         async for chunk in stream:
@@ -118,8 +122,9 @@ async def one_request(client, model: str, prompt: str, max_tokens: int) -> Reque
     return result
 
 
-async def run_level(client, model: str, concurrency: int, num_requests: int, max_tokens: int,
-                    timeout: float) -> dict:
+async def run_level(
+    client, model: str, concurrency: int, num_requests: int, max_tokens: int, timeout: float
+) -> dict:
     queue: asyncio.Queue[int] = asyncio.Queue()
     for index in range(num_requests):
         queue.put_nowait(index)
@@ -128,8 +133,9 @@ async def run_level(client, model: str, concurrency: int, num_requests: int, max
     async def user() -> None:
         while not queue.empty():
             index = queue.get_nowait()
-            results.append(await one_request(client, model, PROMPTS[index % len(PROMPTS)],
-                                             max_tokens))
+            results.append(
+                await one_request(client, model, PROMPTS[index % len(PROMPTS)], max_tokens)
+            )
 
     started = time.perf_counter()
     users = [asyncio.create_task(user()) for _ in range(concurrency)]
@@ -152,8 +158,13 @@ def stats_ms(name: str, values: list[float]) -> dict[str, float | None]:
     }
 
 
-def summarize(results: list[RequestResult], concurrency: int, num_requests: int,
-              max_tokens: int, duration: float) -> dict:
+def summarize(
+    results: list[RequestResult],
+    concurrency: int,
+    num_requests: int,
+    max_tokens: int,
+    duration: float,
+) -> dict:
     done = [r for r in results if r.ok]
     errors = [r.error for r in results if not r.ok]
     errors += ["not finished before --level-timeout"] * (num_requests - len(results))
@@ -177,11 +188,24 @@ def summarize(results: list[RequestResult], concurrency: int, num_requests: int,
 
 
 def start_server(args: argparse.Namespace, port: int, data_dir: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--max-running-requests", str(max(args.max_running_requests or 0,
-                                             max(args.concurrency))),
-           "--max-waiting-requests", str(max(64, max(args.concurrency))),
-           "--data-dir", data_dir, "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "server.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-running-requests",
+        str(max(args.max_running_requests or 0, max(args.concurrency))),
+        "--max-waiting-requests",
+        str(max(64, max(args.concurrency))),
+        "--data-dir",
+        data_dir,
+        "--log-level",
+        "warning",
+    ]
     if args.model:
         cmd += ["--model", args.model]
     if args.device:
@@ -203,8 +227,12 @@ async def run(args: argparse.Namespace) -> None:
             server = start_server(args, port, data_dir)
         try:
             wait_ready(base, server, args.ready_timeout)
-            client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=args.api_key,
-                                        timeout=args.level_timeout, max_retries=0)
+            client = openai.AsyncOpenAI(
+                base_url=f"{base}/v1",
+                api_key=args.api_key,
+                timeout=args.level_timeout,
+                max_retries=0,
+            )
             model = (await client.models.list()).data[0].id
             warmup = await one_request(client, model, PROMPTS[0], 4)
             if not warmup.ok:
@@ -212,18 +240,28 @@ async def run(args: argparse.Namespace) -> None:
             lines = []
             for concurrency in args.concurrency:
                 num_requests = min(MAX_REQUESTS_PER_LEVEL, concurrency * args.requests_per_client)
-                line = await run_level(client, model, concurrency, num_requests,
-                                       args.max_tokens, args.level_timeout)
+                line = await run_level(
+                    client, model, concurrency, num_requests, args.max_tokens, args.level_timeout
+                )
                 print(json.dumps(line), flush=True)
                 lines.append(line)
             base_tps = lines[0]["output_token_throughput"]
-            print(json.dumps({
-                "bench": "load",
-                "output_throughput_ratio_vs_concurrency_" + str(lines[0]["concurrency"]): {
-                    str(line["concurrency"]): round(line["output_token_throughput"] / base_tps, 2)
-                    if base_tps else None for line in lines
-                },
-            }), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "bench": "load",
+                        "output_throughput_ratio_vs_concurrency_" + str(lines[0]["concurrency"]): {
+                            str(line["concurrency"]): round(
+                                line["output_token_throughput"] / base_tps, 2
+                            )
+                            if base_tps
+                            else None
+                            for line in lines
+                        },
+                    }
+                ),
+                flush=True,
+            )
             await client.close()
         finally:
             if server is not None:
@@ -239,14 +277,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--requests-per-client", type=int, default=2)
-    parser.add_argument("--level-timeout", type=float, default=300.0,
-                        help="seconds one concurrency level may take")
+    parser.add_argument(
+        "--level-timeout", type=float, default=300.0, help="seconds one concurrency level may take"
+    )
     parser.add_argument("--base-url", help="a running server on loopback (default: start one)")
     parser.add_argument("--api-key", default="bench")
     parser.add_argument("--model", help="--model of the started server (default: embedded)")
     parser.add_argument("--device", help="--device of the started server")
-    parser.add_argument("--max-running-requests", type=int,
-                        help="of the started server (default: the highest concurrency)")
+    parser.add_argument(
+        "--max-running-requests",
+        type=int,
+        help="of the started server (default: the highest concurrency)",
+    )
     parser.add_argument("--ready-timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
     if not all(1 <= c <= MAX_CONCURRENCY for c in args.concurrency):

@@ -71,14 +71,16 @@ def plain_decode_ms_per_token(model, ids: torch.Tensor, steps: int) -> float:
     cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
     started = time.perf_counter()
     for _ in range(steps):
-        out = model(torch.tensor([[token]], device=ids.device), past_key_values=cache,
-                    use_cache=True)
+        out = model(
+            torch.tensor([[token]], device=ids.device), past_key_values=cache, use_cache=True
+        )
         cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
     return 1000 * (time.perf_counter() - started) / steps
 
 
-def measure_ingest(model, strategy: str, ids: torch.Tensor, rounds: int,
-                   params: dict | None = None) -> dict:
+def measure_ingest(
+    model, strategy: str, ids: torch.Tensor, rounds: int, params: dict | None = None
+) -> dict:
     """Ingest vs bare forward over the same tokens in the same chunks, interleaved chunk by
     chunk (a bare forward of a chunk, then the session reading it, as the engine's ingest
     does) so that both sides run under the same machine load; `rounds` fresh sessions, the
@@ -100,17 +102,24 @@ def measure_ingest(model, strategy: str, ids: torch.Tensor, rounds: int,
                 ingest += time.perf_counter() - started
             del memory
     tokens = rounds * len(ids)
-    return {"bench": "ingest", "strategy": strategy, "tokens": len(ids), "chunk_size": chunk,
-            "rounds": rounds, **({"params": params} if params else {}),
-            "model_dtype": str(param.dtype).removeprefix("torch."),
-            "read_band_dtype": str(band_dtype).removeprefix("torch."),
-            "ingest_tokens_per_s": round(tokens / ingest, 1),
-            "bare_forward_tokens_per_s": round(tokens / bare, 1),
-            "ratio": round(bare / ingest, 3)}
+    return {
+        "bench": "ingest",
+        "strategy": strategy,
+        "tokens": len(ids),
+        "chunk_size": chunk,
+        "rounds": rounds,
+        **({"params": params} if params else {}),
+        "model_dtype": str(param.dtype).removeprefix("torch."),
+        "read_band_dtype": str(band_dtype).removeprefix("torch."),
+        "ingest_tokens_per_s": round(tokens / ingest, 1),
+        "bare_forward_tokens_per_s": round(tokens / bare, 1),
+        "ratio": round(bare / ingest, 3),
+    }
 
 
-def measure_decode(model, strategy: str, all_ids: torch.Tensor, small: int, large: int,
-                   steps: int) -> list[dict]:
+def measure_decode(
+    model, strategy: str, all_ids: torch.Tensor, small: int, large: int, steps: int
+) -> list[dict]:
     """Decode ms/token with `small` and `large` tokens of memory, and bytes per token."""
     device = all_ids.device
     records: list[dict] = []
@@ -121,19 +130,38 @@ def measure_decode(model, strategy: str, all_ids: torch.Tensor, small: int, larg
         logits = memory.append(all_ids[:size])
         fill = time.perf_counter() - started
         results[size] = decode_ms_per_token(memory, int(logits.argmax()), steps, device)
-        records.append({"bench": "memory", "strategy": strategy,
-                        "memory_tokens": memory.num_tokens, "bytes": memory.nbytes(),
-                        "bytes_per_token": round(memory.nbytes() / max(memory.num_tokens, 1), 1),
-                        "fill_seconds": round(fill, 2),
-                        "decode_ms_per_token": round(results[size], 2)})
+        records.append(
+            {
+                "bench": "memory",
+                "strategy": strategy,
+                "memory_tokens": memory.num_tokens,
+                "bytes": memory.nbytes(),
+                "bytes_per_token": round(memory.nbytes() / max(memory.num_tokens, 1), 1),
+                "fill_seconds": round(fill, 2),
+                "decode_ms_per_token": round(results[size], 2),
+            }
+        )
         del memory
-    records.append({"bench": "decode", "strategy": strategy, "small": small, "large": large,
-                    "ratio_large_vs_small": round(results[large] / results[small], 3)})
+    records.append(
+        {
+            "bench": "decode",
+            "strategy": strategy,
+            "small": small,
+            "large": large,
+            "ratio_large_vs_small": round(results[large] / results[small], 3),
+        }
+    )
     if small <= model.config.max_position_embeddings:
         plain = plain_decode_ms_per_token(model, all_ids[:small], steps)
-        records.append({"bench": "decode_vs_plain", "strategy": strategy, "tokens": small,
-                        "plain_kv_decode_ms_per_token": round(plain, 2),
-                        "ratio_memory_vs_plain": round(results[small] / plain, 3)})
+        records.append(
+            {
+                "bench": "decode_vs_plain",
+                "strategy": strategy,
+                "tokens": small,
+                "plain_kv_decode_ms_per_token": round(plain, 2),
+                "ratio_memory_vs_plain": round(results[small] / plain, 3),
+            }
+        )
     return records
 
 
@@ -146,10 +174,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ingest-tokens", type=int, default=8192)
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="ingest vs bare forward rounds")
-    parser.add_argument("--parts", nargs="+", choices=("ingest", "decode"),
-                        default=["ingest", "decode"], help="which measurements to run")
-    parser.add_argument("--params", type=json.loads, default=None,
-                        help='memory knobs for the ingest sessions, e.g. \'{"read_dtype": "model"}\'')
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        choices=("ingest", "decode"),
+        default=["ingest", "decode"],
+        help="which measurements to run",
+    )
+    parser.add_argument(
+        "--params",
+        type=json.loads,
+        default=None,
+        help='memory knobs for the ingest sessions, e.g. \'{"read_dtype": "model"}\'',
+    )
     args = parser.parse_args(argv)
 
     loaded = load_model(EngineConfig(model=args.model))
@@ -163,8 +200,11 @@ def main(argv: list[str] | None = None) -> None:
 
     for strategy in args.strategies:
         if "ingest" in args.parts:
-            emit(measure_ingest(model, strategy, all_ids[: args.ingest_tokens], args.rounds,
-                                args.params))
+            emit(
+                measure_ingest(
+                    model, strategy, all_ids[: args.ingest_tokens], args.rounds, args.params
+                )
+            )
         if "decode" in args.parts:
             for record in measure_decode(
                 model, strategy, all_ids, args.small, args.large, args.decode_steps

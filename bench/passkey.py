@@ -32,7 +32,9 @@ INTRO = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
     "them. I will quiz you about the important information there."
 )
-FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+FILLER = (
+    " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+)
 QUESTION = " What is the pass key? The pass key is"
 
 
@@ -79,8 +81,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 @torch.inference_mode()
-def answers_sharing_prefix(model, tokenizer, prompts: list[list[int]], spec: MemorySpec,
-                           new_tokens: int):
+def answers_sharing_prefix(
+    model, tokenizer, prompts: list[list[int]], spec: MemorySpec, new_tokens: int
+):
     """Answer every prompt of a cell, reading the opening they share only once.
 
     The prompts of one cell differ only from their needle on (same intro, same filler), so
@@ -118,7 +121,10 @@ def answer_full_attention(model, tokenizer, ids: list[int], new_tokens: int) -> 
     device = next(model.parameters()).device
     input_ids = torch.tensor([ids], device=device)
     out = model.generate(
-        input_ids, max_new_tokens=new_tokens, do_sample=False, attention_mask=torch.ones_like(input_ids)
+        input_ids,
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        attention_mask=torch.ones_like(input_ids),
     )
     return tokenizer.decode(out[0, len(ids) :])
 
@@ -132,8 +138,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-n", "--samples", type=int, default=10)
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                        help="strategy knob, e.g. --param k=16 (applies to every strategy)")
+    parser.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="strategy knob, e.g. --param k=16 (applies to every strategy)",
+    )
     args = parser.parse_args(argv)
 
     params = {}
@@ -153,9 +164,16 @@ def main(argv: list[str] | None = None) -> None:
     for key, depth in cases:
         ids = passkey_prompt(tokenizer, args.baseline_length, key, depth)
         hits += first_number(answer_full_attention(model, tokenizer, ids, args.new_tokens)) == key
-    emit({"bench": "passkey", "strategy": "full_attention", "tokens": args.baseline_length,
-          "n": len(cases), "accuracy": hits / len(cases),
-          "seconds": round(time.perf_counter() - started, 2)})
+    emit(
+        {
+            "bench": "passkey",
+            "strategy": "full_attention",
+            "tokens": args.baseline_length,
+            "n": len(cases),
+            "accuracy": hits / len(cases),
+            "seconds": round(time.perf_counter() - started, 2),
+        }
+    )
 
     by_depth = sorted(cases, key=lambda case: case[1])  # shallowest first: most shared
     for strategy in args.strategies:
@@ -175,11 +193,19 @@ def main(argv: list[str] | None = None) -> None:
                 memory_bytes, memory_tokens = memory.nbytes(), memory.num_tokens
                 del memory
             del answers
-            emit({"bench": "passkey", "strategy": strategy, "params": params, "tokens": length,
-                  "n": len(cases), "accuracy": hits / len(cases),
-                  "seconds": round(time.perf_counter() - started, 2),
-                  "memory_bytes_per_token": round(memory_bytes / max(memory_tokens, 1), 1),
-                  "misses": misses[:5]})
+            emit(
+                {
+                    "bench": "passkey",
+                    "strategy": strategy,
+                    "params": params,
+                    "tokens": length,
+                    "n": len(cases),
+                    "accuracy": hits / len(cases),
+                    "seconds": round(time.perf_counter() - started, 2),
+                    "memory_bytes_per_token": round(memory_bytes / max(memory_tokens, 1), 1),
+                    "misses": misses[:5],
+                }
+            )
 
 
 if __name__ == "__main__":

@@ -65,8 +65,13 @@ async def over_http(client, model: str, max_tokens: int) -> tuple[float, float]:
     first = None
     usage = None
     stream = await client.chat.completions.create(
-        model=model, messages=PROMPT, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        model=model,
+        messages=PROMPT,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     async for chunk in stream:
         if first is None and chunk.choices and chunk.choices[0].delta.content:
@@ -104,14 +109,32 @@ async def run(args: argparse.Namespace) -> None:
             ttft = statistics.median(r[0] for r in runs)
             tps = statistics.median(r[1] for r in runs)
             summary[path] = (ttft, tps)
-            print(json.dumps({"bench": "serving_overhead", "path": path, "rounds": args.rounds,
-                              "max_tokens": args.max_tokens, "ttft_ms_median": round(1000 * ttft, 1),
-                              "decode_tokens_per_s_median": round(tps, 2)}), flush=True)
-        print(json.dumps({
-            "bench": "serving_overhead", "path": "ratio_http_vs_in_process",
-            "ttft_ratio": round(summary["http"][0] / summary["in_process"][0], 3),
-            "decode_throughput_ratio": round(summary["http"][1] / summary["in_process"][1], 3),
-        }), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "bench": "serving_overhead",
+                        "path": path,
+                        "rounds": args.rounds,
+                        "max_tokens": args.max_tokens,
+                        "ttft_ms_median": round(1000 * ttft, 1),
+                        "decode_tokens_per_s_median": round(tps, 2),
+                    }
+                ),
+                flush=True,
+            )
+        print(
+            json.dumps(
+                {
+                    "bench": "serving_overhead",
+                    "path": "ratio_http_vs_in_process",
+                    "ttft_ratio": round(summary["http"][0] / summary["in_process"][0], 3),
+                    "decode_throughput_ratio": round(
+                        summary["http"][1] / summary["in_process"][1], 3
+                    ),
+                }
+            ),
+            flush=True,
+        )
         await engine.shutdown()
     finally:
         server.terminate()

@@ -41,8 +41,9 @@ def _chunk_bytes(data_dir: Path) -> tuple[int, int]:
 
 
 async def run(args: argparse.Namespace, data_dir: Path) -> None:
-    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                          data_dir=str(data_dir))
+    config = EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, data_dir=str(data_dir)
+    )
     engine = LocalEngine(config, loaded=load_model(config))
     try:
         ids = random_text_ids(engine._device_tokenizer, args.tokens, seed=0)
@@ -64,19 +65,47 @@ async def run(args: argparse.Namespace, data_dir: Path) -> None:
         handle.remove()
         chunks, nbytes = _chunk_bytes(data_dir)
         tokens = scratch.tokens_total
-        common = {"model": engine.model.id, "device": str(engine.loaded.device),
-                  "dtype": str(engine.loaded.model.dtype), "strategy": args.strategy,
-                  "tokens": tokens}
-        print(json.dumps({**common, "phase": "scratch", "seconds": round(scratch_s, 3),
-                          "forwards": scratch_forwards,
-                          "tokens_from_store": scratch.tokens_from_store}))
-        print(json.dumps({**common, "phase": "rebuild", "seconds": round(rebuild_s, 3),
-                          "forwards": rebuild_forwards,
-                          "tokens_from_store": rebuilt.tokens_from_store}))
-        print(json.dumps({**common, "phase": "summary",
-                          "speedup": round(scratch_s / rebuild_s, 2),
-                          "stored_chunks": chunks, "store_bytes": nbytes,
-                          "store_bytes_per_token": round(nbytes / tokens, 1)}))
+        common = {
+            "model": engine.model.id,
+            "device": str(engine.loaded.device),
+            "dtype": str(engine.loaded.model.dtype),
+            "strategy": args.strategy,
+            "tokens": tokens,
+        }
+        print(
+            json.dumps(
+                {
+                    **common,
+                    "phase": "scratch",
+                    "seconds": round(scratch_s, 3),
+                    "forwards": scratch_forwards,
+                    "tokens_from_store": scratch.tokens_from_store,
+                }
+            )
+        )
+        print(
+            json.dumps(
+                {
+                    **common,
+                    "phase": "rebuild",
+                    "seconds": round(rebuild_s, 3),
+                    "forwards": rebuild_forwards,
+                    "tokens_from_store": rebuilt.tokens_from_store,
+                }
+            )
+        )
+        print(
+            json.dumps(
+                {
+                    **common,
+                    "phase": "summary",
+                    "speedup": round(scratch_s / rebuild_s, 2),
+                    "stored_chunks": chunks,
+                    "store_bytes": nbytes,
+                    "store_bytes_per_token": round(nbytes / tokens, 1),
+                }
+            )
+        )
         sys.stdout.flush()
     finally:
         await engine.shutdown()

@@ -133,9 +133,11 @@ def _render(tokenizer: Any, turns: Sequence[Turn], offset: int, generation_promp
         for i, (role, _) in enumerate(turns)
     ]
     try:
-        return str(tokenizer.apply_chat_template(
-            templated, tokenize=False, add_generation_prompt=generation_prompt
-        ))
+        return str(
+            tokenizer.apply_chat_template(
+                templated, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        )
     except Exception as e:  # templates raise on role orders they do not support
         raise InvalidRequest(f"chat template rejected the messages: {e}", param="messages") from e
 
@@ -349,10 +351,12 @@ class LocalEngine:
         )
         offload_after = self.config.session_offload_after_s
         self._worker = Worker(
-            self.config.max_waiting_requests, self.config.max_running_requests,
+            self.config.max_waiting_requests,
+            self.config.max_running_requests,
             run_batch=self._step_batch,
             housekeeping=self._offload_idle_sessions if offload_after > 0 else None,
-            housekeeping_interval_s=min(max(offload_after / 4, 0.01), 10.0))
+            housekeeping_interval_s=min(max(offload_after / 4, 0.01), 10.0),
+        )
         # The memory service (engine/store.py): None unless memory_store_url or data_dir is set.
         self._store = StoreBridge.from_config(self.config)
         self._model_fingerprint = (
@@ -390,8 +394,9 @@ class LocalEngine:
         self._worker.check_alive()
         _validate_sampling(sampling)
         if session_id in self._larimar_sessions:
-            return self._larimar_generate(request_id, prompt, sampling, session_id,
-                                          self._larimar_sessions[session_id])
+            return self._larimar_generate(
+                request_id, prompt, sampling, session_id, self._larimar_sessions[session_id]
+            )
         ids = self.encode_prompt(prompt)
         if not ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
@@ -406,8 +411,9 @@ class LocalEngine:
             session = self._sessions[session_id]
             self._check_memory_cap(session.memory.num_tokens + total)
             if session.selected:
-                return self._selected_generate(request_id, prompt, prompt_ids, sampling,
-                                               session_id, queued_at)
+                return self._selected_generate(
+                    request_id, prompt, prompt_ids, sampling, session_id, queued_at
+                )
             steps = self._session_steps(session_id, prompt, prompt_ids, sampling, queued_at)
         elif total <= self.loaded.max_model_len:
             steps = self._kv_steps(prompt_ids, sampling, queued_at)
@@ -433,8 +439,10 @@ class LocalEngine:
 
     def _bridge(self) -> StoreBridge:
         if self._store is None:
-            raise InvalidRequest("collections need a memory store (--data-dir or --memory-store)",
-                                 param="collections")
+            raise InvalidRequest(
+                "collections need a memory store (--data-dir or --memory-store)",
+                param="collections",
+            )
         return self._store
 
     async def _fetch_chunks(self, refs: Sequence[ChunkRef]) -> list[ChunkEncoding]:
@@ -445,8 +453,9 @@ class LocalEngine:
                 get = functools.partial(bridge.client.get_chunk, ref.fingerprint, ref.chain_hash)
                 out.append(await bridge.acall("get_chunk", get))
             except NotFound as e:
-                raise StoreUnavailableError(f"chunk {ref.chain_hash} of a collection is missing "
-                                            "from the memory store") from e
+                raise StoreUnavailableError(
+                    f"chunk {ref.chain_hash} of a collection is missing from the memory store"
+                ) from e
         return out
 
     async def attach_collection(self, session_id: str, name: str) -> CollectionAttachment:
@@ -461,8 +470,10 @@ class LocalEngine:
         """
         self._worker.check_alive()
         if session_id in self._larimar_sessions:
-            raise CollectionIncompatible("a larimar session keeps no encodings; collections "
-                                         "attach to segments, tokens and neurocache sessions")
+            raise CollectionIncompatible(
+                "a larimar session keeps no encodings; collections "
+                "attach to segments, tokens and neurocache sessions"
+            )
         session = self._sessions.get(session_id)
         if session is None:
             raise SessionNotFound(f"session {session_id!r} has no memory")
@@ -470,8 +481,9 @@ class LocalEngine:
             return session.collections[name].attachment
         bridge = self._bridge()
         try:
-            refs = await bridge.acall("collection_chunks",
-                                      lambda: bridge.client.collection_chunks(name))
+            refs = await bridge.acall(
+                "collection_chunks", lambda: bridge.client.collection_chunks(name)
+            )
         except StoreInvalidRequest as e:
             raise InvalidRequest(str(e), param="name") from e
         except NotFound as e:
@@ -481,7 +493,8 @@ class LocalEngine:
             raise CollectionIncompatible(
                 f"collection {name!r} was encoded with another model or memory configuration "
                 f"than this session's {session.strategy!r} memory; re-run `longserve ingest` "
-                "with the session's strategy and knobs, or create the session with theirs")
+                "with the session's strategy and knobs, or create the session with theirs"
+            )
         order = {ref.chain_hash: i for i, ref in enumerate(refs)}
         if len(refs) > self.config.collection_max_chunks:
             attached = CollectionAttachment(name, len(refs), 0, "selected")
@@ -517,8 +530,9 @@ class LocalEngine:
         for rank, collection in enumerate(session.selected):
             name = collection.attachment.name
             try:
-                select = functools.partial(bridge.client.select_chunks, name, query[0],
-                                           self.config.collection_top_k)
+                select = functools.partial(
+                    bridge.client.select_chunks, name, query[0], self.config.collection_top_k
+                )
                 refs = await bridge.acall("select_chunks", select)
             except StoreInvalidRequest as e:  # EmbQ and EmbD from different encoders
                 raise CollectionIncompatible(f"collection {name!r}: {e}") from e
@@ -528,9 +542,15 @@ class LocalEngine:
         picked.sort(key=lambda p: (p[0], p[1]))
         return await self._fetch_chunks([ref for _, _, ref in picked])
 
-    async def _selected_generate(self, request_id: str, prompt: Prompt, prompt_ids: torch.Tensor,
-                                 sampling: SamplingParams, session_id: str, queued_at: float
-                                 ) -> AsyncIterator[GenerationDelta]:
+    async def _selected_generate(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        prompt_ids: torch.Tensor,
+        sampling: SamplingParams,
+        session_id: str,
+        queued_at: float,
+    ) -> AsyncIterator[GenerationDelta]:
         """A request on a session with a large collection: select, then generate on a fork.
 
         The selected chunks are read into a fork of the session's memory made for this request
@@ -548,16 +568,22 @@ class LocalEngine:
             raise SessionNotFound(f"session {session_id!r} has no memory")
         chunks = await self._select(session, prompt)
         selected_tokens = sum(c.num_tokens for c in chunks)
-        self._check_memory_cap(session.memory.num_tokens + selected_tokens + len(prompt_ids)
-                               + sampling.max_tokens)
+        self._check_memory_cap(
+            session.memory.num_tokens + selected_tokens + len(prompt_ids) + sampling.max_tokens
+        )
         steps = self._fork_steps(session_id, chunks, prompt, prompt_ids, sampling, queued_at)
-        async for delta in self._submit(request_id, steps, session_id,
-                                        _on_abort(len(prompt_ids))):
+        async for delta in self._submit(request_id, steps, session_id, _on_abort(len(prompt_ids))):
             yield delta
 
-    def _fork_steps(self, session_id: str, chunks: list[ChunkEncoding], prompt: Prompt,
-                    prompt_ids: torch.Tensor, sampling: SamplingParams, queued_at: float
-                    ) -> Generator[GenerationDelta | None, None, None]:
+    def _fork_steps(
+        self,
+        session_id: str,
+        chunks: list[ChunkEncoding],
+        prompt: Prompt,
+        prompt_ids: torch.Tensor,
+        sampling: SamplingParams,
+        queued_at: float,
+    ) -> Generator[GenerationDelta | None, None, None]:
         session = self._sessions.get(session_id)
         if session is None:
             raise SessionNotFound(f"session {session_id!r} has no memory")
@@ -568,8 +594,14 @@ class LocalEngine:
         generated: list[int] = []
         answer: list[str] = []
         state = MemoryState(fork, session.strategy)
-        for delta in generate_steps(state, prompt_ids, sampling, self._device_tokenizer,
-                                    queued_at=queued_at, **self._decode_kwargs()):
+        for delta in generate_steps(
+            state,
+            prompt_ids,
+            sampling,
+            self._device_tokenizer,
+            queued_at=queued_at,
+            **self._decode_kwargs(),
+        ):
             if delta is not None:
                 generated += delta.token_ids
                 answer.append(delta.text)
@@ -584,8 +616,9 @@ class LocalEngine:
             session.memory.append(turn)
         session.last_used = time.monotonic()
 
-    def _submit(self, request_id: str, steps: Steps, session_id: str | None,
-                on_abort: Any) -> _OutputStream:
+    def _submit(
+        self, request_id: str, steps: Steps, session_id: str | None, on_abort: Any
+    ) -> _OutputStream:
         collector = Collector(asyncio.get_running_loop())
         job = Job(request_id, steps, collector, session_id=session_id, on_abort=on_abort)
         try:
@@ -620,27 +653,51 @@ class LocalEngine:
 
     # The *_steps generators run on the device thread.
 
-    def _kv_steps(self, prompt_ids: torch.Tensor, sampling: SamplingParams,
-                  queued_at: float) -> Generation:
+    def _kv_steps(
+        self, prompt_ids: torch.Tensor, sampling: SamplingParams, queued_at: float
+    ) -> Generation:
         # Nothing runs until the worker steps it; its decode steps join the worker's batches.
         state = KVCacheState(self.loaded.model, max_tokens=len(prompt_ids) + sampling.max_tokens)
-        return Generation(state, prompt_ids, sampling, self._device_tokenizer,
-                          queued_at=queued_at, **self._decode_kwargs())
+        return Generation(
+            state,
+            prompt_ids,
+            sampling,
+            self._device_tokenizer,
+            queued_at=queued_at,
+            **self._decode_kwargs(),
+        )
 
-    def _step_batch(self, generations: list[Generation]
-                    ) -> list[GenerationDelta | None | Exception]:
+    def _step_batch(
+        self, generations: list[Generation]
+    ) -> list[GenerationDelta | None | Exception]:
         return step_batch(self.loaded.model, generations)
 
-    def _ephemeral_steps(self, mem: ModuleType, spec: MemorySpec, prompt_ids: torch.Tensor,
-                         sampling: SamplingParams, queued_at: float
-                         ) -> Generator[GenerationDelta | None, None, None]:
+    def _ephemeral_steps(
+        self,
+        mem: ModuleType,
+        spec: MemorySpec,
+        prompt_ids: torch.Tensor,
+        sampling: SamplingParams,
+        queued_at: float,
+    ) -> Generator[GenerationDelta | None, None, None]:
         state = MemoryState(mem.SessionMemory(self.loaded.model, spec), spec.strategy)
-        yield from generate_steps(state, prompt_ids, sampling, self._device_tokenizer,
-                                  queued_at=queued_at, **self._decode_kwargs())
+        yield from generate_steps(
+            state,
+            prompt_ids,
+            sampling,
+            self._device_tokenizer,
+            queued_at=queued_at,
+            **self._decode_kwargs(),
+        )
 
-    def _session_steps(self, session_id: str, prompt: Prompt, prompt_ids: torch.Tensor,
-                       sampling: SamplingParams, queued_at: float
-                       ) -> Generator[GenerationDelta | None, None, None]:
+    def _session_steps(
+        self,
+        session_id: str,
+        prompt: Prompt,
+        prompt_ids: torch.Tensor,
+        sampling: SamplingParams,
+        queued_at: float,
+    ) -> Generator[GenerationDelta | None, None, None]:
         """One request on a session's memory. Runs when the session's previous request has
         finished (the worker runs a session's jobs one at a time), so it sees its last turn.
 
@@ -657,9 +714,14 @@ class LocalEngine:
         prompt_ids, new = self._turn_prompt(session, prompt, prompt_ids)
         self._check_memory_cap(session.memory.num_tokens + len(prompt_ids) + sampling.max_tokens)
         tokens_before = session.memory.num_tokens
-        generation = generate_steps(MemoryState(session.memory, session.strategy), prompt_ids,
-                                    sampling, self._device_tokenizer, queued_at=queued_at,
-                                    **self._decode_kwargs())
+        generation = generate_steps(
+            MemoryState(session.memory, session.strategy),
+            prompt_ids,
+            sampling,
+            self._device_tokenizer,
+            queued_at=queued_at,
+            **self._decode_kwargs(),
+        )
         answer: list[str] = []
         try:
             for delta in generation:
@@ -671,8 +733,9 @@ class LocalEngine:
                 self._end_turn(session, generation, tokens_before, new, "".join(answer))
                 session.memory.end_request()
 
-    def _turn_prompt(self, session: _Session, prompt: Prompt, prompt_ids: torch.Tensor
-                     ) -> tuple[torch.Tensor, list[Turn] | None]:
+    def _turn_prompt(
+        self, session: _Session, prompt: Prompt, prompt_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, list[Turn] | None]:
         """What a request appends to a session (device thread): a completion prompt as it is;
         chat messages past the turns the session holds when they start with exactly those,
         else all of them, rendered as the conversation's continuation. Returns the ids (T,)
@@ -685,8 +748,14 @@ class LocalEngine:
         ids = encode_chat(self._device_tokenizer, prompt[len(sent) - len(new) :], held)
         return torch.tensor(ids, dtype=torch.long), new
 
-    def _end_turn(self, session: _Session, generation: Generation, tokens_before: int,
-                  new: list[Turn] | None, answer: str) -> None:
+    def _end_turn(
+        self,
+        session: _Session,
+        generation: Generation,
+        tokens_before: int,
+        new: list[Turn] | None,
+        answer: str,
+    ) -> None:
         """After a request on a session: read the last sampled token (not yet read) and, for
         chat, the template's end of turn into the memory, and remember the turns it holds."""
         session.last_used = time.monotonic()
@@ -732,8 +801,9 @@ class LocalEngine:
         def create() -> None:
             if session_id in self._sessions:
                 raise InvalidRequest(f"session {session_id!r} already exists", param="session_id")
-            self._sessions[session_id] = _Session(mem.SessionMemory(self.loaded.model, spec),
-                                                  spec.strategy)
+            self._sessions[session_id] = _Session(
+                mem.SessionMemory(self.loaded.model, spec), spec.strategy
+            )
 
         await self._on_device(create)
 
@@ -758,11 +828,13 @@ class LocalEngine:
             raise SessionNotFound(f"session {session_id!r} has no memory")
         if not isinstance(text, str):
             raise InvalidRequest("text must be a string", param="text")
-        return self._submit(request_id, self._ingest_steps(request_id, session_id, text),
-                            session_id, None)
+        return self._submit(
+            request_id, self._ingest_steps(request_id, session_id, text), session_id, None
+        )
 
-    def _ingest_steps(self, request_id: str, session_id: str, text: str
-                      ) -> Generator[IngestProgress | None, None, None]:
+    def _ingest_steps(
+        self, request_id: str, session_id: str, text: str
+    ) -> Generator[IngestProgress | None, None, None]:
         self._ingest_ids.add(request_id)
         session = self._sessions.get(session_id)
         try:
@@ -776,9 +848,15 @@ class LocalEngine:
             yield IngestProgress(0, len(ids), time.perf_counter() - started, done=not ids)
             if self._store is not None and ids:
                 yield from store_ingest_steps(
-                    self._store, self._model_fingerprint, session.memory, ids,
-                    session_id=session_id, doc_id=document_id(request_id),
-                    decode=self._device_tokenizer.decode, started=started)
+                    self._store,
+                    self._model_fingerprint,
+                    session.memory,
+                    ids,
+                    session_id=session_id,
+                    doc_id=document_id(request_id),
+                    decode=self._device_tokenizer.decode,
+                    started=started,
+                )
                 return
             chunk = self.config.prefill_chunk_tokens
             doc = torch.tensor(ids, dtype=torch.long)  # (T,)
@@ -786,8 +864,9 @@ class LocalEngine:
                 with torch.inference_mode():
                     session.memory.append(doc[start : start + chunk], document=True)
                 done = min(start + chunk, len(ids))
-                yield IngestProgress(done, len(ids), time.perf_counter() - started,
-                                     done=done == len(ids))
+                yield IngestProgress(
+                    done, len(ids), time.perf_counter() - started, done=done == len(ids)
+                )
         finally:
             self._ingest_ids.discard(request_id)
             if session is not None:
@@ -801,18 +880,29 @@ class LocalEngine:
             from memory_store.backends import EmbeddedBackend
 
             if self.config.memory_store_url is not None:
-                client = MemoryStoreClient.http(self.config.memory_store_url,
-                                                timeout_s=self.config.memory_store_timeout_s)
+                client = MemoryStoreClient.http(
+                    self.config.memory_store_url, timeout_s=self.config.memory_store_timeout_s
+                )
                 self._larimar_reader = LarimarReader(client)
             else:
-                root = (Path(self.config.data_dir) if self.config.data_dir is not None
-                        else Path(tempfile.mkdtemp(prefix="longserve-larimar-")))
-                self._larimar_reader = LarimarReader.in_process(EmbeddedBackend(root / "memory-store"))
+                root = (
+                    Path(self.config.data_dir)
+                    if self.config.data_dir is not None
+                    else Path(tempfile.mkdtemp(prefix="longserve-larimar-"))
+                )
+                self._larimar_reader = LarimarReader.in_process(
+                    EmbeddedBackend(root / "memory-store")
+                )
         return self._larimar_reader
 
-    async def _larimar_generate(self, request_id: str, prompt: Prompt, sampling: SamplingParams,
-                                session_id: str | None, spec: MemorySpec
-                                ) -> AsyncIterator[GenerationDelta]:
+    async def _larimar_generate(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        sampling: SamplingParams,
+        session_id: str | None,
+        spec: MemorySpec,
+    ) -> AsyncIterator[GenerationDelta]:
         from engine.larimar import split_context
 
         reader = self._larimar().with_spec(spec)
@@ -828,8 +918,12 @@ class LocalEngine:
         retrieval = time.perf_counter() - started
         async for delta in self.generate(request_id, conditioned, sampling):
             if delta.stats is not None:
-                delta = dataclasses.replace(delta, stats=dataclasses.replace(
-                    delta.stats, strategy="larimar", retrieval_seconds=retrieval))
+                delta = dataclasses.replace(
+                    delta,
+                    stats=dataclasses.replace(
+                        delta.stats, strategy="larimar", retrieval_seconds=retrieval
+                    ),
+                )
             yield delta
 
     async def _larimar_ingest(self, session_id: str, text: str) -> AsyncIterator[IngestProgress]:
@@ -865,7 +959,8 @@ class LocalEngine:
             return None
         memory = session.memory
         tier: Literal["device", "host"] = (
-            "host" if memory.offloaded or memory.config.tier == "host" else "device")
+            "host" if memory.offloaded or memory.config.tier == "host" else "device"
+        )
         return SessionMemoryInfo(tokens=int(memory.num_tokens), tier=tier)
 
     def _offload_idle_sessions(self) -> None:
@@ -877,8 +972,10 @@ class LocalEngine:
         for session_id, session in list(self._sessions.items()):
             if session_id in busy:
                 session.last_used = now
-            elif (not session.memory.offloaded
-                  and now - session.last_used >= self.config.session_offload_after_s):
+            elif (
+                not session.memory.offloaded
+                and now - session.last_used >= self.config.session_offload_after_s
+            ):
                 session.memory.offload()
                 logger.info("session %s idle: its memory moved to host memory", session_id)
 
@@ -887,4 +984,3 @@ class LocalEngine:
         self._sessions.clear()
         if self._store is not None:
             await asyncio.to_thread(self._store.close)
-

@@ -51,17 +51,27 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.model is not None and not self.model.strip():
-            raise ValueError("model must be a non-empty path or hub id (or None for the embedded one)")
+            raise ValueError(
+                "model must be a non-empty path or hub id (or None for the embedded one)"
+            )
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name must be non-empty when given")
         if self.device.split(":", 1)[0] not in DEVICES:
-            raise ValueError(f"device must be one of {DEVICES} (optionally cuda:N), got {self.device!r}")
+            raise ValueError(
+                f"device must be one of {DEVICES} (optionally cuda:N), got {self.device!r}"
+            )
         if self.device.startswith("cuda:") and not self.device[5:].isdigit():
             raise ValueError(f"bad CUDA device index in {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for name in ("max_waiting_requests", "max_running_requests", "max_memory_tokens",
-                     "prefill_chunk_tokens", "collection_max_chunks", "collection_top_k"):
+        for name in (
+            "max_waiting_requests",
+            "max_running_requests",
+            "max_memory_tokens",
+            "prefill_chunk_tokens",
+            "collection_max_chunks",
+            "collection_top_k",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -74,7 +84,9 @@ class EngineConfig:
         if self.memory_store_url is not None and not self.memory_store_url.startswith(
             ("http://", "https://")
         ):
-            raise ValueError(f"memory_store_url must be an http(s) URL, got {self.memory_store_url!r}")
+            raise ValueError(
+                f"memory_store_url must be an http(s) URL, got {self.memory_store_url!r}"
+            )
         if self.memory_store_url is not None and self.data_dir is not None:
             raise ValueError("give memory_store_url or data_dir (an embedded store), not both")
         if self.data_dir is not None and not self.data_dir.strip():

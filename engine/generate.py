@@ -86,8 +86,13 @@ def forward_kv(model: Any, states: Sequence[KVCacheState], ids: torch.Tensor) ->
     batch = KVBatch([state.cache for state in states])
     positions = batch.begin(ids.shape[1])  # (B, T)
     try:
-        out = model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1,
-                    **{KV_KWARG: batch})
+        out = model(
+            input_ids=ids,
+            position_ids=positions,
+            use_cache=False,
+            logits_to_keep=1,
+            **{KV_KWARG: batch},
+        )
     except BaseException:
         batch.abort()
         raise
@@ -146,7 +151,8 @@ def _logprob_entry(tokenizer: Any, logits: torch.Tensor, token_id: int, top_n: i
         logprob=chosen,
         bytes=list(token_bytes(tokenizer, token_id)),
         top_logprobs=[
-            TopLogprob(token_text(tokenizer, t), lp, list(token_bytes(tokenizer, t))) for t, lp in top
+            TopLogprob(token_text(tokenizer, t), lp, list(token_bytes(tokenizer, t)))
+            for t, lp in top
         ],
     )
 
@@ -191,7 +197,9 @@ class Generation:
         self._vocab_size = vocab_size
         self._queued_at = queued_at
         self._append_final_token = append_final_token
-        self._prefill: Generator[torch.Tensor | None, None, None] | None = None  # started by the first step
+        self._prefill: Generator[torch.Tensor | None, None, None] | None = (
+            None  # started by the first step
+        )
         self._started = 0.0
         self._queue_seconds = 0.0
         self._prefill_seconds = 0.0
@@ -208,8 +216,11 @@ class Generation:
     @property
     def batch_ready(self) -> bool:
         """The next step is a decode token that may join a batch (KV path only)."""
-        return (self.next_token is not None and not self.finished
-                and isinstance(self.state, KVCacheState))
+        return (
+            self.next_token is not None
+            and not self.finished
+            and isinstance(self.state, KVCacheState)
+        )
 
     def __iter__(self) -> Generation:
         return self
@@ -257,8 +268,9 @@ class Generation:
             if self._vocab_size is not None and logits.shape[-1] > self._vocab_size:
                 logits = logits[: self._vocab_size]  # padded embedding rows are never sampled
             if self._counts is None:
-                self._counts = torch.zeros(logits.shape[-1], dtype=torch.int32,
-                                           device=logits.device)
+                self._counts = torch.zeros(
+                    logits.shape[-1], dtype=torch.int32, device=logits.device
+                )
                 if sampling.temperature != 0.0:
                     self._generator = make_generator(sampling.seed, logits.device)
             token_id = sample_token(logits, sampling, self._counts, self._generator)
@@ -321,9 +333,17 @@ def generate_steps(
     append_final_token: bool = False,
 ) -> Generation:
     """The steps of one request: a `Generation` of prompt_ids (T,) over state."""
-    return Generation(state, prompt_ids, sampling, tokenizer, stop_token_ids=stop_token_ids,
-                      prefill_chunk_tokens=prefill_chunk_tokens, vocab_size=vocab_size,
-                      queued_at=queued_at, append_final_token=append_final_token)
+    return Generation(
+        state,
+        prompt_ids,
+        sampling,
+        tokenizer,
+        stop_token_ids=stop_token_ids,
+        prefill_chunk_tokens=prefill_chunk_tokens,
+        vocab_size=vocab_size,
+        queued_at=queued_at,
+        append_final_token=append_final_token,
+    )
 
 
 def step_batch(

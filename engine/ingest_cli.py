@@ -28,15 +28,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("files", nargs="+", metavar="FILE", help="UTF-8 text files to encode")
     parser.add_argument("--collection", required=True, help="collection to attach the chunks to")
     store = parser.add_mutually_exclusive_group(required=True)
-    store.add_argument("--memory-store", dest="memory_store_url", metavar="URL",
-                       help="memory service URL (`longserve memory-store`)")
+    store.add_argument(
+        "--memory-store",
+        dest="memory_store_url",
+        metavar="URL",
+        help="memory service URL (`longserve memory-store`)",
+    )
     store.add_argument("--data-dir", help="embedded memory store under DATA_DIR/memory-store")
     parser.add_argument("--model", help="local model directory or hub id (default: SmolLM2)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     parser.add_argument("--strategy", default="segments", help="memory strategy sessions use")
-    parser.add_argument("--memory", default="{}", metavar="JSON",
-                        help='memory knobs sessions use, e.g. \'{"k": 4}\' (default: none)')
+    parser.add_argument(
+        "--memory",
+        default="{}",
+        metavar="JSON",
+        help="memory knobs sessions use, e.g. '{\"k\": 4}' (default: none)",
+    )
 
 
 async def ingest_files(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -47,8 +55,13 @@ async def ingest_files(args: argparse.Namespace) -> list[dict[str, Any]]:
     from engine.store import document_id
     from memory_store.embedder import default_embedder
 
-    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                          memory_store_url=args.memory_store_url, data_dir=args.data_dir)
+    config = EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        memory_store_url=args.memory_store_url,
+        data_dir=args.data_dir,
+    )
     spec = MemorySpec(args.strategy, json.loads(args.memory))
     engine = LocalEngine(config)
     bridge = engine._store
@@ -70,20 +83,31 @@ async def ingest_files(args: argparse.Namespace) -> list[dict[str, Any]]:
             manifest = bridge.get_manifest(session_id, document_id(request_id))
             # The chunk texts come back with their encodings (an offline tool can afford it).
             texts = [bridge.get_chunk(manifest.fingerprint, h).text for h in manifest.chunk_hashes]
-            bridge.add_to_collection(args.collection, manifest.fingerprint,
-                                     manifest.chunk_hashes, default_embedder().embed(texts))
+            bridge.add_to_collection(
+                args.collection,
+                manifest.fingerprint,
+                manifest.chunk_hashes,
+                default_embedder().embed(texts),
+            )
             bridge.delete_session(session_id)  # the throwaway session's manifest; chunks stay
-            results.append({"file": path, "tokens": last.tokens_total,
-                            "tokens_from_store": last.tokens_from_store,
-                            "chunks": len(manifest.chunk_hashes),
-                            "fingerprint": manifest.fingerprint})
+            results.append(
+                {
+                    "file": path,
+                    "tokens": last.tokens_total,
+                    "tokens_from_store": last.tokens_from_store,
+                    "chunks": len(manifest.chunk_hashes),
+                    "fingerprint": manifest.fingerprint,
+                }
+            )
     finally:
         await engine.shutdown()
     return results
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         json.loads(args.memory)
     except ValueError as e:

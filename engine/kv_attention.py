@@ -85,7 +85,8 @@ class KVCache:
     def _grow(self, capacity: int) -> None:
         buffer = torch.empty(
             (self.num_layers, 2, self.kv_heads, capacity, self.head_dim),
-            dtype=self._dtype, device=self._device,
+            dtype=self._dtype,
+            device=self._device,
         )
         if self._buffer is not None and self.num_tokens:
             buffer[:, :, :, : self.num_tokens] = self._buffer[:, :, :, : self.num_tokens]
@@ -132,8 +133,9 @@ class KVBatch:
             cache.abort()
 
 
-def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-            scaling: float) -> torch.Tensor:
+def _attend(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
+) -> torch.Tensor:
     """query (1, H, T, d) over keys/values (1, kv_heads, S, d), the last T keys being the
     query's own tokens (causal among them) -> (1, H, T, d)."""
     num_new, num_keys = query.shape[2], keys.shape[2]
@@ -144,7 +146,11 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         cols = torch.arange(num_keys, device=query.device).view(1, -1)
         mask = cols <= rows + past  # (T, S)
     return torch.nn.functional.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask, scale=scaling,
+        query,
+        keys,
+        values,
+        attn_mask=mask,
+        scale=scaling,
         enable_gqa=query.shape[1] != keys.shape[1],
     )
 
@@ -164,10 +170,19 @@ def kv_attention(
     if batch is None:
         if kwargs.get(MEMORY_ATTENTION) is not None:
             memory_attention = ALL_ATTENTION_FUNCTIONS[MEMORY_ATTENTION]
-            return memory_attention(module, query, key, value, attention_mask, scaling=scaling,
-                                    dropout=dropout, **kwargs)
-        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask,
-                                        dropout=dropout, scaling=scaling, **kwargs)
+            return memory_attention(
+                module,
+                query,
+                key,
+                value,
+                attention_mask,
+                scaling=scaling,
+                dropout=dropout,
+                **kwargs,
+            )
+        out, _ = sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
         return out, None
     if len(batch.caches) != query.shape[0]:
         raise ValueError(f"{len(batch.caches)} caches for a batch of {query.shape[0]} rows")

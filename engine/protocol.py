@@ -259,9 +259,7 @@ class EngineClient(Protocol):
         """Free a session's memory at once (cancelling its ingestion). Idempotent."""
         ...
 
-    def ingest(
-        self, request_id: str, session_id: str, text: str
-    ) -> AsyncIterator[IngestProgress]:
+    def ingest(self, request_id: str, session_id: str, text: str) -> AsyncIterator[IngestProgress]:
         """Read a document into a session's memory segment by segment, streaming progress.
         SessionNotFound if the session has no memory. Closing the iterator cancels it."""
         ...
@@ -269,6 +267,7 @@ class EngineClient(Protocol):
     def session_memory_info(self, session_id: str) -> SessionMemoryInfo | None:
         """The session's memory now; None when this engine holds none in its own memory
         (unknown session, or one kept in the memory service)."""
+
     async def attach_collection(self, session_id: str, name: str) -> CollectionAttachment:
         """Attach a pre-encoded collection (`longserve ingest`) to a session, with no model
         forward. Idempotent. CollectionNotFound, CollectionIncompatible, SessionNotFound,

@@ -64,7 +64,9 @@ def sample_token(
     generator: torch.Generator | None,
 ) -> int:
     """The next token id from one position's raw logits (vocab,)."""
-    logits = apply_penalties(logits.float(), counts, params.presence_penalty, params.frequency_penalty)
+    logits = apply_penalties(
+        logits.float(), counts, params.presence_penalty, params.frequency_penalty
+    )
     if params.temperature == 0.0:
         return int(torch.argmax(logits))
     logits = logits / params.temperature

@@ -67,7 +67,9 @@ class StoreBridge:
     def from_config(cls, config: EngineConfig) -> StoreBridge | None:
         """The store the config names (HTTP service or embedded data dir), or None."""
         if config.memory_store_url is not None:
-            client = MemoryStoreClient.http(config.memory_store_url, timeout_s=config.memory_store_timeout_s)
+            client = MemoryStoreClient.http(
+                config.memory_store_url, timeout_s=config.memory_store_timeout_s
+            )
         elif config.data_dir is not None:
             from memory_store.backends import EmbeddedBackend
 
@@ -231,11 +233,13 @@ def ingest_steps(
         done += len(piece)
         last = done == total
         if not last:
-            yield IngestProgress(done, total, time.perf_counter() - started,
-                                 tokens_from_store=from_store)
+            yield IngestProgress(
+                done, total, time.perf_counter() - started, tokens_from_store=from_store
+            )
     if outage is None and hashes:
-        manifest = DocumentManifest(doc_id, fingerprint, tuple(hashes), num_tokens=total,
-                                    meta={"strategy": memory.strategy})
+        manifest = DocumentManifest(
+            doc_id, fingerprint, tuple(hashes), num_tokens=total, meta={"strategy": memory.strategy}
+        )
         try:
             bridge.put_manifest(session_id, manifest)
         except StoreUnavailableError as e:
@@ -245,11 +249,16 @@ def ingest_steps(
             f"the document was read into session {session_id!r}'s memory, but its encodings "
             f"are not stored: {outage}"
         ) from outage
-    yield IngestProgress(done, total, time.perf_counter() - started, done=True,
-                         tokens_from_store=from_store)
+    yield IngestProgress(
+        done, total, time.perf_counter() - started, done=True, tokens_from_store=from_store
+    )
 
 
 def _note_outage(error: StoreUnavailableError, session_id: str) -> StoreUnavailableError:
-    logger.warning("memory store unavailable while ingesting into session %s; reading the rest "
-                   "of the document into memory only: %s", session_id, error)
+    logger.warning(
+        "memory store unavailable while ingesting into session %s; reading the rest "
+        "of the document into memory only: %s",
+        session_id,
+        error,
+    )
     return error

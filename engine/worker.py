@@ -109,10 +109,15 @@ class Worker:
     (between steps when busy, on a timer when idle); its exceptions are logged, not fatal.
     """
 
-    def __init__(self, max_waiting: int, max_running: int, name: str = "longserve-engine",
-                 run_batch: RunBatch | None = None,
-                 housekeeping: Callable[[], None] | None = None,
-                 housekeeping_interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        max_waiting: int,
+        max_running: int,
+        name: str = "longserve-engine",
+        run_batch: RunBatch | None = None,
+        housekeeping: Callable[[], None] | None = None,
+        housekeeping_interval_s: float = 1.0,
+    ) -> None:
         self.max_waiting = max_waiting
         self.max_running = max_running
         self._run_batch = run_batch
@@ -208,7 +213,9 @@ class Worker:
         kept: collections.deque[Job] = collections.deque()
         while self._waiting:
             job = self._waiting.popleft()
-            if job.aborted or (len(self._running) < self.max_running and job.session_id not in busy):
+            if job.aborted or (
+                len(self._running) < self.max_running and job.session_id not in busy
+            ):
                 self._running.append(job)
                 if job.session_id is not None:
                     busy.add(job.session_id)
@@ -280,8 +287,9 @@ class Worker:
         try:
             outputs = self._run_batch([job.steps for job in jobs])
         except Exception:
-            logger.exception("a batched step of %d requests failed; running it one by one",
-                             len(jobs))
+            logger.exception(
+                "a batched step of %d requests failed; running it one by one", len(jobs)
+            )
             for job in jobs:
                 self._step(job)
             return
@@ -344,8 +352,11 @@ class Worker:
                 self._abort_job(job)
             else:
                 live.append(job)
-        batch = [job for job in live if self._run_batch is not None
-                 and getattr(job.steps, "batch_ready", False)]
+        batch = [
+            job
+            for job in live
+            if self._run_batch is not None and getattr(job.steps, "batch_ready", False)
+        ]
         alone = [job for job in live if job not in batch]
         if alone:
             job = min(alone, key=lambda j: j.last_turn)

@@ -173,14 +173,22 @@ def _lazy(module: str, attribute: str) -> Callable[..., Any]:
 
 
 BENCHMARKS = (
-    "passkey", "memory_speed", "serving_overhead", "load", "larimar_passkey", "store_rebuild"
+    "passkey",
+    "memory_speed",
+    "serving_overhead",
+    "load",
+    "larimar_passkey",
+    "store_rebuild",
 )
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", choices=BENCHMARKS, help="which benchmark (bench/<name>.py)")
-    parser.add_argument("args", nargs=argparse.REMAINDER,
-                        help="the benchmark's own arguments (longserve bench NAME --help)")
+    parser.add_argument(
+        "args",
+        nargs=argparse.REMAINDER,
+        help="the benchmark's own arguments (longserve bench NAME --help)",
+    )
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -323,9 +323,7 @@ class FrameState:
             self._step_angles = self.rotary.angles(step)
         return self._positions
 
-    def query_at_retrieval_distance(
-        self, q_pre: torch.Tensor, rows: torch.Tensor
-    ) -> torch.Tensor:
+    def query_at_retrieval_distance(self, q_pre: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """q_pre (..., len(rows), d), pre-rotary queries of the chunk's tokens `rows`, rotated by
         their distance to the middle of the retrieved span: their inner product with a
         pre-rotary key is then the attention logit that key would get once retrieved (rotary
@@ -523,9 +521,7 @@ class FrameState:
         pieces_v = [*prefix_v, store.local_v, value[0]]
         logits = [
             q @ k.transpose(1, 2)
-            for q, k in zip(
-                [q_frame] * len(prefix_k) + [q_window, q_frame], pieces_k, strict=True
-            )
+            for q, k in zip([q_frame] * len(prefix_k) + [q_window, q_frame], pieces_k, strict=True)
         ]  # (kv_heads, group, n) each
         if retrieved_ok is not None:  # the retrieved slots follow the sinks
             logits[1] = logits[1].masked_fill(~retrieved_ok[:, None, :], float("-inf"))

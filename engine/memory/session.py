@@ -199,7 +199,9 @@ class SessionMemory:
 
     # -- the memory store: one forward's encodings out, and back in without the model --------
 
-    def ingest_chunk(self, input_ids: torch.Tensor, text: str = "") -> tuple[torch.Tensor, ChunkEncoding]:
+    def ingest_chunk(
+        self, input_ids: torch.Tensor, text: str = ""
+    ) -> tuple[torch.Tensor, ChunkEncoding]:
         """Forward input_ids (T,) as ONE chunk and export its encodings: per layer the
         pre-rotary K/V (kv_heads, T, head_dim) in fp16, plus the strategy's own state.
 

@@ -45,12 +45,26 @@ class ServerProcess:
 def start_server(tmp_path: Path, *extra: str, timeout: float = 240.0) -> ServerProcess:
     port = free_port()
     log_path = tmp_path / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--api-key", API_KEY, "--data-dir", str(tmp_path / f"data-{port}"), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "server.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--api-key",
+        API_KEY,
+        "--data-dir",
+        str(tmp_path / f"data-{port}"),
+        *extra,
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     log = log_path.open("wb")
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                               cwd=Path(__file__).resolve().parents[2])
+    process = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).resolve().parents[2]
+    )
     server = ServerProcess(f"http://127.0.0.1:{port}", process, log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -95,8 +109,9 @@ def upload_and_wait(
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.Client(base_url=api_base, headers=headers, timeout=60) as http:
         session = http.post("/sessions", json={}).json()
-        doc = http.post(f"/sessions/{session['id']}/documents",
-                        json={"name": name, "text": text}).json()
+        doc = http.post(
+            f"/sessions/{session['id']}/documents", json={"name": name, "text": text}
+        ).json()
         deadline = time.monotonic() + timeout_s
         while doc["status"] not in ("ready", "failed"):
             assert time.monotonic() < deadline, f"not read after {timeout_s} s: {doc}"

@@ -36,9 +36,13 @@ EXPECTED = {
     "process_resident_memory_bytes": "gauge",
 }
 
-DOCUMENT = " ".join(
-    f"Paragraph {i}: the warehouse inventory lists crates of apples, pears and plums." for i in range(40)
-) + " The night guard of the warehouse is named Oswald."
+DOCUMENT = (
+    " ".join(
+        f"Paragraph {i}: the warehouse inventory lists crates of apples, pears and plums."
+        for i in range(40)
+    )
+    + " The night guard of the warehouse is named Oswald."
+)
 
 
 def families(server) -> dict:
@@ -60,15 +64,22 @@ def test_every_metric_appears_and_moves(server):
     before = families(server)
 
     reply = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8,
-        temperature=0, stream=True, stream_options={"include_usage": True},
+        model=model,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     usage = [c.usage for c in reply if c.usage is not None][0]
 
     session, _ = upload_and_wait(server.api_base, "inventory.txt", DOCUMENT, timeout_s=300)
     client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Who is the night guard?"}],
-        max_tokens=8, temperature=0, extra_body={"session_id": session["id"]},
+        model=model,
+        messages=[{"role": "user", "content": "Who is the night guard?"}],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"session_id": session["id"]},
     )
 
     # A session request appends its last token to memory just after the final delta is sent.
@@ -106,8 +117,13 @@ def test_promtool_finds_nothing_but_the_colon_convention(server):
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool not installed (apt-get install prometheus)")
-    result = subprocess.run([promtool, "check", "metrics"], input=server.metrics(),
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [promtool, "check", "metrics"],
+        input=server.metrics(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     findings = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
     other = [line for line in findings if "should not contain ':'" not in line]
     assert other == [], other

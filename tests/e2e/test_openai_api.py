@@ -54,7 +54,10 @@ def test_chat_answers_paris(client, model_id):
 
 def test_chat_stream_ends_with_usage_chunk(client, model_id):
     stream = client.chat.completions.create(
-        model=model_id, messages=CAPITAL, temperature=0, stream=True,
+        model=model_id,
+        messages=CAPITAL,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
@@ -83,8 +86,10 @@ def test_completions_with_and_without_stream(client, model_id):
 
 def test_max_tokens_gives_length(client, model_id):
     reply = client.chat.completions.create(
-        model=model_id, messages=[{"role": "user", "content": "Tell me a long story."}],
-        max_tokens=5, temperature=0,
+        model=model_id,
+        messages=[{"role": "user", "content": "Tell me a long story."}],
+        max_tokens=5,
+        temperature=0,
     )
     assert reply.choices[0].finish_reason == "length"
     assert reply.usage.completion_tokens == 5
@@ -101,10 +106,17 @@ def test_stop_string_is_cut_and_not_returned(client, model_id):
 
 def test_same_seed_same_text(client, model_id):
     def sample(seed: int) -> str:
-        return client.chat.completions.create(
-            model=model_id, messages=[{"role": "user", "content": "Name an animal."}],
-            temperature=1.0, seed=seed, max_tokens=12,
-        ).choices[0].message.content
+        return (
+            client.chat.completions.create(
+                model=model_id,
+                messages=[{"role": "user", "content": "Name an animal."}],
+                temperature=1.0,
+                seed=seed,
+                max_tokens=12,
+            )
+            .choices[0]
+            .message.content
+        )
 
     assert sample(7) == sample(7)
 
@@ -142,8 +154,12 @@ async def test_async_client_streams(server, model_id):
 
 def test_client_closing_a_stream_frees_the_request(server, client, model_id):
     stream = client.chat.completions.create(
-        model=model_id, messages=[{"role": "user", "content": "Tell me a very long story."}],
-        max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        model=model_id,
+        messages=[{"role": "user", "content": "Tell me a very long story."}],
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
     )
     for index, _ in enumerate(stream):
         if index == 3:

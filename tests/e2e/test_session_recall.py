@@ -32,12 +32,21 @@ FACTS = (
     (0.85, "The password of the library wifi is sunflower."),
 )
 QUESTIONS = (
-    ("What is the locker code of the harbor office?",
-     "The locker code of the harbor office is", "4817"),
-    ("In which city was the captain of the ferry born?",
-     "The captain of the ferry was born in the city of", "Lisbon"),
-    ("What is the password of the library wifi?",
-     "The password of the library wifi is", "sunflower"),
+    (
+        "What is the locker code of the harbor office?",
+        "The locker code of the harbor office is",
+        "4817",
+    ),
+    (
+        "In which city was the captain of the ferry born?",
+        "The captain of the ferry was born in the city of",
+        "Lisbon",
+    ),
+    (
+        "What is the password of the library wifi?",
+        "The password of the library wifi is",
+        "sunflower",
+    ),
     ("What was the password you just gave me?", "The password I just gave you was", "sunflower"),
 )
 # The question and its answer prefix; the document is ~30K tokens.
@@ -54,7 +63,9 @@ MAX_APPENDED_PROMPT_TOKENS = 64
 def test_three_facts_and_a_follow_up_from_a_long_document(server):
     started = time.monotonic()
     document = haystack(lambda text: int(len(text) / CHARS_PER_TOKEN), DOCUMENT_TOKENS, FACTS)
-    session, doc = upload_and_wait(server.api_base, "harbor.txt", document, timeout_s=1500, poll_s=1)
+    session, doc = upload_and_wait(
+        server.api_base, "harbor.txt", document, timeout_s=1500, poll_s=1
+    )
     assert 27_000 <= doc["tokens"] <= 33_000, doc["tokens"]
     read = time.monotonic()
 
@@ -63,12 +74,18 @@ def test_three_facts_and_a_follow_up_from_a_long_document(server):
     answers = []
     for question, opening, expected in QUESTIONS:
         reply = client.completions.create(
-            model=model, prompt=f"\n\nQuestion: {question}\nAnswer: {opening}", temperature=0,
-            max_tokens=12, stop=["\n"], extra_body={"session_id": session["id"]},
+            model=model,
+            prompt=f"\n\nQuestion: {question}\nAnswer: {opening}",
+            temperature=0,
+            max_tokens=12,
+            stop=["\n"],
+            extra_body={"session_id": session["id"]},
         )
         answer = reply.choices[0].text
         answers.append(answer)
         assert expected.lower() in answer.lower(), (question, answer, answers)
         assert reply.usage.prompt_tokens <= MAX_APPENDED_PROMPT_TOKENS, reply.usage
-    print(f"read {doc['tokens']} tokens in {read - started:.0f} s, "
-          f"four answers in {time.monotonic() - read:.0f} s: {answers}")
+    print(
+        f"read {doc['tokens']} tokens in {read - started:.0f} s, "
+        f"four answers in {time.monotonic() - read:.0f} s: {answers}"
+    )

@@ -38,14 +38,19 @@ def new_generation(loaded, text, sampling, **kwargs):
 
 
 def tokens_alone(loaded, text, sampling, **kwargs):
-    return [t for d in new_generation(loaded, text, sampling, **kwargs) if d is not None
-            for t in d.token_ids]
+    return [
+        t
+        for d in new_generation(loaded, text, sampling, **kwargs)
+        if d is not None
+        for t in d.token_ids
+    ]
 
 
 def tokens_batched(loaded, texts, samplings, **kwargs):
     """Prefill each request alone, then decode all of them together until each finishes."""
-    generations = [new_generation(loaded, t, s, **kwargs)
-                   for t, s in zip(texts, samplings, strict=True)]
+    generations = [
+        new_generation(loaded, t, s, **kwargs) for t, s in zip(texts, samplings, strict=True)
+    ]
     tokens = [[] for _ in texts]
     for i, generation in enumerate(generations):
         while not generation.batch_ready and not generation.done:
@@ -55,8 +60,9 @@ def tokens_batched(loaded, texts, samplings, **kwargs):
     batch_sizes = []
     while live := [i for i, g in enumerate(generations) if g.batch_ready]:
         batch_sizes.append(len(live))
-        for i, delta in zip(live, step_batch(loaded.model, [generations[i] for i in live]),
-                            strict=True):
+        for i, delta in zip(
+            live, step_batch(loaded.model, [generations[i] for i in live]), strict=True
+        ):
             assert not isinstance(delta, Exception)
             if delta is not None:
                 tokens[i] += delta.token_ids
@@ -112,8 +118,17 @@ def test_failed_batched_forward_changes_no_cache(tiny_loaded, monkeypatch):
 
 
 def test_seeded_sampling_in_a_batch_matches_alone(tiny_loaded):
-    sampled = [SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=s,
-                              frequency_penalty=0.5, ignore_eos=True) for s in (1, 2, 3)]
+    sampled = [
+        SamplingParams(
+            max_tokens=10,
+            temperature=0.8,
+            top_p=0.9,
+            seed=s,
+            frequency_penalty=0.5,
+            ignore_eos=True,
+        )
+        for s in (1, 2, 3)
+    ]
     alone = [tokens_alone(tiny_loaded, t, s) for t, s in zip(TEXTS[:3], sampled, strict=True)]
     batched, _ = tokens_batched(tiny_loaded, TEXTS[:3], sampled)
     assert batched == alone
@@ -149,9 +164,12 @@ async def test_concurrent_requests_decode_in_batches(make_engine):
         deltas = await collect(engine.generate(f"alone{i}", text, greedy(16)))
         alone.append([t for d in deltas for t in d.token_ids])
     sizes = record_batches(engine)
-    results = await asyncio.gather(*(
-        collect(engine.generate(f"together{i}", text, greedy(16))) for i, text in enumerate(TEXTS)
-    ))
+    results = await asyncio.gather(
+        *(
+            collect(engine.generate(f"together{i}", text, greedy(16)))
+            for i, text in enumerate(TEXTS)
+        )
+    )
     assert [[t for d in r for t in d.token_ids] for r in results] == alone
     assert all(r[-1].finish_reason == "length" for r in results)
     assert max(sizes) == len(TEXTS)  # all four decoded in one forward at some point
@@ -160,8 +178,9 @@ async def test_concurrent_requests_decode_in_batches(make_engine):
 
 async def test_aborting_one_request_of_a_batch_leaves_the_others_intact(make_engine):
     engine = make_engine(max_running_requests=8)
-    alone = [await collect(engine.generate(f"a{i}", t, greedy(40)))
-             for i, t in enumerate(TEXTS[:3])]
+    alone = [
+        await collect(engine.generate(f"a{i}", t, greedy(40))) for i, t in enumerate(TEXTS[:3])
+    ]
     sizes = record_batches(engine)
     streams = [engine.generate(f"b{i}", t, greedy(40)) for i, t in enumerate(TEXTS[:3])]
     firsts = [[await anext(s), await anext(s)] for s in streams]  # b2's second: a batch of 3
@@ -177,8 +196,9 @@ async def test_aborting_one_request_of_a_batch_leaves_the_others_intact(make_eng
 
 async def test_a_request_failing_in_a_batch_fails_alone(make_engine, monkeypatch):
     engine = make_engine(max_running_requests=8)
-    alone = [await collect(engine.generate(f"a{i}", t, greedy(12)))
-             for i, t in enumerate(TEXTS[:3])]
+    alone = [
+        await collect(engine.generate(f"a{i}", t, greedy(12))) for i, t in enumerate(TEXTS[:3])
+    ]
     accept = Generation.accept
 
     def failing_accept(self, logits):
@@ -188,16 +208,23 @@ async def test_a_request_failing_in_a_batch_fails_alone(make_engine, monkeypatch
 
     monkeypatch.setattr(Generation, "accept", failing_accept)
     sizes = record_batches(engine)
-    samplings = [greedy(12), SamplingParams(max_tokens=12, temperature=0.0, seed=666,
-                                            ignore_eos=True), greedy(12)]
-    results = await asyncio.gather(*(
-        collect(engine.generate(f"b{i}", t, s))
-        for i, (t, s) in enumerate(zip(TEXTS[:3], samplings, strict=True))
-    ), return_exceptions=True)
+    samplings = [
+        greedy(12),
+        SamplingParams(max_tokens=12, temperature=0.0, seed=666, ignore_eos=True),
+        greedy(12),
+    ]
+    results = await asyncio.gather(
+        *(
+            collect(engine.generate(f"b{i}", t, s))
+            for i, (t, s) in enumerate(zip(TEXTS[:3], samplings, strict=True))
+        ),
+        return_exceptions=True,
+    )
     assert isinstance(results[1], EngineError) and "sampler broke" in str(results[1])
     for i in (0, 2):
         assert [t for d in results[i] for t in d.token_ids] == [
-            t for d in alone[i] for t in d.token_ids]
+            t for d in alone[i] for t in d.token_ids
+        ]
     assert max(sizes) == 3
     assert (await engine.health()).ok
 
@@ -214,11 +241,12 @@ async def test_a_failing_batched_forward_falls_back_to_one_by_one(make_engine, m
         return forward(*args, input_ids=input_ids, **kwargs)
 
     monkeypatch.setattr(model, "forward", no_batches)
-    results = await asyncio.gather(*(
-        collect(engine.generate(f"b{i}", t, greedy(10))) for i, t in enumerate(TEXTS)
-    ))
+    results = await asyncio.gather(
+        *(collect(engine.generate(f"b{i}", t, greedy(10))) for i, t in enumerate(TEXTS))
+    )
     assert [[t for d in r for t in d.token_ids] for r in results] == [
-        [t for d in a for t in d.token_ids] for a in alone]
+        [t for d in a for t in d.token_ids] for a in alone
+    ]
 
 
 # -- the worker on its own -------------------------------------------------------------------------

@@ -51,8 +51,11 @@ async def test_stop_string_is_never_returned(engine):
     assert len(full) > 6
     stop = full[3:6]
     deltas = await collect(
-        engine.generate("b", "Hello there", SamplingParams(
-            max_tokens=8, temperature=0.0, ignore_eos=True, stop=(stop,)))
+        engine.generate(
+            "b",
+            "Hello there",
+            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop=(stop,)),
+        )
     )
     assert deltas[-1].finish_reason == "stop"
     assert text_of(deltas) == full[: full.find(stop)]
@@ -159,8 +162,10 @@ def test_chat_encoding_matches_the_template_for_plain_text(tokenizer):
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": "What is the capital of France?"},
         {"role": "assistant", "content": "Paris."},
-        {"role": "user", "content": [{"type": "text", "text": "And of"},
-                                     {"type": "text", "text": "Italy?"}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "And of"}, {"type": "text", "text": "Italy?"}],
+        },
     ]
     flat = [dict(m) for m in messages]
     flat[-1]["content"] = "And of\nItaly?"
@@ -184,10 +189,17 @@ async def test_chat_generation(engine):
 # -- configuration and loading -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", [
-    {"device": "tpu"}, {"dtype": "int8"}, {"max_running_requests": 0},
-    {"max_waiting_requests": -1}, {"max_model_len": 1}, {"model": ""},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"device": "tpu"},
+        {"dtype": "int8"},
+        {"max_running_requests": 0},
+        {"max_waiting_requests": -1},
+        {"max_model_len": 1},
+        {"model": ""},
+    ],
+)
 def test_config_rejects_bad_values(bad):
     with pytest.raises(ValueError):
         EngineConfig(**bad)
@@ -202,8 +214,9 @@ def test_missing_model_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_served_name_and_window(tiny_model_dir):
-    loaded = load_model(EngineConfig(model=str(tiny_model_dir), served_model_name="tiny",
-                                     max_model_len=128))
+    loaded = load_model(
+        EngineConfig(model=str(tiny_model_dir), served_model_name="tiny", max_model_len=128)
+    )
     assert (loaded.model_id, loaded.max_model_len) == ("tiny", 128)
     assert not loaded.model.training and loaded.dtype == torch.float32
     with pytest.raises(ModelLoadError):
@@ -267,9 +280,14 @@ async def test_a_loop_failure_marks_the_engine_dead(make_engine, monkeypatch):
 async def test_long_prompt_goes_through_ephemeral_memory(engine, small_memory_spec):
     pytest.importorskip("engine.memory.session")
     prompt = "word " * 300  # longer than the tiny model's 256-token window
-    deltas = await collect(engine.generate(
-        "eph", prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
-        memory=small_memory_spec))
+    deltas = await collect(
+        engine.generate(
+            "eph",
+            prompt,
+            SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+            memory=small_memory_spec,
+        )
+    )
     last = deltas[-1]
     assert last.finish_reason == "length" and last.prompt_tokens > 256
     assert last.stats.strategy == "segments" and last.stats.memory_tokens >= last.prompt_tokens
@@ -317,11 +335,14 @@ async def test_real_model_answers_paris():
     engine = LocalEngine(EngineConfig(device="cpu"))
     try:
         assert engine.model.id == "SmolLM2-135M-Instruct"
-        deltas = await collect(engine.generate(
-            "paris", [{"role": "user", "content": "What is the capital of France?"}],
-            SamplingParams(max_tokens=20, temperature=0.0)))
+        deltas = await collect(
+            engine.generate(
+                "paris",
+                [{"role": "user", "content": "What is the capital of France?"}],
+                SamplingParams(max_tokens=20, temperature=0.0),
+            )
+        )
         assert text_of(deltas) == "The capital of France is Paris."
         assert deltas[-1].finish_reason == "stop"
     finally:
         await engine.shutdown()
-

@@ -50,9 +50,21 @@ async def collection(tiny_model_dir, tmp_path, monkeypatch, minilm):  # noqa: F8
         files.append(str(path))
     parser = argparse.ArgumentParser()
     ingest_cli.add_arguments(parser)
-    args = parser.parse_args([*files, "--collection", "manuals", "--data-dir",
-                              str(tmp_path / "data"), "--model", str(tiny_model_dir),
-                              "--device", "cpu", "--memory", json.dumps(SPEC.params)])
+    args = parser.parse_args(
+        [
+            *files,
+            "--collection",
+            "manuals",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--model",
+            str(tiny_model_dir),
+            "--device",
+            "cpu",
+            "--memory",
+            json.dumps(SPEC.params),
+        ]
+    )
     return await ingest_cli.ingest_files(args)
 
 
@@ -61,8 +73,9 @@ async def engines(tiny_model_dir, tmp_path, minilm):  # noqa: F811
     made = []
 
     def make(**config) -> LocalEngine:
-        cfg = EngineConfig(model=str(tiny_model_dir), device="cpu",
-                           data_dir=str(tmp_path / "data"), **config)
+        cfg = EngineConfig(
+            model=str(tiny_model_dir), device="cpu", data_dir=str(tmp_path / "data"), **config
+        )
         engine = LocalEngine(cfg, loaded=load_model(cfg))
         engine._query_encoder = minilm
         made.append(engine)
@@ -86,8 +99,9 @@ async def test_ingest_stores_minilm_embeddings(collection, engines, minilm):  # 
     assert len(refs) == sum(r["chunks"] for r in collection) >= 6
     # EmbD(c) is MiniLM of the chunk's text: the chunk scores ~1 against its own text.
     chunk = bridge.get_chunk(refs[0].fingerprint, refs[0].chain_hash)
-    hits = await bridge.acall("select", lambda: bridge.client.select_chunks(
-        "manuals", minilm.embed([chunk.text])[0], 1))
+    hits = await bridge.acall(
+        "select", lambda: bridge.client.select_chunks("manuals", minilm.embed([chunk.text])[0], 1)
+    )
     assert hits[0].chain_hash == refs[0].chain_hash and hits[0].score == pytest.approx(1, abs=1e-4)
 
 
@@ -123,11 +137,15 @@ async def test_large_collection_loads_the_chunks_the_query_selects(collection, e
 
     engine._select = spy
     forwards = count_forwards(engine)
-    for question, word in (("What is the access code of the vault?", "vault"),
-                           ("Which fruits are yellow and sweet?", "Bananas"),
-                           ("When does the train to Paris leave?", "train")):
-        messages = [{"role": "system", "content": "Answer briefly."},
-                    {"role": "user", "content": question}]
+    for question, word in (
+        ("What is the access code of the vault?", "vault"),
+        ("Which fruits are yellow and sweet?", "Bananas"),
+        ("When does the train to Paris leave?", "train"),
+    ):
+        messages = [
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": question},
+        ]
         prompt_tokens = len(engine.encode_prompt(messages))
         before = engine.stats().memory_tokens
         deltas = [d async for d in engine.generate("g", messages, GREEDY, session_id="s")]
@@ -139,7 +157,8 @@ async def test_large_collection_loads_the_chunks_the_query_selects(collection, e
         closing = assistant_turn_end(engine._tokenizer)
         ended = deltas[-1].token_ids[-1:] == closing[:1]
         assert engine.stats().memory_tokens == (
-            before + prompt_tokens + GREEDY.max_tokens + len(closing) - ended)
+            before + prompt_tokens + GREEDY.max_tokens + len(closing) - ended
+        )
     # Only the prompts and generated tokens ran through the model (chunks were imported).
     assert forwards
 
@@ -160,9 +179,12 @@ async def test_attach_errors_change_nothing(collection, engines):
 
 
 def test_query_text_is_the_last_user_message():
-    messages = [{"role": "user", "content": "first"}, {"role": "assistant", "content": "a"},
-                {"role": "user", "content": [{"type": "text", "text": "second"}]},
-                {"role": "assistant", "content": "b"}]
+    messages = [
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": [{"type": "text", "text": "second"}]},
+        {"role": "assistant", "content": "b"},
+    ]
     assert query_text(messages) == "second"
     assert query_text("a completion prompt") == "a completion prompt"
 

@@ -22,10 +22,14 @@ def test_kv_cache_path_matches_model_generate(tiny_loaded):
     _, tokens = run(tiny_loaded, ids, greedy)
     with torch.inference_mode():
         reference = tiny_loaded.model.generate(
-            ids[None], attention_mask=torch.ones_like(ids)[None], max_new_tokens=12,
-            min_new_tokens=12, do_sample=False, pad_token_id=0,
+            ids[None],
+            attention_mask=torch.ones_like(ids)[None],
+            max_new_tokens=12,
+            min_new_tokens=12,
+            do_sample=False,
+            pad_token_id=0,
         )
-    assert tokens == reference[0, len(ids):].tolist()
+    assert tokens == reference[0, len(ids) :].tolist()
 
 
 def test_chunked_prefill_gives_the_same_tokens(tiny_loaded):
@@ -37,8 +41,11 @@ def test_chunked_prefill_gives_the_same_tokens(tiny_loaded):
 
 
 def test_max_tokens_finishes_with_length(tiny_loaded):
-    deltas, tokens = run(tiny_loaded, prompt(tiny_loaded),
-                         SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    deltas, tokens = run(
+        tiny_loaded,
+        prompt(tiny_loaded),
+        SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+    )
     assert len(tokens) == 5
     last = deltas[-1]
     assert last.finish_reason == "length" and last.completion_tokens == 5
@@ -54,8 +61,9 @@ def test_eos_finishes_with_stop_unless_ignored(tiny_loaded):
     _, tokens = run(tiny_loaded, ids, greedy)
     # Declare the last greedy token an end-of-turn token: generation must stop at its first use.
     end = tokens[-1]
-    deltas, stopped = run(tiny_loaded, ids, SamplingParams(max_tokens=6, temperature=0.0),
-                          stop_token_ids=[end])
+    deltas, stopped = run(
+        tiny_loaded, ids, SamplingParams(max_tokens=6, temperature=0.0), stop_token_ids=[end]
+    )
     assert stopped == tokens[: tokens.index(end) + 1]
     assert deltas[-1].finish_reason == "stop"
     _, ignored = run(tiny_loaded, ids, greedy, stop_token_ids=[end])
@@ -70,9 +78,11 @@ def test_seeded_sampling_is_reproducible(tiny_loaded):
 
 def test_logprobs_on_every_token(tiny_loaded):
     deltas, tokens = run(
-        tiny_loaded, prompt(tiny_loaded),
-        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True,
-                       top_logprobs=3),
+        tiny_loaded,
+        prompt(tiny_loaded),
+        SamplingParams(
+            max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=3
+        ),
     )
     entries = [e for d in deltas for e in d.logprobs]
     assert len(entries) == len(tokens) == 4
@@ -86,8 +96,16 @@ def test_memory_state_appends_every_token(tiny_loaded, small_memory_spec):
     memory = session.SessionMemory(tiny_loaded.model, small_memory_spec)
     state = MemoryState(memory, "segments")
     ids = prompt(tiny_loaded)
-    deltas = [d for d in generate_steps(
-        state, ids, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
-        tiny_loaded.tokenizer, append_final_token=True) if d is not None]
+    deltas = [
+        d
+        for d in generate_steps(
+            state,
+            ids,
+            SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+            tiny_loaded.tokenizer,
+            append_final_token=True,
+        )
+        if d is not None
+    ]
     assert deltas[-1].finish_reason == "length"
     assert memory.num_tokens == len(ids) + 3

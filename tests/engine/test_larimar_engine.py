@@ -32,9 +32,15 @@ async def test_larimar_session_conditions_the_prompt_on_the_needle(engine, monke
         return original(request_id, prompt, sampling, **kwargs)
 
     monkeypatch.setattr(engine, "generate", spy)
-    deltas = [d async for d in original(
-        "q-1", [{"role": "user", "content": "The vault combination is what?"}],
-        SamplingParams(max_tokens=3, temperature=0), session_id="s1")]
+    deltas = [
+        d
+        async for d in original(
+            "q-1",
+            [{"role": "user", "content": "The vault combination is what?"}],
+            SamplingParams(max_tokens=3, temperature=0),
+            session_id="s1",
+        )
+    ]
     assert deltas[-1].finish_reason in ("stop", "length")
     assert deltas[-1].stats.strategy == "larimar"
     conditioned = seen[-1]

@@ -27,6 +27,7 @@ FILLER = (
     " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 )
 
+
 def haystack(n: int, seed: int = 3) -> list[str]:
     rng = random.Random(seed)
     subjects = [

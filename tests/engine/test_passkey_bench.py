@@ -29,21 +29,36 @@ class Ids:
 @pytest.mark.parametrize("strategy", list(SPECS))
 def test_shared_prefix_gives_the_answers_of_whole_prompts(strategy):
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    )).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+        )
+    ).eval()
     filler = torch.randint(10, 300, (400,), generator=torch.Generator().manual_seed(1)).tolist()
     # needles at growing depths in the same filler; lengths differ a little, as keys do
-    prompts = [filler[:at] + [1, 2, 3 + i] + filler[at:] + [4, 5] for i, at in
-               enumerate((37, 120, 121, 250, 395))]
+    prompts = [
+        filler[:at] + [1, 2, 3 + i] + filler[at:] + [4, 5]
+        for i, at in enumerate((37, 120, 121, 250, 395))
+    ]
     spec = MemorySpec(strategy, SPECS[strategy])
-    shared = {i: (text, memory) for i, text, memory in
-              answers_sharing_prefix(model, Ids, prompts, spec, new_tokens=3)}
+    shared = {
+        i: (text, memory)
+        for i, text, memory in answers_sharing_prefix(model, Ids, prompts, spec, new_tokens=3)
+    }
     assert sorted(shared) == list(range(len(prompts)))
     for i, ids in enumerate(prompts):
         text, memory = answer_with_memory(model, Ids, ids, spec, new_tokens=3)
         assert shared[i][0] == text
-        torch.testing.assert_close(shared[i][1].append(torch.tensor([7])),
-                                   memory.append(torch.tensor([7])), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            shared[i][1].append(torch.tensor([7])),
+            memory.append(torch.tensor([7])),
+            atol=1e-5,
+            rtol=0,
+        )
         assert shared[i][1].num_tokens == memory.num_tokens

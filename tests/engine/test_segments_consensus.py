@@ -85,7 +85,10 @@ def test_a_held_vote_decides_every_layer_and_a_decode_step_carries_the_last_sum(
     q0, q1 = queries(14), queries(15)
     chooser.select(0, q0, stores[0], SCALING)
     chooser.select(1, q1, stores[1], SCALING)
-    s0, s1 = chooser.block_scores(0, q0, SCALING).sum(0), chooser.block_scores(1, q1, SCALING).sum(0)
+    s0, s1 = (
+        chooser.block_scores(0, q0, SCALING).sum(0),
+        chooser.block_scores(1, q1, SCALING).sum(0),
+    )
     chooser.on_abort()  # the voting pass is thrown away ...
     chooser.hold_vote()  # ... and its sum decides the next forward
     winner = [[int((s0 + s1).argmax())]] * KV_HEADS
@@ -109,7 +112,10 @@ def test_the_decode_carry_follows_its_blocks_when_fifo_drops_the_oldest():
     q0, q1 = queries(14), queries(15)
     chooser.select(0, q0, stores[0], SCALING)
     chooser.select(1, q1, stores[1], SCALING)
-    s0, s1 = chooser.block_scores(0, q0, SCALING).sum(0), chooser.block_scores(1, q1, SCALING).sum(0)
+    s0, s1 = (
+        chooser.block_scores(0, q0, SCALING).sum(0),
+        chooser.block_scores(1, q1, SCALING).sum(0),
+    )
     carried = s0 + s1
     chooser.on_commit(5, 0)
     dropped = 3
@@ -120,7 +126,9 @@ def test_the_decode_carry_follows_its_blocks_when_fifo_drops_the_oldest():
     own = chooser.block_scores(0, step, SCALING).sum(0)
     assert own.shape[0] == BLOCKS - dropped
     expected = int((own + carried[dropped:]).argmax())
-    assert expected != int((own + carried[: BLOCKS - dropped]).argmax())  # the data tells them apart
+    assert expected != int(
+        (own + carried[: BLOCKS - dropped]).argmax()
+    )  # the data tells them apart
     assert chosen_blocks(chooser.select(0, step, stores[0], SCALING)) == [[expected]] * KV_HEADS
 
 

@@ -38,9 +38,7 @@ def test_a_continuation_is_the_rest_of_the_whole_conversation(tokenizer):
     new = [{"role": "user", "content": "And of Italy?"}]
     held = [{"role": role, "content": text} for role, text in history]
     tail = encode_chat(tokenizer, new, history)
-    assert template_ids(tokenizer, held, False) + tail == template_ids(
-        tokenizer, held + new, True
-    )
+    assert template_ids(tokenizer, held, False) + tail == template_ids(tokenizer, held + new, True)
     text = tokenizer.decode(tail)
     assert text.startswith("<|im_start|>user\nAnd of Italy?")
     assert DEFAULT_SYSTEM not in text  # once per session, at its start only
@@ -75,7 +73,7 @@ async def test_a_conversation_resent_in_full_is_appended_once(engine, small_memo
     history: list[tuple[str, str]] = []
     for turn, question in enumerate(["Hello?", "Who are you?", "Why?"]):
         messages.append({"role": "user", "content": question})
-        expected_prompt = encode_chat(tokenizer, messages[len(history):], history)
+        expected_prompt = encode_chat(tokenizer, messages[len(history) :], history)
         answer, last, added = await ask(engine, f"t{turn}", messages)
         # only what is new: the question (after turn 0, not the system message again) ...
         assert last.prompt_tokens == len(expected_prompt)
@@ -109,21 +107,33 @@ async def test_an_edited_history_is_appended_as_sent(engine, small_memory_spec):
     await engine.create_session("s", small_memory_spec)
     first, _, _ = await ask(engine, "a", [{"role": "user", "content": "Hello?"}])
     held = [("user", "Hello?"), ("assistant", first)]
-    edited = [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "edited"},
-              {"role": "user", "content": "Next?"}]
+    edited = [
+        {"role": "user", "content": "Hello?"},
+        {"role": "assistant", "content": "edited"},
+        {"role": "user", "content": "Next?"},
+    ]
     _, last, _ = await ask(engine, "b", edited)
     assert last.prompt_tokens == len(encode_chat(engine._tokenizer, edited, held))
     assert engine._sessions["s"].turns[:2] == held
     assert [role for role, _ in engine._sessions["s"].turns] == [
-        "user", "assistant", "user", "assistant", "user", "assistant"]
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+    ]
 
 
 async def test_an_aborted_answer_is_closed_and_remembered(engine, small_memory_spec):
     await engine.create_session("s", small_memory_spec)
     memory = engine._sessions["s"].memory
-    stream = engine.generate("long", [{"role": "user", "content": "Tell me a story"}],
-                             SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True),
-                             session_id="s")
+    stream = engine.generate(
+        "long",
+        [{"role": "user", "content": "Tell me a story"}],
+        SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True),
+        session_id="s",
+    )
     first = await anext(stream)
     await engine.abort("long")
     deltas = [first] + await collect(stream)
@@ -134,7 +144,8 @@ async def test_an_aborted_answer_is_closed_and_remembered(engine, small_memory_s
     assert turns[1][1] == text
     # the prompt, every token sampled (some may not have reached a delta), the end of turn
     assert memory.num_tokens >= first.prompt_tokens + deltas[-1].completion_tokens + len(
-        assistant_turn_end(engine._tokenizer))
+        assistant_turn_end(engine._tokenizer)
+    )
     _, last, _ = await ask(engine, "next", [{"role": "user", "content": "Go on"}])
     assert last.finish_reason == "length"
 

@@ -32,8 +32,11 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 def _state(memory: SessionMemory) -> dict[str, torch.Tensor | int]:
     frame = memory._frame
     out: dict[str, torch.Tensor | int] = {
-        "n_sinks": frame.n_sinks, "n_local": frame.n_local, "n_memory": frame.n_memory,
-        "num_tokens": frame.num_tokens, "memory_used": int(frame.memory_used),
+        "n_sinks": frame.n_sinks,
+        "n_local": frame.n_local,
+        "n_memory": frame.n_memory,
+        "num_tokens": frame.num_tokens,
+        "memory_used": int(frame.memory_used),
     }
     for i, s in enumerate(frame.layers):
         for name in ("sink_k", "sink_v", "local_k", "local_v"):
@@ -54,7 +57,9 @@ def _assert_same_state(a: SessionMemory, b: SessionMemory, atol: float = 0.0) ->
     assert a.state_hash == b.state_hash
 
 
-def _greedy(memory: SessionMemory, prompt: torch.Tensor, steps: int = 6) -> tuple[list[int], torch.Tensor]:
+def _greedy(
+    memory: SessionMemory, prompt: torch.Tensor, steps: int = 6
+) -> tuple[list[int], torch.Tensor]:
     logits = memory.append(prompt)
     first = logits.clone()
     out = []
@@ -119,8 +124,9 @@ def test_state_hash_chains_every_forward():
 # -- LocalEngine with an embedded store -------------------------------------------------------
 
 DOC = "The access code is 4721. The weather was mild and the river ran slowly. " * 12
-SPEC = MemorySpec("segments", {"sinks": 8, "local_window": 64, "chunk_size": 32, "block": 16,
-                               "k": 2, "u": 1})
+SPEC = MemorySpec(
+    "segments", {"sinks": 8, "local_window": 64, "chunk_size": 32, "block": 16, "k": 2, "u": 1}
+)
 
 
 async def _collect(stream):
@@ -147,7 +153,9 @@ async def engines(tiny_model_dir, tmp_path):
 
 def _stored_chunks(tmp_path) -> list:
     root = tmp_path / "data" / "memory-store"
-    return sorted(p for p in root.rglob("chunk.*") if p.is_file() and p.parent.name.startswith("enc"))
+    return sorted(
+        p for p in root.rglob("chunk.*") if p.is_file() and p.parent.name.startswith("enc")
+    )
 
 
 async def test_second_engine_rebuilds_from_the_store_without_forwards(engines, tmp_path):
@@ -175,8 +183,11 @@ async def test_second_engine_rebuilds_from_the_store_without_forwards(engines, t
     assert [d.token_ids for d in answer2] == [d.token_ids for d in answer1]
     assert _stored_chunks(tmp_path) == stored  # nothing new written
 
-    manifests = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
-        second._store.client.list_documents("s2"), second._store._loop))
+    manifests = await asyncio.wrap_future(
+        asyncio.run_coroutine_threadsafe(
+            second._store.client.list_documents("s2"), second._store._loop
+        )
+    )
     assert len(manifests) == 1 and manifests[0].num_tokens == total
     assert manifests[0].doc_id == "doc-2"
 
@@ -272,17 +283,31 @@ def test_ingest_cli_encodes_files_into_a_collection(tiny_model_dir, tmp_path, mo
     doc.write_text(DOC, encoding="utf-8")
     parser = argparse.ArgumentParser()
     ingest_cli.add_arguments(parser)
-    args = parser.parse_args([str(doc), "--collection", "manuals", "--data-dir",
-                              str(tmp_path / "data"), "--model", str(tiny_model_dir),
-                              "--device", "cpu", "--memory", json.dumps(SPEC.params)])
+    args = parser.parse_args(
+        [
+            str(doc),
+            "--collection",
+            "manuals",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--model",
+            str(tiny_model_dir),
+            "--device",
+            "cpu",
+            "--memory",
+            json.dumps(SPEC.params),
+        ]
+    )
     assert ingest_cli.run(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["collection"] == "manuals" and result["chunks"] == len(_stored_chunks(tmp_path))
 
     bridge = StoreBridge.from_config(EngineConfig(data_dir=str(tmp_path / "data")))
     try:
-        hits = bridge._call("select_chunks", lambda: bridge.client.select_chunks(
-            "manuals", np.ones(8, dtype=np.float32), 2))
+        hits = bridge._call(
+            "select_chunks",
+            lambda: bridge.client.select_chunks("manuals", np.ones(8, dtype=np.float32), 2),
+        )
         assert len(hits) == 2 and all(h.fingerprint == result["fingerprint"] for h in hits)
         assert bridge.has_chunk(hits[0].fingerprint, hits[0].chain_hash)
     finally:
@@ -298,12 +323,16 @@ async def test_rebuild_through_the_http_memory_service(engines, tmp_path):
     from memory_store.client import MemoryStoreClient
     from memory_store.settings import MemoryStoreSettings
 
-    app = build_app(MemoryStoreSettings(data_dir=tmp_path / "unused"),
-                    backend=EmbeddedBackend(tmp_path / "service"), encoder=lambda: None)
+    app = build_app(
+        MemoryStoreSettings(data_dir=tmp_path / "unused"),
+        backend=EmbeddedBackend(tmp_path / "service"),
+        encoder=lambda: None,
+    )
 
     def over_http(engine: LocalEngine) -> LocalEngine:
-        client = MemoryStoreClient.http("http://memory-store",
-                                        transport=httpx.ASGITransport(app=app))
+        client = MemoryStoreClient.http(
+            "http://memory-store", transport=httpx.ASGITransport(app=app)
+        )
         engine._store = StoreBridge(client, timeout_s=30.0)
         engine._model_fingerprint = model_fingerprint(engine.loaded.model_id, engine.loaded.model)
         return engine
