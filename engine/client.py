@@ -51,10 +51,9 @@ from engine.protocol import (
 from engine.store import StoreBridge, document_id, model_fingerprint, session_fingerprint
 from engine.store import ingest_steps as store_ingest_steps
 from engine.worker import Collector, Job, Steps, Worker
-from memory_store.backends import InvalidRequest as StoreInvalidRequest
-from memory_store.backends import NotFound, StoreError
 from memory_store.client import MemoryStoreClient
 from memory_store.encodings import ChunkEncoding, ChunkRef
+from memory_store.errors import InvalidStoreRequest, NotFound, StoreError
 
 logger = logging.getLogger(__name__)
 
@@ -484,7 +483,7 @@ class LocalEngine:
             refs = await bridge.acall(
                 "collection_chunks", lambda: bridge.client.collection_chunks(name)
             )
-        except StoreInvalidRequest as e:
+        except InvalidStoreRequest as e:
             raise InvalidRequest(str(e), param="name") from e
         except NotFound as e:
             raise CollectionNotFound(f"collection {name!r} not found") from e
@@ -534,7 +533,7 @@ class LocalEngine:
                     bridge.client.select_chunks, name, query[0], self.config.collection_top_k
                 )
                 refs = await bridge.acall("select_chunks", select)
-            except StoreInvalidRequest as e:  # EmbQ and EmbD from different encoders
+            except InvalidStoreRequest as e:  # EmbQ and EmbD from different encoders
                 raise CollectionIncompatible(f"collection {name!r}: {e}") from e
             except NotFound as e:
                 raise CollectionNotFound(f"collection {name!r} is no longer stored") from e

@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from memory_store import errors as store_errors
+
 ChatMessage = Mapping[str, Any]
 """One chat message as OpenAI sends it: {"role": ..., "content": str | list of text parts}."""
 
@@ -66,7 +68,7 @@ class EngineDead(EngineError):
     """A fatal error stopped the worker; /ready fails until the process restarts. -> 503."""
 
 
-class StoreUnavailableError(EngineError):
+class StoreUnavailableError(EngineError, store_errors.StoreUnavailableError):
     """The memory service could not be reached or failed while a document was ingested. The
     session still holds the document in memory, but its encodings are not (all) durable. -> 503."""
 

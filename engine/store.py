@@ -38,10 +38,9 @@ import torch
 
 from engine.config import EngineConfig
 from engine.protocol import IngestProgress, StoreUnavailableError
-from memory_store.backends import InvalidRequest as StoreInvalidRequest
-from memory_store.backends import NotFound, StoreError
 from memory_store.client import MemoryStoreClient
 from memory_store.encodings import ChunkEncoding, DocumentManifest, chain_hash
+from memory_store.errors import InvalidStoreRequest, NotFound, StoreError
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +99,7 @@ class StoreBridge:
         future = asyncio.run_coroutine_threadsafe(make(), self._loop)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
-        except (NotFound, StoreInvalidRequest):
+        except (NotFound, InvalidStoreRequest):
             raise
         except (StoreError, TimeoutError, OSError) as e:
             future.cancel()

@@ -46,17 +46,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from memory_store.backends import (
-    Backend,
-    Conflict,
-    InvalidRequest,
-    NotFound,
-    StoreError,
-    StoreUnavailable,
-    status_label,
-)
+from memory_store.backends import Backend
 from memory_store.embedder import Embedder, TextEncoder
 from memory_store.encodings import DocumentManifest, EncodingStore, embeddings_from_bytes
+from memory_store.errors import (
+    Conflict,
+    InvalidStoreRequest,
+    NotFound,
+    StoreError,
+    StoreUnavailableError,
+    status_label,
+)
 from memory_store.larimar import LarimarConfig, LarimarStore
 from memory_store.metrics import MemoryStoreMetrics
 from memory_store.records import RecordStore
@@ -67,7 +67,7 @@ logger = logging.getLogger(__name__)
 OCTET = "application/octet-stream"
 
 
-class PayloadTooLarge(InvalidRequest):
+class PayloadTooLarge(InvalidStoreRequest):
     """Request body over `max_blob_bytes`. -> 413."""
 
 
@@ -123,7 +123,7 @@ def error_response(
 
 
 def store_error_response(exc: StoreError) -> JSONResponse:
-    if isinstance(exc, StoreUnavailable):
+    if isinstance(exc, StoreUnavailableError):
         return error_response(503, str(exc), "server_error", "memory_store_unavailable")
     if isinstance(exc, NotFound):
         return error_response(404, str(exc), "invalid_request_error", "not_found")
@@ -131,7 +131,7 @@ def store_error_response(exc: StoreError) -> JSONResponse:
         return error_response(409, str(exc), "invalid_request_error", "conflict")
     if isinstance(exc, PayloadTooLarge):
         return error_response(413, str(exc), "invalid_request_error", "payload_too_large")
-    if isinstance(exc, InvalidRequest):
+    if isinstance(exc, InvalidStoreRequest):
         return error_response(400, str(exc), "invalid_request_error", "invalid_value")
     logger.error("memory store error: %s", exc)
     return error_response(500, str(exc), "server_error", "memory_store_error")
@@ -300,7 +300,7 @@ def build_app(
             try:
                 raw = base64.b64decode(body.embeddings_b64, validate=True)
             except ValueError as e:
-                raise InvalidRequest(f"embeddings_b64 is not base64: {e}") from e
+                raise InvalidStoreRequest(f"embeddings_b64 is not base64: {e}") from e
             emb = embeddings_from_bytes(raw, body.dim)
             added = await svc.encodings.add_to_collection(
                 name, body.fingerprint, body.chain_hashes, emb

@@ -31,49 +31,17 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 from urllib.parse import quote, unquote
 
+from memory_store.errors import (
+    Conflict,
+    InvalidStoreRequest,
+    NotFound,
+    StoreError,
+    StoreUnavailableError,
+)
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# ---------------------------------------------------------------------------------------------
-# Errors.
-# ---------------------------------------------------------------------------------------------
-
-
-class StoreError(Exception):
-    """Base of every error the memory store raises."""
-
-
-class StoreUnavailable(StoreError):
-    """The backend (or the memory service) cannot be reached: refused, timed out. -> HTTP 503."""
-
-
-class NotFound(StoreError):
-    """No value under this key. -> HTTP 404."""
-
-
-class Conflict(StoreError):
-    """The write collides with what is stored (e.g. create-only record exists). -> HTTP 409."""
-
-
-class InvalidRequest(StoreError, ValueError):
-    """Malformed input: bad id, bad shapes, blob too large. -> HTTP 400 (413 for size)."""
-
-
-def status_label(exc: BaseException | None) -> str:
-    """The `status` label of `memory_store_requests_total` for an outcome."""
-    if exc is None:
-        return "ok"
-    if isinstance(exc, NotFound):
-        return "not_found"
-    if isinstance(exc, StoreUnavailable):
-        return "unavailable"
-    if isinstance(exc, Conflict):
-        return "conflict"
-    if isinstance(exc, InvalidRequest):
-        return "invalid"
-    return "error"
-
 
 # ---------------------------------------------------------------------------------------------
 # Keys: the only place that names them.
@@ -86,7 +54,7 @@ _PATH_RE = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
 def validate_id(value: str, what: str) -> str:
     """Ids go into hash tags and file names: letters, digits, `._-`, at most 200 characters."""
     if not isinstance(value, str) or not _ID_RE.match(value):
-        raise InvalidRequest(f"invalid {what} {value!r}: use letters, digits, '.', '_', '-'")
+        raise InvalidStoreRequest(f"invalid {what} {value!r}: use letters, digits, '.', '_', '-'")
     return value
 
 
@@ -99,9 +67,9 @@ class Key:
 
     def __post_init__(self) -> None:
         if "{" in self.tag or "}" in self.tag or not self.tag:
-            raise InvalidRequest(f"invalid key tag {self.tag!r}")
+            raise InvalidStoreRequest(f"invalid key tag {self.tag!r}")
         if len(self.path) > 400 or not _PATH_RE.match(self.path):
-            raise InvalidRequest(f"invalid key path {self.path!r}")
+            raise InvalidStoreRequest(f"invalid key path {self.path!r}")
 
 
 class KeySpace:
@@ -154,7 +122,7 @@ class KeySpace:
         kind, sep, ident = namespace.partition(":") if isinstance(namespace, str) else ("", "", "")
         if not sep or kind not in KeySpace.NAMESPACE_KINDS:
             kinds = ", ".join(f"'{k}:ID'" for k in KeySpace.NAMESPACE_KINDS)
-            raise InvalidRequest(f"invalid namespace {namespace!r}: use one of {kinds}")
+            raise InvalidStoreRequest(f"invalid namespace {namespace!r}: use one of {kinds}")
         return f"{kind}:{validate_id(ident, 'namespace id')}"
 
     @staticmethod
@@ -241,7 +209,7 @@ class Backend(ABC):
 
     @abstractmethod
     async def ping(self) -> None:
-        """Raises StoreUnavailable when the backend cannot be reached."""
+        """Raises StoreUnavailableError when the backend cannot be reached."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
@@ -289,7 +257,7 @@ class EmbeddedBackend(Backend):
         except FileNotFoundError as e:
             raise NotFound(str(e)) from e
         except OSError as e:
-            raise StoreUnavailable(f"embedded store I/O failed: {e}") from e
+            raise StoreUnavailableError(f"embedded store I/O failed: {e}") from e
 
     @staticmethod
     def _write_atomic(path: Path, data: bytes) -> None:
@@ -409,7 +377,7 @@ class EmbeddedBackend(Backend):
     async def ping(self) -> None:
         def check() -> None:
             if not os.access(self.root, os.W_OK):
-                raise StoreUnavailable(f"data directory {self.root} is not writable")
+                raise StoreUnavailableError(f"data directory {self.root} is not writable")
 
         await self._run(check)
 
@@ -445,13 +413,13 @@ async def retrying(
     transient: tuple[type[BaseException], ...],
     what: str,
 ) -> T:
-    """Run `call`, retrying `transient` errors; after the last attempt raise StoreUnavailable."""
+    """Run `call`, retrying `transient` errors; after the last attempt raise StoreUnavailableError."""
     for attempt in range(policy.attempts):
         try:
             return await call()
         except transient as e:
             if attempt + 1 >= policy.attempts:
-                raise StoreUnavailable(
+                raise StoreUnavailableError(
                     f"{what}: unreachable after {policy.attempts} tries: {e}"
                 ) from e
             logger.debug("%s failed (%s); retry %d", what, e, attempt + 1)
@@ -656,7 +624,7 @@ def build_backend(
 ) -> Backend:
     """Exactly one of `redis_url` / `data_dir`."""
     if (redis_url is None) == (data_dir is None):
-        raise InvalidRequest("give exactly one of redis_url and data_dir")
+        raise InvalidStoreRequest("give exactly one of redis_url and data_dir")
     if redis_url is not None:
         return RedisBackend(redis_url, piece_bytes=piece_bytes, retry=retry)
     assert data_dir is not None

@@ -23,18 +23,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from memory_store.backends import (
-    Backend,
-    Conflict,
-    InvalidRequest,
-    KeySpace,
-    NotFound,
-    RetryPolicy,
-    StoreError,
-    StoreUnavailable,
-    retrying,
-    status_label,
-)
+from memory_store.backends import Backend, KeySpace, RetryPolicy, retrying
 from memory_store.embedder import TextEncoder
 from memory_store.encodings import (
     ChunkEncoding,
@@ -45,6 +34,14 @@ from memory_store.encodings import (
     decode_chunk,
     embeddings_to_bytes,
     encode_chunk,
+)
+from memory_store.errors import (
+    Conflict,
+    InvalidStoreRequest,
+    NotFound,
+    StoreError,
+    StoreUnavailableError,
+    status_label,
 )
 from memory_store.larimar import LarimarConfig, LarimarHit, LarimarStore
 from memory_store.records import RecordStore
@@ -106,7 +103,7 @@ class MemoryStoreClient(ABC):
 
     @abstractmethod
     async def ping(self) -> None:
-        """Raises StoreUnavailable when the store cannot be reached."""
+        """Raises StoreUnavailableError when the store cannot be reached."""
 
     @abstractmethod
     async def put_chunk(
@@ -379,7 +376,7 @@ class HttpMemoryStoreClient(MemoryStoreClient):
 
     Idempotent calls are retried on connection errors, timeouts and 503s; calls that append
     (Larimar writes) only when the connection was never made. After the last try the error is
-    raised as StoreUnavailable from its cause. httpx reconnects by itself, so a service that
+    raised as StoreUnavailableError from its cause. httpx reconnects by itself, so a service that
     comes back is used again on the next call.
     """
 
@@ -423,10 +420,10 @@ class HttpMemoryStoreClient(MemoryStoreClient):
         async def call() -> Any:
             try:
                 response = await retrying(once, self.retry, transient, f"memory store {op}")
-            except StoreUnavailable:
+            except StoreUnavailableError:
                 raise
             except httpx.HTTPError as e:
-                raise StoreUnavailable(f"memory store {op}: {e}") from e
+                raise StoreUnavailableError(f"memory store {op}: {e}") from e
             if response.status_code in ok:
                 return response
             raise _error_for(response)
@@ -493,7 +490,7 @@ class HttpMemoryStoreClient(MemoryStoreClient):
     ) -> int:
         emb = np.asarray(embeddings, dtype=np.float32)
         if emb.ndim != 2:
-            raise InvalidRequest("embeddings must be (n, d)")
+            raise InvalidStoreRequest("embeddings must be (n, d)")
         body = {
             "fingerprint": fingerprint,
             "chain_hashes": list(chain_hashes),
@@ -629,20 +626,20 @@ def _error_for(response: Any) -> StoreError:
     if status == 409:
         return Conflict(message)
     if status in (400, 413, 422):
-        return InvalidRequest(message)
+        return InvalidStoreRequest(message)
     if status == 503:
-        return StoreUnavailable(message)
+        return StoreUnavailableError(message)
     return StoreError(f"memory store answered {status}: {message}")
 
 
 async def wait_until_ready(client: MemoryStoreClient, timeout_s: float = 10.0) -> None:
-    """Poll `ping` until it succeeds or `timeout_s` passes (then re-raise StoreUnavailable)."""
+    """Poll `ping` until it succeeds or `timeout_s` passes (then re-raise StoreUnavailableError)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             await client.ping()
             return
-        except StoreUnavailable:
+        except StoreUnavailableError:
             if time.monotonic() >= deadline:
                 raise
             await asyncio.sleep(0.1)

@@ -29,14 +29,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from memory_store.backends import (
-    Backend,
-    InvalidRequest,
-    KeySpace,
-    NotFound,
-    StoreError,
-    validate_id,
-)
+from memory_store.backends import Backend, KeySpace, validate_id
+from memory_store.errors import InvalidStoreRequest, NotFound, StoreError
 
 Quantization = Literal["fp16", "int8"]
 
@@ -54,7 +48,7 @@ _ROOT_HASH = b"\x00" * 32
 def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     arr = np.asarray(token_ids)
     if arr.ndim != 1 or (arr.size and (arr.min() < 0 or arr.max() >= 2**32)):
-        raise InvalidRequest("token ids must be a 1-D sequence of ids in [0, 2**32)")
+        raise InvalidStoreRequest("token ids must be a 1-D sequence of ids in [0, 2**32)")
     return arr.astype("<u4").tobytes()
 
 
@@ -98,17 +92,21 @@ class ChunkEncoding:
 
     def validate(self) -> None:
         if len(self.keys) != len(self.values) or not self.keys:
-            raise InvalidRequest("a chunk needs the same number (>= 1) of key and value layers")
+            raise InvalidStoreRequest(
+                "a chunk needs the same number (>= 1) of key and value layers"
+            )
         if self.layers is not None and len(self.layers) != len(self.keys):
-            raise InvalidRequest("layers must name one model layer per stored layer")
+            raise InvalidStoreRequest("layers must name one model layer per stored layer")
         t = int(np.asarray(self.token_ids).shape[0])
         for i, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
             if k.ndim != 3 or k.shape != v.shape:
-                raise InvalidRequest(f"layer {i}: K and V must both be (kv_heads, T, head_dim)")
+                raise InvalidStoreRequest(
+                    f"layer {i}: K and V must both be (kv_heads, T, head_dim)"
+                )
             if k.shape[1] != t:
-                raise InvalidRequest(f"layer {i}: T={k.shape[1]} but {t} token ids")
+                raise InvalidStoreRequest(f"layer {i}: T={k.shape[1]} but {t} token ids")
         if np.asarray(self.embedding).ndim != 1:
-            raise InvalidRequest("embedding must be 1-D")
+            raise InvalidStoreRequest("embedding must be 1-D")
 
     @property
     def num_tokens(self) -> int:
@@ -128,7 +126,7 @@ def encode_chunk(chunk: ChunkEncoding, quantization: Quantization = "fp16") -> b
     """Serialize to the chunk wire format."""
     chunk.validate()
     if quantization not in ("fp16", "int8"):
-        raise InvalidRequest(f"unknown quantization {quantization!r}")
+        raise InvalidStoreRequest(f"unknown quantization {quantization!r}")
     arrays: list[tuple[str, np.ndarray]] = []
     for i, (k, v) in enumerate(zip(chunk.keys, chunk.values, strict=True)):
         for name, x in (("k", k), ("v", v)):
@@ -155,13 +153,13 @@ def encode_chunk(chunk: ChunkEncoding, quantization: Quantization = "fp16") -> b
 
 
 def decode_chunk(data: bytes) -> ChunkEncoding:
-    """Parse the chunk wire format; raises InvalidRequest on anything malformed."""
+    """Parse the chunk wire format; raises InvalidStoreRequest on anything malformed."""
     view = memoryview(data)
     if len(view) < 9 or bytes(view[:4]) != _MAGIC:
-        raise InvalidRequest("not a longserve chunk encoding (bad magic)")
+        raise InvalidStoreRequest("not a longserve chunk encoding (bad magic)")
     version, head_len = struct.unpack("<BI", view[4:9])
     if version != _VERSION or head_len > _MAX_HEADER or 9 + head_len > len(view):
-        raise InvalidRequest("unsupported or truncated chunk encoding header")
+        raise InvalidStoreRequest("unsupported or truncated chunk encoding header")
     try:
         header = json.loads(bytes(view[9 : 9 + head_len]).decode("utf-8"))
         offset = 9 + head_len
@@ -169,15 +167,15 @@ def decode_chunk(data: bytes) -> ChunkEncoding:
         for name, dtype, shape in header["arrays"]:
             dt = np.dtype(dtype)
             if dt.str not in ("<f2", "<f4", "|i1", "<u4"):
-                raise InvalidRequest(f"unexpected dtype {dtype}")
+                raise InvalidStoreRequest(f"unexpected dtype {dtype}")
             count = int(np.prod(shape)) if shape else 1
             nbytes = count * dt.itemsize
             if offset + nbytes > len(view):
-                raise InvalidRequest("truncated chunk encoding payload")
+                raise InvalidStoreRequest("truncated chunk encoding payload")
             arrays[name] = np.frombuffer(view[offset : offset + nbytes], dtype=dt).reshape(shape)
             offset += nbytes
         if offset != len(view):
-            raise InvalidRequest("trailing bytes after chunk encoding payload")
+            raise InvalidStoreRequest("trailing bytes after chunk encoding payload")
         quant = header["quantization"]
         keys, values = [], []
         for i in range(int(header["num_layers"])):
@@ -199,10 +197,10 @@ def decode_chunk(data: bytes) -> ChunkEncoding:
             layers=tuple(layers) if layers is not None else None,
             meta=dict(header.get("meta") or {}),
         )
-    except InvalidRequest:
+    except InvalidStoreRequest:
         raise
     except (KeyError, TypeError, ValueError) as e:
-        raise InvalidRequest(f"malformed chunk encoding: {e}") from e
+        raise InvalidStoreRequest(f"malformed chunk encoding: {e}") from e
     chunk.validate()
     return chunk
 
@@ -248,9 +246,9 @@ class DocumentManifest:
                 meta=dict(rec.get("meta") or {}),
             )
         except (KeyError, TypeError, ValueError) as e:
-            if isinstance(e, InvalidRequest):
+            if isinstance(e, InvalidStoreRequest):
                 raise
-            raise InvalidRequest(f"malformed manifest: {e}") from e
+            raise InvalidStoreRequest(f"malformed manifest: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -269,7 +267,7 @@ def embeddings_to_bytes(x: np.ndarray) -> bytes:
 def embeddings_from_bytes(data: bytes, dim: int) -> np.ndarray:
     arr = np.frombuffer(data, dtype="<f4")
     if dim <= 0 or arr.size % dim:
-        raise InvalidRequest("embedding bytes do not divide into rows of the given dimension")
+        raise InvalidStoreRequest("embedding bytes do not divide into rows of the given dimension")
     return arr.reshape(-1, dim).astype(np.float32)
 
 
@@ -326,7 +324,9 @@ class EncodingStore:
     async def put_manifest(self, session_id: str, doc_id: str, manifest: DocumentManifest) -> None:
         """Store (or replace) the session's manifest of `doc_id` (must equal `manifest.doc_id`)."""
         if manifest.doc_id != doc_id:
-            raise InvalidRequest(f"manifest is for document {manifest.doc_id!r}, not {doc_id!r}")
+            raise InvalidStoreRequest(
+                f"manifest is for document {manifest.doc_id!r}, not {doc_id!r}"
+            )
         if not manifest.created_at:
             manifest = dataclasses.replace(manifest, created_at=time.time())
         rec = DocumentManifest.from_record(manifest.to_record()).to_record()  # validates ids
@@ -376,7 +376,9 @@ class EncodingStore:
         hashes = [validate_id(h, "chain hash") for h in chain_hashes]
         emb = np.asarray(embeddings, dtype=np.float32)
         if emb.ndim != 2 or emb.shape[0] != len(hashes) or not hashes:
-            raise InvalidRequest("embeddings must be (n, d) with one row per chain hash, n >= 1")
+            raise InvalidStoreRequest(
+                "embeddings must be (n, d) with one row per chain hash, n >= 1"
+            )
         batch_id = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
         header = json.dumps(
             {"fingerprint": fingerprint, "chain_hashes": hashes, "dim": int(emb.shape[1])}
@@ -417,11 +419,11 @@ class EncodingStore:
     ) -> list[ChunkRef]:
         """Top-k chunks of the collection by EmbQ(x) . EmbD(c), best first."""
         if top_k < 1:
-            raise InvalidRequest("top_k must be >= 1")
+            raise InvalidStoreRequest("top_k must be >= 1")
         fps, hashes, matrix = await self._load_collection(name)
         q = np.asarray(query_embedding, dtype=np.float32).reshape(-1)
         if q.shape[0] != matrix.shape[1]:
-            raise InvalidRequest(
+            raise InvalidStoreRequest(
                 f"query embedding has dim {q.shape[0]}, collection {matrix.shape[1]}"
             )
         scores = matrix @ q  # (n,)

@@ -31,8 +31,9 @@ from typing import Literal
 
 import numpy as np
 
-from memory_store.backends import Backend, InvalidRequest, KeySpace, NotFound, StoreError
+from memory_store.backends import Backend, KeySpace
 from memory_store.embedder import TextEncoder
+from memory_store.errors import InvalidStoreRequest, NotFound, StoreError
 
 Solver = Literal["auto", "one_hot", "lstsq"]
 
@@ -123,9 +124,9 @@ class LarimarConfig:
 
     def __post_init__(self) -> None:
         if self.prefix_length < 1:
-            raise InvalidRequest("prefix_length must be >= 1")
+            raise InvalidStoreRequest("prefix_length must be >= 1")
         if self.solver not in ("auto", "one_hot", "lstsq"):
-            raise InvalidRequest(f"unknown solver {self.solver!r}")
+            raise InvalidStoreRequest(f"unknown solver {self.solver!r}")
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,7 @@ class LarimarMemory:
         """Append segments with encodings `(n, C)` and prefix encodings `(n, C)`; rebuild M."""
         n = len(segments)
         if z.shape != (n, self.dim) or z_prefix.shape != (n, self.dim) or len(prefixes) != n:
-            raise InvalidRequest("segments, prefixes and their encodings must line up")
+            raise InvalidStoreRequest("segments, prefixes and their encodings must line up")
         new_keys: list[np.ndarray] = []
         slots = np.empty((n,), dtype=np.int64)
         for i, p in enumerate(prefixes):
@@ -305,7 +306,7 @@ class LarimarStore:
     ) -> int:
         """Segment `text` (or take `segments` as given), encode, write. Returns segments written."""
         if (text is None) == (segments is None):
-            raise InvalidRequest("give exactly one of text and segments")
+            raise InvalidStoreRequest("give exactly one of text and segments")
         if text is not None:
             segs = split_sentences(text, self.config.max_segment_words)
         else:
@@ -330,12 +331,12 @@ class LarimarStore:
     ) -> list[LarimarHit]:
         """Nearest slots to the query's prefix encoding (or the whole query's), best first."""
         if top_k < 1:
-            raise InvalidRequest("top_k must be >= 1")
+            raise InvalidStoreRequest("top_k must be >= 1")
         async with self._lock(session_id):
             mem = await self._memory(session_id, create=False)
         probe = prefix_of(query, mem.config.prefix_length) if use_prefix else query
         if not probe.strip():
-            raise InvalidRequest("empty query")
+            raise InvalidStoreRequest("empty query")
         z_query = (await asyncio.to_thread(self._get_encoder().embed, [probe]))[0]
         return mem.read(z_query, top_k)
 

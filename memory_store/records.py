@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from memory_store.backends import Backend, InvalidRequest, KeySpace, NotFound
+from memory_store.backends import Backend, KeySpace
+from memory_store.errors import InvalidStoreRequest, NotFound
 
 
 class RecordStore:
@@ -26,7 +27,7 @@ class RecordStore:
 
     async def put_record(self, namespace: str, key: str, record: Mapping[str, Any]) -> None:
         if not isinstance(record, Mapping):
-            raise InvalidRequest("a record must be a JSON object")
+            raise InvalidStoreRequest("a record must be a JSON object")
         await self.backend.put_record(KeySpace.record(namespace, key), dict(record))
 
     async def get_record(self, namespace: str, key: str) -> dict[str, Any]:

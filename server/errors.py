@@ -23,9 +23,8 @@ from engine.protocol import (
     EngineOverloaded,
     InvalidRequest,
     SessionNotFound,
-    StoreUnavailableError,
 )
-from memory_store.backends import StoreError, StoreUnavailable
+from memory_store.errors import StoreError, StoreUnavailableError
 from server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -264,7 +263,7 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(409, str(exc), param="name", code="collection_incompatible")
     if isinstance(exc, EngineDead):
         return APIError(503, f"The engine is not available: {exc}", code="engine_dead")
-    if isinstance(exc, StoreUnavailable | StoreUnavailableError):
+    if isinstance(exc, StoreUnavailableError):
         logger.warning("memory store unavailable: %s", exc)
         return memory_store_unavailable()
     if isinstance(exc, StoreError):

@@ -27,8 +27,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from memory_store.backends import InvalidRequest, KeySpace, NotFound
+from memory_store.backends import KeySpace
 from memory_store.client import MemoryStoreClient
+from memory_store.errors import InvalidStoreRequest, NotFound
 from server.auth import tenant_session_id
 
 SESSION_KEY = "session"
@@ -138,7 +139,7 @@ class SessionRecord:
 
 class SessionStore:
     """Session records, document texts and the per-tenant index in the memory service. Every
-    method raises the store's errors (`StoreUnavailable`, ...) unchanged; the caller decides
+    method raises the store's errors (`StoreUnavailableError`, ...) unchanged; the caller decides
     what they mean."""
 
     def __init__(self, client: MemoryStoreClient) -> None:
@@ -239,7 +240,7 @@ class SessionStore:
                 if key.startswith(COLLECTION_PREFIX)
             ]
         except (KeyError, TypeError, ValueError) as e:
-            raise InvalidRequest(f"malformed session record in {namespace}: {e}") from e
+            raise InvalidStoreRequest(f"malformed session record in {namespace}: {e}") from e
         documents = [d for d in documents if _DOCUMENT_ID_RE.match(d.id)]
         documents.sort(key=lambda d: (d.created_at, d.id))
         collections.sort(key=lambda c: (c.attached_at, c.name))

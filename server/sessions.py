@@ -45,8 +45,7 @@ from engine.protocol import (
     SessionMemoryInfo,
     StoreUnavailableError,
 )
-from memory_store.backends import InvalidRequest as StoreInvalidRequest
-from memory_store.backends import NotFound, StoreError
+from memory_store.errors import InvalidStoreRequest, NotFound, StoreError
 from server.auth import tenant_session_id
 from server.documents import DocumentLimits, DocumentReader, Upload
 from server.errors import (
@@ -335,7 +334,7 @@ class SessionRegistry:
         assert self.store is not None
         try:
             return await self.store.load(tenant, session_id)
-        except StoreInvalidRequest as exc:
+        except InvalidStoreRequest as exc:
             logger.warning("session %s in the tenant index is unreadable: %s", session_id, exc)
             return None
 

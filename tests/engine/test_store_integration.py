@@ -16,8 +16,8 @@ from engine.loader import load_model
 from engine.memory.session import STRATEGIES, SessionMemory
 from engine.protocol import MemorySpec, SamplingParams, StoreUnavailableError
 from engine.store import StoreBridge
-from memory_store.backends import StoreUnavailable
 from memory_store.encodings import decode_chunk, encode_chunk
+from memory_store.errors import StoreUnavailableError
 
 from .test_memory_frame import tiny
 from .test_memory_session import SMALL
@@ -234,7 +234,7 @@ async def test_store_outage_reads_into_memory_and_raises(engines, monkeypatch):
     await engine.create_session("s", SPEC)
 
     async def down(*args, **kwargs):
-        raise StoreUnavailable("connection refused")
+        raise StoreUnavailableError("connection refused")
 
     monkeypatch.setattr(engine._store.client, "get_chunk", down)
     monkeypatch.setattr(engine._store.client, "put_chunk", down)

@@ -13,19 +13,11 @@ import pytest
 from pydantic import ValidationError
 
 from memory_store.app import build_app
-from memory_store.backends import (
-    Backend,
-    EmbeddedBackend,
-    InvalidRequest,
-    KeySpace,
-    NotFound,
-    RedisBackend,
-    RetryPolicy,
-    StoreUnavailable,
-)
+from memory_store.backends import Backend, EmbeddedBackend, KeySpace, RedisBackend, RetryPolicy
 from memory_store.cli import add_arguments, settings_from_args
 from memory_store.client import MemoryStoreClient, wait_until_ready
 from memory_store.encodings import DocumentManifest, chain_hashes
+from memory_store.errors import InvalidStoreRequest, NotFound, StoreUnavailableError
 from memory_store.settings import MemoryStoreSettings
 
 from .conftest import FAST_RETRY, HashingEncoder, RedisProcess, ThreadedServer, free_port
@@ -106,7 +98,7 @@ async def test_client_round_trip(client: tuple[MemoryStoreClient, list]) -> None
     assert await c.list_documents("sess-1") == []
     with pytest.raises(NotFound):
         await c.larimar_read("sess-1", "The pass key is")
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(InvalidStoreRequest):
         await c.get_manifest("bad id!", "doc")
 
     statuses = {(op, status) for op, _, status in calls}
@@ -160,7 +152,7 @@ async def test_backend_down_is_503_and_recovers(redis_server: RedisProcess, tmp_
         assert r.json()["error"]["code"] == "memory_store_unavailable"
         r = await h.get(f"/v1/chunks/{FP}/{h0}")
         assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
-        with pytest.raises(StoreUnavailable):
+        with pytest.raises(StoreUnavailableError):
             await c.get_chunk(FP, h0)
 
         redis_server.start()
@@ -183,7 +175,7 @@ async def test_http_client_reconnects_after_service_restart(tmp_path: Path) -> N
         manifest = DocumentManifest("d", FP, ("h1",))
         await c.put_manifest("s", "d", manifest)
         await asyncio.to_thread(server.stop)
-        with pytest.raises(StoreUnavailable) as info:
+        with pytest.raises(StoreUnavailableError) as info:
             await c.get_manifest("s", "d")
         assert isinstance(info.value.__cause__, httpx.TransportError)
         await asyncio.to_thread(server.start)
@@ -241,7 +233,7 @@ async def test_records_and_blobs_round_trip(client: tuple[MemoryStoreClient, lis
     assert await c.list_records("tenant:tenant1") == {"sess_a": {"id": "sess_a"}}
 
     for bad_ns, bad_key in (("sess", "k"), ("other:x", "k"), ("sess:a/b", "k"), (ns, "a/b")):
-        with pytest.raises(InvalidRequest):
+        with pytest.raises(InvalidStoreRequest):
             await c.put_record(bad_ns, bad_key, {"x": 1})
     assert ("get_record", "not_found") in {(op, status) for op, _, status in calls}
 

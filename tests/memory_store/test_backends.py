@@ -13,17 +13,8 @@ from pathlib import Path
 import pytest
 from redis.crc import key_slot
 
-from memory_store.backends import (
-    Backend,
-    Conflict,
-    EmbeddedBackend,
-    InvalidRequest,
-    Key,
-    KeySpace,
-    NotFound,
-    RedisBackend,
-    StoreUnavailable,
-)
+from memory_store.backends import Backend, EmbeddedBackend, Key, KeySpace, RedisBackend
+from memory_store.errors import Conflict, InvalidStoreRequest, NotFound, StoreUnavailableError
 
 from .conftest import FAST_RETRY, RedisProcess
 
@@ -76,7 +67,7 @@ async def test_list_and_delete_tag(backend: Backend) -> None:
 
 @pytest.mark.parametrize("bad", ["", "a/b", "{x}", "a b", "../etc", "x" * 300])
 def test_ids_are_validated(bad: str) -> None:
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(InvalidStoreRequest):
         KeySpace.manifest(bad, "d")
 
 
@@ -117,10 +108,10 @@ async def test_redis_down_raises_unavailable_then_recovers(redis_server: RedisPr
         await backend.put_record(KeySpace.manifest("durable", "d"), {"ok": True})
 
         redis_server.kill()
-        with pytest.raises(StoreUnavailable) as info:
+        with pytest.raises(StoreUnavailableError) as info:
             await backend.get_blob(key)
         assert info.value.__cause__ is not None
-        with pytest.raises(StoreUnavailable):
+        with pytest.raises(StoreUnavailableError):
             await backend.ping()
 
         redis_server.start()  # same port, same dir: AOF replays what was acknowledged
@@ -190,7 +181,7 @@ async def test_embedded_blob_survives_kill_9_mid_write(tmp_path: Path) -> None:
 
 
 def test_key_rejects_brace_in_tag() -> None:
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(InvalidStoreRequest):
         Key("sess:{x}", "p")
 
 
@@ -199,7 +190,7 @@ async def test_unreachable_redis_fails_fast_with_unavailable() -> None:
 
     backend = RedisBackend(f"redis://127.0.0.1:{free_port()}/0", retry=FAST_RETRY)
     start = time.monotonic()
-    with pytest.raises(StoreUnavailable):
+    with pytest.raises(StoreUnavailableError):
         await backend.put_blob(KeySpace.larimar("s"), b"x")
     assert time.monotonic() - start < 5
     await backend.close()

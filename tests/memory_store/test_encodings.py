@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from memory_store.backends import Backend, InvalidRequest, KeySpace, NotFound
+from memory_store.backends import Backend, KeySpace
 from memory_store.encodings import (
     ChunkEncoding,
     DocumentManifest,
@@ -15,6 +15,7 @@ from memory_store.encodings import (
     decode_chunk,
     encode_chunk,
 )
+from memory_store.errors import InvalidStoreRequest, NotFound
 
 FP = "smollm2-135m.q8.abc123"
 
@@ -60,9 +61,9 @@ def test_int8_round_trip_within_per_row_tolerance() -> None:
 @pytest.mark.parametrize("cut", [3, 20, -1])
 def test_truncated_or_corrupt_chunks_are_rejected(cut: int) -> None:
     data = encode_chunk(make_chunk())
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(InvalidStoreRequest):
         decode_chunk(data[:cut])
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(InvalidStoreRequest):
         decode_chunk(b"XXXX" + data[4:])
 
 
@@ -75,7 +76,7 @@ def test_shape_mismatch_is_rejected() -> None:
         text="",
         embedding=chunk.embedding,
     )
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(InvalidStoreRequest):
         encode_chunk(bad)
 
 
@@ -108,7 +109,7 @@ async def test_chunks_and_manifests(backend: Backend) -> None:
     stored = await store.get_manifest("s1", "doc1")
     assert stored.chunk_hashes == (h,) and stored.created_at > 0
     assert [m.doc_id for m in await store.list_documents("s1")] == ["doc1"]
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(InvalidStoreRequest):
         await store.put_manifest("s1", "doc2", manifest)
 
     await store.delete_session("s1")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from memory_store.backends import Backend, NotFound
+from memory_store.backends import Backend
+from memory_store.errors import NotFound
 from memory_store.larimar import (
     LarimarConfig,
     LarimarMemory,
