@@ -31,9 +31,10 @@ from typing import Literal
 
 import numpy as np
 
-from memory_store.backends import Backend, KeySpace
+from memory_store.backends.base import Backend
 from memory_store.embedder import TextEncoder
 from memory_store.errors import InvalidStoreRequest, NotFound, StoreError
+from memory_store.keys import KeySpace
 
 Solver = Literal["auto", "one_hot", "lstsq"]
 
@@ -96,9 +97,9 @@ def write_one_hot(slot_of: np.ndarray, z: np.ndarray, num_slots: int) -> np.ndar
     counts = np.bincount(slot_of, minlength=num_slots).astype(np.float64)
     if np.any(counts == 0):
         raise ValueError("every slot needs at least one segment for the one-hot write")
-    # np.add.at took 18 s for the 200K sentences of a 1M-token passkey context. Few slots (the
-    # repetitive case): one masked sum per slot (no BLAS, whose threads thrash on a busy host).
-    # Many: one weighted bincount per column.
+    # Few slots (the repetitive case): one masked sum per slot (no BLAS, whose threads thrash on
+    # a busy host). Many: one weighted bincount per column. Not np.add.at, which was far slower
+    # (docs/decisions/050-larimar-one-hot-write.md).
     if num_slots <= 256:
         sums = np.stack([z[slot_of == k].sum(axis=0, dtype=np.float64) for k in range(num_slots)])
         return (sums / counts[:, None]).astype(np.float32)

@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from memory_store.backends import Backend, KeySpace
+from memory_store.backends.base import Backend
 from memory_store.errors import InvalidStoreRequest, NotFound
+from memory_store.keys import KeySpace
 
 
 class RecordStore:

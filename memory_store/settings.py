@@ -10,7 +10,8 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from memory_store.backends import DEFAULT_PIECE_BYTES, Backend, RetryPolicy, build_backend
+from memory_store.backends import DEFAULT_PIECE_BYTES, Backend, build_backend
+from memory_store.retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
 

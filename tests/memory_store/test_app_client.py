@@ -13,14 +13,18 @@ import pytest
 from pydantic import ValidationError
 
 from memory_store.app import build_app
-from memory_store.backends import Backend, EmbeddedBackend, KeySpace, RedisBackend, RetryPolicy
+from memory_store.backends import Backend, EmbeddedBackend, RedisBackend
 from memory_store.cli import add_arguments, settings_from_args
 from memory_store.client import MemoryStoreClient, wait_until_ready
 from memory_store.encodings import DocumentManifest, chain_hashes
 from memory_store.errors import InvalidStoreRequest, NotFound, StoreUnavailableError
+from memory_store.keys import KeySpace
+from memory_store.retry import RetryPolicy
 from memory_store.settings import MemoryStoreSettings
+from tests.helpers import ThreadedServer, free_port
+from tests.redis_process import RedisProcess
 
-from .conftest import FAST_RETRY, HashingEncoder, RedisProcess, ThreadedServer, free_port
+from .conftest import FAST_RETRY, HashingEncoder
 from .test_encodings import FP, make_chunk
 
 FAST_HTTP_RETRY = RetryPolicy(attempts=3, base_delay_s=0.02, max_delay_s=0.1)
@@ -168,7 +172,7 @@ async def test_http_client_reconnects_after_service_restart(tmp_path: Path) -> N
     app = build_app(
         settings(tmp_path), backend=EmbeddedBackend(tmp_path / "store"), encoder=HashingEncoder()
     )
-    server = ThreadedServer(app, port)
+    server = ThreadedServer.of(app, port, lifespan="off")
     server.start()
     c = MemoryStoreClient.http(f"http://127.0.0.1:{port}", retry=FAST_HTTP_RETRY, timeout_s=5)
     try:
@@ -256,3 +260,43 @@ async def test_collection_chunks_in_document_order(client: tuple[MemoryStoreClie
     assert [r.chain_hash for r in refs] == ["a1", "a2", "b1", "b2"]
     with pytest.raises(NotFound):
         await c.collection_chunks("nothing-here")
+
+
+async def test_embedded_client_stores_under_its_data_dir(tmp_path: Path) -> None:
+    c = MemoryStoreClient.embedded(tmp_path / "store", encoder=HashingEncoder())
+    assert c.backend_name == "embedded" and (tmp_path / "store").is_dir()
+    await c.put_record("sess:s1", "session", {"id": "s1"})
+    again = MemoryStoreClient.embedded(tmp_path / "store", encoder=HashingEncoder())
+    assert await again.get_record("sess:s1", "session") == {"id": "s1"}
+    await c.close()
+    await again.close()
+
+
+def test_client_module_exports_what_server_and_engine_use() -> None:
+    import memory_store.client as api
+
+    for name in (
+        "MemoryStoreClient",
+        "ChunkEncoding",
+        "ChunkRef",
+        "DocumentManifest",
+        "chain_hash",
+        "KeySpace",
+        "TextEncoder",
+        "default_embedder",
+        "LarimarConfig",
+        "LarimarHit",
+        "split_sentences",
+    ):
+        assert name in api.__all__ and hasattr(api, name), name
+
+
+def test_client_default_embedder_follows_the_embedder_module(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import memory_store.client as api
+    import memory_store.embedder
+
+    encoder = HashingEncoder()
+    monkeypatch.setattr(memory_store.embedder, "default_embedder", lambda: encoder)
+    assert api.default_embedder() is encoder

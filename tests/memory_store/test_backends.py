@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 from redis.crc import key_slot
 
-from memory_store.backends import Backend, EmbeddedBackend, Key, KeySpace, RedisBackend
+from memory_store.backends import Backend, EmbeddedBackend, RedisBackend
 from memory_store.errors import Conflict, InvalidStoreRequest, NotFound, StoreUnavailableError
+from memory_store.keys import Key, KeySpace
+from tests.redis_process import RedisProcess
 
-from .conftest import FAST_RETRY, RedisProcess
+from .conftest import FAST_RETRY
 
 
 async def test_blob_and_record_round_trip(backend: Backend) -> None:
@@ -142,7 +144,8 @@ async def test_embedded_write_that_dies_before_rename_leaves_old_value(
 _WRITER = textwrap.dedent(
     """
     import asyncio, hashlib, sys
-    from memory_store.backends import EmbeddedBackend, KeySpace
+    from memory_store.backends import EmbeddedBackend
+    from memory_store.keys import KeySpace
 
     async def main():
         backend = EmbeddedBackend(sys.argv[1])
@@ -186,7 +189,7 @@ def test_key_rejects_brace_in_tag() -> None:
 
 
 async def test_unreachable_redis_fails_fast_with_unavailable() -> None:
-    from .conftest import free_port
+    from tests.helpers import free_port
 
     backend = RedisBackend(f"redis://127.0.0.1:{free_port()}/0", retry=FAST_RETRY)
     start = time.monotonic()

@@ -5,17 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from memory_store.backends import Backend, KeySpace
+from memory_store.backends import Backend
+from memory_store.encoding_store import EncodingStore
 from memory_store.encodings import (
     ChunkEncoding,
     DocumentManifest,
-    EncodingStore,
     chain_hash,
     chain_hashes,
     decode_chunk,
     encode_chunk,
 )
 from memory_store.errors import InvalidStoreRequest, NotFound
+from memory_store.keys import KeySpace
 
 FP = "smollm2-135m.q8.abc123"
 
