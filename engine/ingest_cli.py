@@ -53,7 +53,7 @@ async def ingest_files(args: argparse.Namespace) -> list[dict[str, Any]]:
     from engine.config import EngineConfig
     from engine.protocol import MemorySpec
     from engine.store import document_id
-    from memory_store.embedder import default_embedder
+    from memory_store.client import default_embedder
 
     config = EngineConfig(
         model=args.model,

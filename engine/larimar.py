@@ -29,16 +29,43 @@ Knobs (`MemorySpec("larimar", {...})`):
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from engine.protocol import ChatMessage, InvalidRequest, MemorySpec, Prompt
-from memory_store.backends import Backend
-from memory_store.client import MemoryStoreClient
-from memory_store.embedder import TextEncoder
-from memory_store.larimar import LarimarConfig, LarimarHit, split_sentences
+from engine.config import EngineConfig
+from engine.protocol import (
+    ChatMessage,
+    CollectionAttachment,
+    CollectionIncompatible,
+    EngineClient,
+    GenerationDelta,
+    IngestProgress,
+    InvalidRequest,
+    MemorySpec,
+    Prompt,
+    SamplingParams,
+    StoreUnavailableError,
+)
+from memory_store.client import (
+    LarimarConfig,
+    LarimarHit,
+    MemoryStoreClient,
+    TextEncoder,
+    split_sentences,
+)
+from memory_store.errors import StoreError
+
+if TYPE_CHECKING:
+    import torch
+
+    from memory_store.client import Backend
 
 STRATEGY = "larimar"
 
@@ -232,3 +259,122 @@ class LarimarReader:
         string or chat messages, returned in the same form)."""
         hits = await self.read(session_id, prompt)
         return conditioned(prompt, retrieved_sentences(hits, self.params.max_segments))
+
+
+# ---------------------------------------------------------------------------------------------
+# The session kind.
+# ---------------------------------------------------------------------------------------------
+
+
+class LarimarSessions:
+    """The session kind whose memory is the memory service's Larimar memory: the readout's
+    sentences condition a plain generation. Asyncio side only: nothing here holds the device."""
+
+    strategies: tuple[str, ...] = (STRATEGY,)
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        count_tokens: Callable[[str], int],
+        config: EngineConfig,
+        store: MemoryStoreClient | None = None,
+    ) -> None:
+        self._engine = engine  # generates from the conditioned prompt
+        self._count_tokens = count_tokens  # blocking; run in a thread
+        self._config = config
+        self._store = store  # the process's client; None: built from config on first use
+        self._specs: dict[str, MemorySpec] = {}
+        self._reader: LarimarReader | None = None
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._specs
+
+    async def create(self, session_id: str, spec: MemorySpec) -> None:
+        parse_larimar_spec(spec)
+        self._specs[session_id] = spec
+
+    async def drop(self, session_id: str) -> None:
+        # Its memory lives in the memory service, which the server cleans up.
+        self._specs.pop(session_id, None)
+
+    def generate(
+        self, request_id: str, session_id: str, prompt: Prompt, sampling: SamplingParams
+    ) -> AsyncIterator[GenerationDelta]:
+        return self._generate(request_id, prompt, sampling, session_id, self._specs[session_id])
+
+    def generate_ephemeral(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        prompt_ids: torch.Tensor,
+        sampling: SamplingParams,
+        spec: MemorySpec,
+        queued_at: float,
+    ) -> AsyncIterator[GenerationDelta]:
+        return self._generate(request_id, prompt, sampling, None, spec)
+
+    def ingest(self, request_id: str, session_id: str, text: str) -> AsyncIterator[IngestProgress]:
+        return self._ingest(session_id, text)
+
+    async def attach_collection(self, session_id: str, name: str) -> CollectionAttachment:
+        raise CollectionIncompatible(
+            "a larimar session keeps no encodings; collections "
+            "attach to segments, tokens and neurocache sessions"
+        )
+
+    def _larimar(self) -> LarimarReader:
+        if self._reader is None:
+            if self._store is not None:
+                self._reader = LarimarReader(self._store)
+            elif self._config.memory_store_url is not None:
+                client = MemoryStoreClient.http(
+                    self._config.memory_store_url, timeout_s=self._config.memory_store_timeout_s
+                )
+                self._reader = LarimarReader(client)
+            else:
+                root = (
+                    Path(self._config.data_dir)
+                    if self._config.data_dir is not None
+                    else Path(tempfile.mkdtemp(prefix="longserve-larimar-"))
+                )
+                self._reader = LarimarReader(MemoryStoreClient.embedded(root / "memory-store"))
+        return self._reader
+
+    async def _generate(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        sampling: SamplingParams,
+        session_id: str | None,
+        spec: MemorySpec,
+    ) -> AsyncIterator[GenerationDelta]:
+        reader = self._larimar().with_spec(spec)
+        started = time.perf_counter()
+        if session_id is None:  # a long prompt: its context goes to a throwaway memory
+            session_id = f"ephemeral-{request_id}-{uuid.uuid4().hex}"
+            context, prompt = split_context(prompt)
+            await reader.write(session_id, context)
+        try:
+            conditioned = await reader.conditioned_prompt(session_id, prompt)
+        except StoreError as e:
+            raise StoreUnavailableError(f"larimar read failed: {e}") from e
+        retrieval = time.perf_counter() - started
+        async for delta in self._engine.generate(request_id, conditioned, sampling):
+            if delta.stats is not None:
+                delta = dataclasses.replace(
+                    delta,
+                    stats=dataclasses.replace(
+                        delta.stats, strategy="larimar", retrieval_seconds=retrieval
+                    ),
+                )
+            yield delta
+
+    async def _ingest(self, session_id: str, text: str) -> AsyncIterator[IngestProgress]:
+        started = time.perf_counter()
+        tokens = await asyncio.to_thread(self._count_tokens, text)
+        yield IngestProgress(0, tokens, time.perf_counter() - started)
+        try:
+            await self._larimar().write(session_id, text)
+        except StoreError as e:
+            raise StoreUnavailableError(f"larimar write failed: {e}") from e
+        yield IngestProgress(tokens, tokens, time.perf_counter() - started, done=True)

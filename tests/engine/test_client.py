@@ -3,7 +3,8 @@ import asyncio
 import pytest
 import torch
 
-from engine.client import LocalEngine, encode_chat
+from engine.chat_template import encode_chat
+from engine.client import LocalEngine
 from engine.config import EngineConfig
 from engine.loader import ModelLoadError, embedded_model_path, load_model
 from engine.protocol import (
@@ -17,6 +18,7 @@ from engine.protocol import (
     SessionNotFound,
 )
 from engine.worker import Collector, Job, Worker
+from tests.helpers import protocol_mismatches
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
@@ -32,6 +34,7 @@ def text_of(deltas):
 
 async def test_implements_engine_client(engine):
     assert isinstance(engine, EngineClient)
+    assert protocol_mismatches(LocalEngine, EngineClient) == []
     assert engine.model.id == "tiny-llama0"  # the directory's name
     assert engine.model.max_model_len == 256
     assert (await engine.health()).ok
@@ -126,12 +129,6 @@ async def test_requests_interleave(make_engine):
     assert short[-1].finish_reason == "length"
     assert engine.stats().num_requests_running == 1  # the long one is still going
     await long_stream.aclose()
-
-
-async def test_prompt_too_long_without_memory(engine, monkeypatch):
-    monkeypatch.setattr("engine.client.memory_module", lambda: None)
-    with pytest.raises(PromptTooLong):
-        engine.generate("big", "word " * 300, GREEDY)
 
 
 async def test_bad_sampling_is_invalid_request(engine):
@@ -274,11 +271,10 @@ async def test_a_loop_failure_marks_the_engine_dead(make_engine, monkeypatch):
         engine.generate("y", "Hi", GREEDY)
 
 
-# -- memory paths (need engine.memory.session) --------------------------------------------------
+# -- memory paths --------------------------------------------------------------------------------
 
 
 async def test_long_prompt_goes_through_ephemeral_memory(engine, small_memory_spec):
-    pytest.importorskip("engine.memory.session")
     prompt = "word " * 300  # longer than the tiny model's 256-token window
     deltas = await collect(
         engine.generate(
@@ -295,14 +291,12 @@ async def test_long_prompt_goes_through_ephemeral_memory(engine, small_memory_sp
 
 
 async def test_memory_cap_is_enforced(make_engine, small_memory_spec):
-    pytest.importorskip("engine.memory.session")
     engine = make_engine(max_memory_tokens=200)
     with pytest.raises(PromptTooLong):
         engine.generate("cap", "word " * 300, GREEDY, memory=small_memory_spec)
 
 
 async def test_session_ingest_generate_drop(engine, small_memory_spec):
-    pytest.importorskip("engine.memory.session")
     await engine.create_session("s", small_memory_spec)
     progress = await collect(engine.ingest("i", "s", "The access code is 4721. " * 20))
     assert progress[-1].done and progress[-1].tokens_done == progress[-1].tokens_total
@@ -317,7 +311,6 @@ async def test_session_ingest_generate_drop(engine, small_memory_spec):
 
 
 async def test_drop_session_cancels_ingestion(make_engine, small_memory_spec):
-    pytest.importorskip("engine.memory.session")
     engine = make_engine(prefill_chunk_tokens=16)
     await engine.create_session("s", small_memory_spec)
     stream = engine.ingest("i", "s", "Lorem ipsum dolor sit amet. " * 100)

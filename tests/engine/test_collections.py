@@ -13,7 +13,9 @@ import torch
 
 import memory_store.embedder
 from engine import ingest_cli
-from engine.client import LocalEngine, assistant_turn_end, query_text
+from engine.chat_template import assistant_turn_end
+from engine.client import LocalEngine
+from engine.collections import query_text
 from engine.config import EngineConfig
 from engine.loader import load_model
 from engine.memory.session import STRATEGIES, SessionMemory
@@ -77,7 +79,7 @@ async def engines(tiny_model_dir, tmp_path, minilm):  # noqa: F811
             model=str(tiny_model_dir), device="cpu", data_dir=str(tmp_path / "data"), **config
         )
         engine = LocalEngine(cfg, loaded=load_model(cfg))
-        engine._query_encoder = minilm
+        engine._memory_sessions.collections.query_encoder = minilm
         made.append(engine)
         return engine
 
@@ -128,14 +130,15 @@ async def test_large_collection_loads_the_chunks_the_query_selects(collection, e
     assert engine.stats().memory_tokens == 0
 
     selections: list[list[str]] = []
-    select = engine._select
+    collections = engine._memory_sessions.collections
+    select = collections._select
 
     async def spy(session, prompt):
         chunks = await select(session, prompt)
         selections.append([c.text for c in chunks])
         return chunks
 
-    engine._select = spy
+    collections._select = spy
     forwards = count_forwards(engine)
     for question, word in (
         ("What is the access code of the vault?", "vault"),
@@ -175,7 +178,7 @@ async def test_attach_errors_change_nothing(collection, engines):
     with pytest.raises(CollectionIncompatible, match="another model or memory configuration"):
         await engine.attach_collection("other", "manuals")
     assert engine.stats().memory_tokens == 0
-    assert engine._sessions["other"].collections == {}
+    assert engine._memory_sessions.sessions["other"].collections == {}
 
 
 def test_query_text_is_the_last_user_message():

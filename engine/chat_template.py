@@ -1,0 +1,159 @@
+"""Chat messages to token ids through the model's chat template.
+
+Message contents never become control tokens: the template is rendered around placeholders and
+each content is tokenized on its own with split_special_tokens=True (see `encode_chat`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from engine.protocol import InvalidRequest
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+_ROLE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,31}")
+_PLACEHOLDER = "\ue000{}\ue001"  # private-use characters: never produced by a chat template
+_PLACEHOLDER_RE = re.compile("\ue000(\\d+)\ue001")
+
+
+def end_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> frozenset[int]:
+    """EOS and the chat template's end-of-turn tokens: generating one ends with "stop"."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if gen_eos is not None:
+        ids.update(int(i) for i in ([gen_eos] if isinstance(gen_eos, int) else gen_eos))
+    added = tokenizer.get_added_vocab()
+    ids.update(added[t] for t in _END_OF_TURN_TOKENS if t in added)
+    return frozenset(ids)
+
+
+def message_text(message: Any, index: int) -> tuple[str, str]:
+    """(role, content text) of one chat message; content may be a str or a list of text parts."""
+    if not isinstance(message, Mapping):
+        raise InvalidRequest(f"message {index} must be an object", param="messages")
+    role = message.get("role")
+    if not isinstance(role, str) or not _ROLE.fullmatch(role):
+        raise InvalidRequest(f"message {index} has an invalid role", param="messages")
+    content = message.get("content")
+    if content is None:
+        return role, ""
+    if isinstance(content, str):
+        return role, content
+    if isinstance(content, Sequence):
+        texts = []
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") != "text":
+                raise InvalidRequest(
+                    f"message {index}: only text content parts are supported", param="messages"
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise InvalidRequest(f"message {index}: a text part needs text", param="messages")
+            texts.append(text)
+        return role, "\n".join(texts)
+    raise InvalidRequest(f"message {index} content must be a string or a list", param="messages")
+
+
+Turn = tuple[str, str]
+"""One chat message as a session remembers it: (role, content text)."""
+
+
+def message_turns(messages: Sequence[Any]) -> list[Turn]:
+    """(role, text) of each message; InvalidRequest for malformed ones."""
+    if isinstance(messages, str | bytes) or not messages:
+        raise InvalidRequest("messages must be a non-empty list", param="messages")
+    return [message_text(message, i) for i, message in enumerate(messages)]
+
+
+def _render(
+    tokenizer: PreTrainedTokenizerBase, turns: Sequence[Turn], offset: int, generation_prompt: bool
+) -> str:
+    """The chat template around placeholders: turn i's content is placeholder offset + i."""
+    templated = [
+        {"role": role, "content": _PLACEHOLDER.format(offset + i)}
+        for i, (role, _) in enumerate(turns)
+    ]
+    try:
+        return str(
+            tokenizer.apply_chat_template(
+                templated, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        )
+    except Exception as e:  # templates raise on role orders they do not support
+        raise InvalidRequest(f"chat template rejected the messages: {e}", param="messages") from e
+
+
+def _tokenize_rendered(
+    tokenizer: PreTrainedTokenizerBase, rendered: str, contents: Sequence[str]
+) -> list[int]:
+    """Token ids of a rendered template: its own text with special tokens recognised, each
+    placeholder's content with split_special_tokens=True (so it never becomes control tokens)."""
+    ids: list[int] = []
+    pos = 0
+    for match in _PLACEHOLDER_RE.finditer(rendered):
+        if match.start() > pos:
+            ids += tokenizer(rendered[pos : match.start()], add_special_tokens=False).input_ids
+        content = contents[int(match.group(1))]
+        if content:
+            ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True).input_ids
+        pos = match.end()
+    if pos < len(rendered):
+        ids += tokenizer(rendered[pos:], add_special_tokens=False).input_ids
+    return ids
+
+
+def encode_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Any], history: Sequence[Turn] = ()
+) -> list[int]:
+    """Token ids of chat messages rendered by the chat template, with a generation prompt.
+
+    With a history (the turns a session's memory already holds), only the continuation is
+    encoded: the template rendered over history + messages, minus its rendering of the history
+    alone. So what a template adds once per conversation (SmolLM2's default system prompt when
+    the first message is not a system message) is not repeated in the middle of a session. A
+    template whose rendering of the history is not a prefix of the whole (one that rewrites
+    earlier turns) gets the messages rendered on their own.
+
+    Message contents never become control tokens: the template is rendered around placeholders,
+    the template's own text is tokenized with special tokens recognised, and each content is
+    tokenized with split_special_tokens=True, so a user typing "<|im_start|>system" gets text.
+    """
+    if isinstance(messages, str | bytes) or not (messages or history):
+        raise InvalidRequest("messages must be a non-empty list", param="messages")
+    turns = [message_text(message, i) for i, message in enumerate(messages)]
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest("this model has no chat template; use completions", param="messages")
+    contents = [text for _, text in history] + [text for _, text in turns]
+    rendered = _render(tokenizer, [*history, *turns], 0, True)
+    if history:
+        before = _render(tokenizer, history, 0, False)
+        if rendered.startswith(before):
+            rendered = rendered[len(before) :]
+        else:
+            rendered = _render(tokenizer, turns, len(history), True)
+    return _tokenize_rendered(tokenizer, rendered, contents)
+
+
+def assistant_turn_end(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Token ids the chat template puts after an assistant message's content (SmolLM2:
+    "<|im_end|>\n"): what closes a generated answer in a session's memory, so that the next
+    turn follows the template. Empty for a model without a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    turns = [("user", ""), ("assistant", "")]
+    try:
+        rendered = _render(tokenizer, turns, 0, False)
+    except InvalidRequest:
+        return []
+    end = _PLACEHOLDER.format(1)
+    if end not in rendered:
+        return []
+    closing = rendered[rendered.index(end) + len(end) :]
+    return list(tokenizer(closing, add_special_tokens=False).input_ids) if closing else []

@@ -1,0 +1,394 @@
+"""Sessions whose memory is a `SessionMemory` on the device (segments, tokens, neurocache).
+
+The engine reaches every session through the calls of `SessionKind`, whatever keeps its memory;
+`MemorySessions` is one kind, `LarimarSessions` (engine/larimar.py) the other. Everything named
+*_steps runs on the device thread (engine/worker.py); the async methods only validate, queue
+and wait. The sessions' table is written on the device thread only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Generator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import torch
+
+from engine.chat_template import Turn, encode_chat, message_turns
+from engine.collections import Collection, SessionCollections
+from engine.config import EngineConfig
+from engine.generate import Generation, MemoryState
+from engine.memory.session import STRATEGIES, SessionMemory
+from engine.protocol import (
+    CollectionAttachment,
+    GenerationDelta,
+    IngestProgress,
+    InvalidRequest,
+    MemorySpec,
+    Prompt,
+    PromptTooLong,
+    SamplingParams,
+    SessionMemoryInfo,
+    SessionNotFound,
+)
+from engine.store import StoreBridge, document_id
+from engine.store import ingest_steps as store_ingest_steps
+from engine.stream import aborted_delta, on_device, submit
+from engine.worker import Worker
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+
+class SessionKind(Protocol):
+    """What the engine asks of a kind of session, whatever keeps its memory."""
+
+    strategies: tuple[str, ...]
+
+    def __contains__(self, session_id: object) -> bool: ...
+
+    async def create(self, session_id: str, spec: MemorySpec) -> None: ...
+
+    async def drop(self, session_id: str) -> None: ...
+
+    def generate(
+        self, request_id: str, session_id: str, prompt: Prompt, sampling: SamplingParams
+    ) -> AsyncIterator[GenerationDelta]: ...
+
+    def generate_ephemeral(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        prompt_ids: torch.Tensor,
+        sampling: SamplingParams,
+        spec: MemorySpec,
+        queued_at: float,
+    ) -> AsyncIterator[GenerationDelta]:
+        """A prompt too long for the window, read into a memory that ends with the request."""
+        ...
+
+    def ingest(
+        self, request_id: str, session_id: str, text: str
+    ) -> AsyncIterator[IngestProgress]: ...
+
+    async def attach_collection(self, session_id: str, name: str) -> CollectionAttachment: ...
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """What every generation on the device thread runs with."""
+
+    tokenizer: PreTrainedTokenizerBase  # the device thread's own copy
+    stop_token_ids: frozenset[int]
+    prefill_chunk_tokens: int
+    vocab_size: int
+    turn_end: list[int]  # closes an answer in a session (chat_template.assistant_turn_end)
+
+    def kwargs(self) -> dict[str, Any]:
+        return {
+            "stop_token_ids": self.stop_token_ids,
+            "prefill_chunk_tokens": self.prefill_chunk_tokens,
+            "vocab_size": self.vocab_size,
+        }
+
+
+@dataclass
+class MemorySession:
+    """A session's memory and the conversation it holds (device thread only)."""
+
+    memory: SessionMemory
+    strategy: str
+    # Every chat message the memory holds, in order, each request's messages followed by the
+    # answer generated for them (see MemorySessions._session_steps).
+    turns: list[Turn] = dataclasses.field(default_factory=list)
+    last_used: float = dataclasses.field(default_factory=time.monotonic)
+    collections: dict[str, Collection] = dataclasses.field(default_factory=dict)
+
+    @property
+    def selected(self) -> list[Collection]:
+        """Collections searched per request (too large to load whole)."""
+        return [c for c in self.collections.values() if c.attachment.loading == "selected"]
+
+
+class MemorySessions:
+    """The session kind whose memory is a SessionMemory on the device."""
+
+    strategies: tuple[str, ...] = STRATEGIES
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        config: EngineConfig,
+        worker: Worker,
+        decoding: Decoding,
+        encode: Callable[[Prompt], torch.Tensor],
+        store: StoreBridge | None,
+        model_fingerprint: str,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.decoding = decoding
+        self._worker = worker
+        self._encode = encode  # asyncio side: prompt -> ids (T,), InvalidRequest when empty
+        self._store = store
+        self._model_fingerprint = model_fingerprint
+        self.sessions: dict[str, MemorySession] = {}  # written on the device thread only
+        self._ingest_ids: set[str] = set()  # running ingestions (drop fails them)
+        self.collections = SessionCollections(self, worker, store, model_fingerprint)
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self.sessions
+
+    def check_memory_cap(self, tokens: int) -> None:
+        if tokens > self.config.max_memory_tokens:
+            raise PromptTooLong(
+                f"the request needs {tokens} tokens of memory; the limit is "
+                f"{self.config.max_memory_tokens}",
+                param="messages",
+            )
+
+    def _check_strategy(self, spec: MemorySpec) -> None:
+        if spec.strategy not in STRATEGIES:
+            raise InvalidRequest(
+                f"unknown memory strategy {spec.strategy!r}; expected one of {STRATEGIES}",
+                param="memory",
+            )
+
+    # -- the session kind (asyncio side) ------------------------------------------------------
+
+    async def create(self, session_id: str, spec: MemorySpec) -> None:
+        self._check_strategy(spec)
+
+        def create() -> None:
+            if session_id in self.sessions:
+                raise InvalidRequest(f"session {session_id!r} already exists", param="session_id")
+            self.sessions[session_id] = MemorySession(
+                SessionMemory(self.model, spec), spec.strategy
+            )
+
+        await on_device(self._worker, create)
+
+    async def drop(self, session_id: str) -> None:
+        def drop() -> None:
+            for request_id in self._worker.jobs_for_session(session_id):
+                job_error = SessionNotFound(f"session {session_id!r} was dropped")
+                is_ingest = request_id in self._ingest_ids
+                self._worker.abort(request_id, job_error if is_ingest else None)
+            self.sessions.pop(session_id, None)
+
+        await on_device(self._worker, drop)
+
+    def generate(
+        self, request_id: str, session_id: str, prompt: Prompt, sampling: SamplingParams
+    ) -> AsyncIterator[GenerationDelta]:
+        prompt_ids = self._encode(prompt)  # (T,)
+        total = len(prompt_ids) + sampling.max_tokens
+        queued_at = time.perf_counter()
+        if session_id not in self.sessions:
+            raise SessionNotFound(f"session {session_id!r} has no memory")
+        session = self.sessions[session_id]
+        self.check_memory_cap(session.memory.num_tokens + total)
+        if session.selected:
+            return self.collections.selected_generate(
+                request_id, prompt, prompt_ids, sampling, session_id, queued_at
+            )
+        steps = self._session_steps(session_id, prompt, prompt_ids, sampling, queued_at)
+        return submit(self._worker, request_id, steps, session_id, aborted_delta(len(prompt_ids)))
+
+    def generate_ephemeral(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        prompt_ids: torch.Tensor,
+        sampling: SamplingParams,
+        spec: MemorySpec,
+        queued_at: float,
+    ) -> AsyncIterator[GenerationDelta]:
+        self._check_strategy(spec)
+        steps = self._ephemeral_steps(spec, prompt_ids, sampling, queued_at)
+        return submit(self._worker, request_id, steps, None, aborted_delta(len(prompt_ids)))
+
+    def ingest(self, request_id: str, session_id: str, text: str) -> AsyncIterator[IngestProgress]:
+        if session_id not in self.sessions:
+            raise SessionNotFound(f"session {session_id!r} has no memory")
+        if not isinstance(text, str):
+            raise InvalidRequest("text must be a string", param="text")
+        steps = self._ingest_steps(request_id, session_id, text)
+        return submit(self._worker, request_id, steps, session_id, None)
+
+    async def attach_collection(self, session_id: str, name: str) -> CollectionAttachment:
+        return await self.collections.attach(session_id, name)
+
+    def memory_info(self, session_id: str) -> SessionMemoryInfo | None:
+        session = self.sessions.get(session_id)
+        if session is None:
+            return None
+        memory = session.memory
+        tier: Literal["device", "host"] = (
+            "host" if memory.offloaded or memory.config.tier == "host" else "device"
+        )
+        return SessionMemoryInfo(tokens=int(memory.num_tokens), tier=tier)
+
+    # -- the device thread ----------------------------------------------------------------------
+
+    def _ephemeral_steps(
+        self,
+        spec: MemorySpec,
+        prompt_ids: torch.Tensor,
+        sampling: SamplingParams,
+        queued_at: float,
+    ) -> Generator[GenerationDelta | None, None, None]:
+        state = MemoryState(SessionMemory(self.model, spec), spec.strategy)
+        yield from Generation(
+            state,
+            prompt_ids,
+            sampling,
+            self.decoding.tokenizer,
+            queued_at=queued_at,
+            **self.decoding.kwargs(),
+        )
+
+    def _session_steps(
+        self,
+        session_id: str,
+        prompt: Prompt,
+        prompt_ids: torch.Tensor,
+        sampling: SamplingParams,
+        queued_at: float,
+    ) -> Generator[GenerationDelta | None, None, None]:
+        """One request on a session's memory. Runs when the session's previous request has
+        finished (the worker runs a session's jobs one at a time), so it sees its last turn.
+
+        Chat messages: when they start with exactly the turns the memory already holds (role
+        and content compared message by message; a client resending the whole conversation),
+        only the messages after those are appended; otherwise (a client sending only its new
+        question, or an edited history) all of them are, as sent. Either way they are rendered
+        as the continuation of the conversation held, and the answer is closed with the
+        template's end of turn. A completion prompt is appended as it is.
+        """
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise SessionNotFound(f"session {session_id!r} has no memory")
+        prompt_ids, new = self.turn_prompt(session, prompt, prompt_ids)
+        self.check_memory_cap(session.memory.num_tokens + len(prompt_ids) + sampling.max_tokens)
+        tokens_before = session.memory.num_tokens
+        generation = Generation(
+            MemoryState(session.memory, session.strategy),
+            prompt_ids,
+            sampling,
+            self.decoding.tokenizer,
+            queued_at=queued_at,
+            **self.decoding.kwargs(),
+        )
+        answer: list[str] = []
+        try:
+            for delta in generation:
+                if delta is not None:
+                    answer.append(delta.text)
+                yield delta
+        finally:  # finished, failed or aborted: the memory keeps what it read, turn closed
+            if self.sessions.get(session_id) is session:
+                self._end_turn(session, generation, tokens_before, new, "".join(answer))
+                session.memory.end_request()
+
+    def turn_prompt(
+        self, session: MemorySession, prompt: Prompt, prompt_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, list[Turn] | None]:
+        """What a request appends to a session (device thread): a completion prompt as it is;
+        chat messages past the turns the session holds when they start with exactly those,
+        else all of them, rendered as the conversation's continuation. Returns the ids (T,)
+        and the chat messages appended (None for a completion)."""
+        if isinstance(prompt, str):
+            return prompt_ids, None
+        sent = message_turns(prompt)
+        held = session.turns
+        new = sent[len(held) :] if sent[: len(held)] == held else sent
+        ids = encode_chat(self.decoding.tokenizer, prompt[len(sent) - len(new) :], held)
+        return torch.tensor(ids, dtype=torch.long), new
+
+    def _end_turn(
+        self,
+        session: MemorySession,
+        generation: Generation,
+        tokens_before: int,
+        new: list[Turn] | None,
+        answer: str,
+    ) -> None:
+        """After a request on a session: read the last sampled token (not yet read) and, for
+        chat, the template's end of turn into the memory, and remember the turns it holds."""
+        session.last_used = time.monotonic()
+        if session.memory.num_tokens == tokens_before:
+            return  # stopped before reading anything
+        tail = [generation.next_token] if generation.next_token is not None else []
+        if new is not None:
+            closing = self.decoding.turn_end
+            tail += closing[1:] if tail and closing and tail[-1] == closing[0] else closing
+            session.turns = [*session.turns, *new, ("assistant", answer)]
+        if not tail:
+            return
+        try:
+            with torch.inference_mode():
+                session.memory.append(torch.tensor(tail, dtype=torch.long))
+        except Exception:
+            logger.exception("closing a turn of a session failed")
+
+    def _ingest_steps(
+        self, request_id: str, session_id: str, text: str
+    ) -> Generator[IngestProgress | None, None, None]:
+        self._ingest_ids.add(request_id)
+        session = self.sessions.get(session_id)
+        try:
+            started = time.perf_counter()
+            if session is None:
+                raise SessionNotFound(f"session {session_id!r} has no memory")
+            ids = self.decoding.tokenizer(
+                text, add_special_tokens=False, split_special_tokens=True
+            ).input_ids
+            self.check_memory_cap(session.memory.num_tokens + len(ids))
+            yield IngestProgress(0, len(ids), time.perf_counter() - started, done=not ids)
+            if self._store is not None and ids:
+                yield from store_ingest_steps(
+                    self._store,
+                    self._model_fingerprint,
+                    session.memory,
+                    ids,
+                    session_id=session_id,
+                    doc_id=document_id(request_id),
+                    decode=lambda piece: str(self.decoding.tokenizer.decode(piece)),
+                    started=started,
+                )
+                return
+            chunk = self.config.prefill_chunk_tokens
+            doc = torch.tensor(ids, dtype=torch.long)  # (T,)
+            for start in range(0, len(ids), chunk):
+                with torch.inference_mode():
+                    session.memory.append(doc[start : start + chunk], document=True)
+                done = min(start + chunk, len(ids))
+                yield IngestProgress(
+                    done, len(ids), time.perf_counter() - started, done=done == len(ids)
+                )
+        finally:
+            self._ingest_ids.discard(request_id)
+            if session is not None:
+                session.last_used = time.monotonic()
+
+    def offload_idle(self) -> None:
+        """Worker housekeeping (device thread): move sessions idle for session_offload_after_s
+        to host memory. A session with a request or ingestion in flight is not idle; its
+        memory moves back by itself on its next append."""
+        now = time.monotonic()
+        busy = self._worker.busy_sessions()
+        for session_id, session in list(self.sessions.items()):
+            if session_id in busy:
+                session.last_used = now
+            elif (
+                not session.memory.offloaded
+                and now - session.last_used >= self.config.session_offload_after_s
+            ):
+                session.memory.offload()
+                logger.info("session %s idle: its memory moved to host memory", session_id)
