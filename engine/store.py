@@ -31,16 +31,18 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
 
 from engine.config import EngineConfig
 from engine.protocol import IngestProgress, StoreUnavailableError
-from memory_store.client import MemoryStoreClient
-from memory_store.encodings import ChunkEncoding, DocumentManifest, chain_hash
+from memory_store.client import ChunkEncoding, DocumentManifest, MemoryStoreClient, chain_hash
 from memory_store.errors import InvalidStoreRequest, NotFound, StoreError
+
+if TYPE_CHECKING:
+    from engine.memory.session import SessionMemory
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +55,12 @@ _BAD_ID_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 class StoreBridge:
     """Synchronous calls into an async MemoryStoreClient, for the engine's worker thread."""
 
-    def __init__(self, client: MemoryStoreClient, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, client: MemoryStoreClient, timeout_s: float = 30.0, *, owns_client: bool = True
+    ) -> None:
         self.client = client
         self.timeout_s = timeout_s
+        self._owns_client = owns_client  # False: the process's shared client, closed by its owner
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="longserve-memory-store", daemon=True
@@ -63,17 +68,19 @@ class StoreBridge:
         self._thread.start()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> StoreBridge | None:
-        """The store the config names (HTTP service or embedded data dir), or None."""
+    def from_config(
+        cls, config: EngineConfig, client: MemoryStoreClient | None = None
+    ) -> StoreBridge | None:
+        """A bridge over `client` (the process's own, which its owner closes), else over the
+        store the config names (HTTP service or embedded data dir), or None."""
+        if client is not None:
+            return cls(client, timeout_s=config.memory_store_timeout_s, owns_client=False)
         if config.memory_store_url is not None:
             client = MemoryStoreClient.http(
                 config.memory_store_url, timeout_s=config.memory_store_timeout_s
             )
         elif config.data_dir is not None:
-            from memory_store.backends import EmbeddedBackend
-
-            backend = EmbeddedBackend(Path(config.data_dir) / "memory-store")
-            client = MemoryStoreClient.in_process(backend)
+            client = MemoryStoreClient.embedded(Path(config.data_dir) / "memory-store")
         else:
             return None
         return cls(client, timeout_s=config.memory_store_timeout_s)
@@ -134,11 +141,12 @@ class StoreBridge:
         return self._call("delete_session", lambda: self.client.delete_session(session_id))
 
     def close(self) -> None:
-        """Close the client and stop the loop thread. Idempotent."""
+        """Close the client (when this bridge owns it) and stop the loop thread. Idempotent."""
         if self._loop.is_closed():
             return
         try:
-            asyncio.run_coroutine_threadsafe(self.client.close(), self._loop).result(5.0)
+            if self._owns_client:
+                asyncio.run_coroutine_threadsafe(self.client.close(), self._loop).result(5.0)
         except Exception:  # closing is best effort
             logger.warning("closing the memory store client failed", exc_info=True)
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -167,7 +175,7 @@ def model_fingerprint(model_id: str, model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def session_fingerprint(model_fp: str, memory: Any) -> str:
+def session_fingerprint(model_fp: str, memory: SessionMemory) -> str:
     """Fingerprint of (model, the session's memory strategy and configuration)."""
     config = dataclasses.asdict(memory.config)
     record = {"model": model_fp, "strategy": memory.strategy, "config": config}
@@ -188,7 +196,7 @@ def document_id(request_id: str) -> str:
 def ingest_steps(
     bridge: StoreBridge,
     model_fp: str,
-    memory: Any,
+    memory: SessionMemory,
     ids: list[int],
     *,
     session_id: str,
@@ -196,8 +204,8 @@ def ingest_steps(
     decode: Callable[[list[int]], str],
     started: float,
 ) -> Iterator[IngestProgress]:
-    """Read `ids` into `memory` (an engine.memory.session.SessionMemory) through the store;
-    one step (IngestProgress) per chunk. See the module docstring."""
+    """Read `ids` into `memory` through the store; one step (IngestProgress) per chunk. See the
+    module docstring."""
     fingerprint = session_fingerprint(model_fp, memory)
     chunk = memory.config.chunk_size
     total = len(ids)

@@ -135,21 +135,23 @@ def run_serve(args: argparse.Namespace) -> int:
     known = {f.name for f in dataclasses.fields(EngineConfig)}
     config = EngineConfig(**{k: v for k, v in engine_fields.items() if k in known})
     logging.getLogger(__name__).info("loading the engine (%s)", settings.model or "default")
-    engine = LocalEngine(config)
-    app = build_app(settings, engine, store=memory_store_client(settings))
+    store = memory_store_client(settings)
+    # httpx.AsyncClient is bound to one event loop and the engine calls its store from its own:
+    # only the in-process (embedded) client is shared; over HTTP the engine builds its own.
+    engine = LocalEngine(config, store=None if settings.memory_store_url else store)
+    app = build_app(settings, engine, store=store)
     started = serve(app, app.state.drain, settings.host, settings.port, args.log_level)
     return 0 if started else EXIT_STARTUP_FAILURE
 
 
 def memory_store_client(settings: ServerSettings) -> MemoryStoreClient:
-    """The server's own client (session records): the memory service at --memory-store, else
-    the embedded store in DATA_DIR/memory-store, the one the engine keeps its encodings in."""
-    from memory_store.backends import EmbeddedBackend
+    """The process's client (session records, and the engine's encodings when embedded): the
+    memory service at --memory-store, else the embedded store in DATA_DIR/memory-store."""
     from memory_store.client import MemoryStoreClient
 
     if settings.memory_store_url:
         return MemoryStoreClient.http(settings.memory_store_url)
-    return MemoryStoreClient.in_process(EmbeddedBackend(Path(settings.data_dir) / EMBEDDED_STORE))
+    return MemoryStoreClient.embedded(Path(settings.data_dir) / EMBEDDED_STORE)
 
 
 def _error_text(error: Any) -> str:

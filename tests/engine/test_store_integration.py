@@ -135,14 +135,15 @@ async def _collect(stream):
 
 @pytest.fixture
 async def engines(tiny_model_dir, tmp_path):
-    """make(loaded=None, **config) -> LocalEngine on its own copy of the tiny model, with an
-    embedded store in tmp_path/data; every engine is shut down after the test."""
+    """make(store=None, **config) -> LocalEngine on its own copy of the tiny model, with an
+    embedded store in tmp_path/data (or the given client); every engine is shut down after
+    the test."""
     made = []
 
-    def make(**config) -> LocalEngine:
+    def make(store=None, **config) -> LocalEngine:
         config.setdefault("data_dir", str(tmp_path / "data"))
         cfg = EngineConfig(model=str(tiny_model_dir), device="cpu", **config)
-        engine = LocalEngine(cfg, loaded=load_model(cfg))
+        engine = LocalEngine(cfg, loaded=load_model(cfg), store=store)
         made.append(engine)
         return engine
 
@@ -250,6 +251,21 @@ async def test_store_outage_reads_into_memory_and_raises(engines, monkeypatch):
     assert deltas[-1].finish_reason == "length"
 
 
+async def test_one_store_client_serves_encodings_and_larimar(engines, tmp_path):
+    from memory_store.client import MemoryStoreClient
+
+    client = MemoryStoreClient.embedded(tmp_path / "shared")
+    engine = engines(data_dir=None, store=client)
+    assert engine._store is not None and engine._store.client is client
+    await engine.create_session("s", SPEC)
+    progress = await _collect(engine.ingest("d", "s", DOC))
+    assert progress[-1].done and progress[-1].tokens_from_store == 0
+    assert await client.list_documents("s")  # the manifest went through the given client
+    assert engine._larimar_sessions._larimar().client is client
+    await engine.shutdown()
+    await client.ping()  # the engine leaves the shared client open for its owner
+
+
 def test_config_refuses_both_store_kinds():
     with pytest.raises(ValueError, match="not both"):
         EngineConfig(memory_store_url="http://localhost:8001", data_dir="/tmp/x")
@@ -317,7 +333,6 @@ def test_ingest_cli_encodes_files_into_a_collection(tiny_model_dir, tmp_path, mo
 async def test_rebuild_through_the_http_memory_service(engines, tmp_path):
     import httpx
 
-    from engine.store import model_fingerprint
     from memory_store.app import build_app
     from memory_store.backends import EmbeddedBackend
     from memory_store.client import MemoryStoreClient
@@ -329,17 +344,16 @@ async def test_rebuild_through_the_http_memory_service(engines, tmp_path):
         encoder=lambda: None,
     )
 
-    def over_http(engine: LocalEngine) -> LocalEngine:
+    def over_http() -> LocalEngine:
+        # The engine runs its store calls on its own loop only (no larimar session here).
         client = MemoryStoreClient.http(
             "http://memory-store", transport=httpx.ASGITransport(app=app)
         )
-        engine._store = StoreBridge(client, timeout_s=30.0)
-        engine._model_fingerprint = model_fingerprint(engine.loaded.model_id, engine.loaded.model)
-        return engine
+        return engines(data_dir=None, store=client)
 
     results = []
     for n in range(2):
-        engine = over_http(engines(data_dir=None))
+        engine = over_http()
         await engine.create_session("s", SPEC)
         results.append(await _collect(engine.ingest(f"d{n}", "s", DOC)))
     assert results[0][-1].done and results[0][-1].tokens_from_store == 0
