@@ -18,7 +18,7 @@ from server.errors import install_error_handlers
 from server.limits import BodySizeLimit, HeadSizeLimit, RefuseEncodedBodies
 from server.metrics import Metrics
 from server.routes import chat, completions, health, metrics, models, sessions
-from server.serving import ServingContext
+from server.serving.context import ServingContext
 from server.session_store import SessionStore
 from server.sessions import SessionRegistry
 from server.settings import ServerSettings
@@ -54,7 +54,9 @@ def build_app(
         store.on_request = app_metrics.memory_store_request
     session_store = SessionStore(store) if store is not None else None
     registry = SessionRegistry(engine, settings, app_metrics, store=session_store)
-    app.state.serving = ServingContext(engine=engine, settings=settings, metrics=app_metrics)
+    app.state.serving = ServingContext(
+        engine=engine, settings=settings, metrics=app_metrics, sessions=registry
+    )
     app.state.sessions = registry
     app.state.memory_store = session_store
     app.state.drain = DrainState(settings.drain_timeout_seconds)

@@ -2,7 +2,7 @@
 
 Fields follow OpenAI's order; longserve's extensions sit in one marked block at the end of each
 request model. Unknown fields are ignored, as OpenAI does. Limits that depend on the server's
-settings (max n, max tokens, stop list length) are checked in server/serving.py, not here.
+settings (max n, max tokens, stop list length) are checked in server/serving/, not here.
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ class ErrorResponse(OpenAIModel):
 
 
 # ---------------------------------------------------------------------------------------------
-# longserve extension: sessions and their documents (server/sessions.py, routes/sessions.py).
+# longserve extension: sessions and their documents (server/sessions/, routes/sessions.py).
 # Shaped like OpenAI's own objects: an "object" tag, unix-second timestamps, lists as
 # {"object": "list", "data": [...]}, deletes as {"id", "object": "....deleted", "deleted"}.
 # ---------------------------------------------------------------------------------------------
@@ -278,7 +278,10 @@ class SessionCreateRequest(OpenAIModel):
         return value
 
 
-class SessionMemory(OpenAIModel):
+class SessionMemoryView(OpenAIModel):
+    """A session's memory as the API shows it (the engine's memory itself is
+    engine.memory.SessionMemory)."""
+
     strategy: str | None  # None: the engine's configured default strategy
     params: dict[str, Any] = Field(default_factory=dict)
     # "device": beside the model; "host": in host memory (idle sessions move there after
@@ -290,7 +293,7 @@ class SessionObject(OpenAIModel):
     id: str
     object: Literal["session"] = "session"
     created_at: int
-    memory: SessionMemory
+    memory: SessionMemoryView
     ttl_seconds: int
     expires_at: int
     documents: int

@@ -27,8 +27,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from memory_store.backends import KeySpace
-from memory_store.client import MemoryStoreClient
+from memory_store.client import KeySpace, MemoryStoreClient
 from memory_store.errors import InvalidStoreRequest, NotFound
 from server.auth import tenant_session_id
 

@@ -50,7 +50,7 @@ class ServerSettings(BaseSettings):
     max_stop_sequences: int = Field(default=8, ge=0)
     max_top_logprobs: int = Field(default=20, ge=0, le=20)
 
-    # Sessions and their documents (server/sessions.py, server/documents.py).
+    # Sessions and their documents (server/sessions/, server/documents.py).
     max_sessions_per_tenant: int = Field(default=32, ge=1)
     max_documents_per_session: int = Field(default=64, ge=1)
     max_document_bytes: int = Field(default=20 * 1024 * 1024, ge=1)

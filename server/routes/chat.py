@@ -9,8 +9,9 @@ from server.auth import require_tenant
 from server.errors import error_responses
 from server.limits import JSONBodyRoute
 from server.protocol import ChatCompletion, ChatCompletionRequest
-from server.serving import STREAM_OK
-from server.serving_chat import create_chat_completion
+from server.routes.dependencies import Serving
+from server.serving.chat import create_chat_completion
+from server.serving.sse import STREAM_OK
 
 router = APIRouter(
     prefix="/v1",
@@ -21,6 +22,9 @@ router = APIRouter(
 
 @router.post("/chat/completions", response_model=ChatCompletion, responses=STREAM_OK)
 async def chat_completions(
-    body: ChatCompletionRequest, request: Request, tenant: str = Depends(require_tenant)
+    body: ChatCompletionRequest,
+    request: Request,
+    serving: Serving,
+    tenant: str = Depends(require_tenant),
 ) -> ChatCompletion | Response:
-    return await create_chat_completion(request.app.state.serving, body, request, tenant)
+    return await create_chat_completion(serving, body, request, tenant)

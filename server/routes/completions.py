@@ -9,8 +9,9 @@ from server.auth import require_tenant
 from server.errors import error_responses
 from server.limits import JSONBodyRoute
 from server.protocol import Completion, CompletionRequest
-from server.serving import STREAM_OK
-from server.serving_completion import create_completion
+from server.routes.dependencies import Serving
+from server.serving.completions import create_completion
+from server.serving.sse import STREAM_OK
 
 router = APIRouter(
     prefix="/v1",
@@ -21,6 +22,9 @@ router = APIRouter(
 
 @router.post("/completions", response_model=Completion, responses=STREAM_OK)
 async def completions(
-    body: CompletionRequest, request: Request, tenant: str = Depends(require_tenant)
+    body: CompletionRequest,
+    request: Request,
+    serving: Serving,
+    tenant: str = Depends(require_tenant),
 ) -> Completion | Response:
-    return await create_completion(request.app.state.serving, body, request, tenant)
+    return await create_completion(serving, body, request, tenant)

@@ -3,8 +3,10 @@ memory store answers, and the server is not draining)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse
+
+from server.routes.dependencies import Drain, Serving, SessionRecords
 
 router = APIRouter()
 
@@ -24,17 +26,16 @@ async def health() -> dict[str, str]:
         },
     },
 )
-async def ready(request: Request) -> JSONResponse:
-    if request.app.state.drain.draining:  # load balancers: stop sending here
+async def ready(drain: Drain, serving: Serving, store: SessionRecords) -> JSONResponse:
+    if drain.draining:  # load balancers: stop sending here
         body = {"status": "draining", "detail": "the server is shutting down"}
         return JSONResponse(body, status_code=503)
-    engine = request.app.state.serving.engine
+    engine = serving.engine
     try:
         state = await engine.health()
         ok, detail = state.ok, state.detail
     except Exception as exc:  # a broken engine is "not ready", never a 500
         ok, detail = False, f"health check failed: {exc}"
-    store = request.app.state.memory_store
     if ok and store is not None:
         try:
             await store.ping()

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import Response
 
 from server.metrics import CONTENT_TYPE
+from server.routes.dependencies import Serving
 
 router = APIRouter()
 
@@ -15,5 +16,5 @@ router = APIRouter()
     response_class=Response,
     responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
 )
-async def metrics(request: Request) -> Response:
-    return Response(request.app.state.serving.metrics.render(), media_type=CONTENT_TYPE)
+async def metrics(serving: Serving) -> Response:
+    return Response(serving.metrics.render(), media_type=CONTENT_TYPE)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 
 from engine.protocol import EngineClient
 from server.auth import require_tenant
 from server.errors import error_responses, model_not_found
 from server.protocol import ModelCard, ModelList
+from server.routes.dependencies import Serving
 
 router = APIRouter(
     prefix="/v1",
@@ -27,13 +28,13 @@ def _card(engine: EngineClient) -> ModelCard:
 
 
 @router.get("/models", response_model=ModelList)
-async def list_models(request: Request) -> ModelList:
-    return ModelList(data=[_card(request.app.state.serving.engine)])
+async def list_models(serving: Serving) -> ModelList:
+    return ModelList(data=[_card(serving.engine)])
 
 
 @router.get("/models/{model_id:path}", response_model=ModelCard)
-async def retrieve_model(model_id: str, request: Request) -> ModelCard:
-    card = _card(request.app.state.serving.engine)
+async def retrieve_model(model_id: str, serving: Serving) -> ModelCard:
+    card = _card(serving.engine)
     if model_id != card.id:
         raise model_not_found(model_id)
     return card

@@ -31,8 +31,9 @@ from server.protocol import (
     SessionList,
     SessionObject,
 )
-from server.serving import STREAM_OK
-from server.sessions import SessionRegistry, registry_of
+from server.routes.dependencies import Sessions
+from server.serving.sse import STREAM_OK
+from server.sessions import SessionRegistry, list_session_views
 
 router = APIRouter(
     prefix="/v1",
@@ -63,32 +64,30 @@ DOCUMENT_BODY: dict[str, Any] = {
 
 @router.post("/sessions", response_model=SessionObject)
 async def create_session(
-    request: Request,
+    registry: Sessions,
     body: SessionCreateRequest | None = None,
     tenant: str = Depends(require_tenant),
 ) -> SessionObject:
-    registry = registry_of(request)
     return registry.view(await registry.create(tenant, body or SessionCreateRequest()))
 
 
 @router.get("/sessions", response_model=SessionList)
-async def list_sessions(request: Request, tenant: str = Depends(require_tenant)) -> SessionList:
-    return SessionList(data=await registry_of(request).list_views(tenant))
+async def list_sessions(registry: Sessions, tenant: str = Depends(require_tenant)) -> SessionList:
+    return SessionList(data=await list_session_views(registry, tenant))
 
 
 @router.get("/sessions/{session_id}", response_model=SessionObject)
 async def retrieve_session(
-    session_id: str, request: Request, tenant: str = Depends(require_tenant)
+    session_id: str, registry: Sessions, tenant: str = Depends(require_tenant)
 ) -> SessionObject:
-    registry = registry_of(request)
     return registry.view(await registry.lookup(tenant, session_id))
 
 
 @router.delete("/sessions/{session_id}", response_model=SessionDeleted)
 async def delete_session(
-    session_id: str, request: Request, tenant: str = Depends(require_tenant)
+    session_id: str, registry: Sessions, tenant: str = Depends(require_tenant)
 ) -> SessionDeleted:
-    await registry_of(request).delete(tenant, session_id)
+    await registry.delete(tenant, session_id)
     return SessionDeleted(id=session_id)
 
 
@@ -105,23 +104,22 @@ async def delete_session(
     },
 )
 async def attach_collection(
-    session_id: str, request: Request, tenant: str = Depends(require_tenant)
+    session_id: str, request: Request, registry: Sessions, tenant: str = Depends(require_tenant)
 ) -> SessionCollection:
     """Attach a collection written by `longserve ingest` (operator-written, readable by every
     tenant). Idempotent: attaching it again answers the same object. The body is read after
     the session is found, so another tenant's session is a 404 whatever the body."""
-    registry = registry_of(request)
     await registry.lookup(tenant, session_id)
     body = CollectionAttachRequest.model_validate_json(await request.body())
-    attached = await registry.attach_collection(tenant, session_id, body.name)
+    attached = await registry.collections.attach(tenant, session_id, body.name)
     return attached.view(session_id)
 
 
 @router.get("/sessions/{session_id}/collections", response_model=SessionCollectionList)
 async def list_collections(
-    session_id: str, request: Request, tenant: str = Depends(require_tenant)
+    session_id: str, registry: Sessions, tenant: str = Depends(require_tenant)
 ) -> SessionCollectionList:
-    session = await registry_of(request).lookup(tenant, session_id)
+    session = await registry.lookup(tenant, session_id)
     return SessionCollectionList(data=[c.view(session_id) for c in session.collections.values()])
 
 
@@ -129,20 +127,19 @@ async def list_collections(
     "/sessions/{session_id}/documents", response_model=SessionDocument, openapi_extra=DOCUMENT_BODY
 )
 async def add_document(
-    session_id: str, request: Request, tenant: str = Depends(require_tenant)
+    session_id: str, request: Request, registry: Sessions, tenant: str = Depends(require_tenant)
 ) -> SessionDocument:
-    registry = registry_of(request)
     await registry.lookup(tenant, session_id)
     upload = await read_upload(request, registry)
-    doc = await registry.add_document(tenant, session_id, upload)
+    doc = await registry.documents.add(tenant, session_id, upload)
     return doc.view()
 
 
 @router.get("/sessions/{session_id}/documents", response_model=SessionDocumentList)
 async def list_documents(
-    session_id: str, request: Request, tenant: str = Depends(require_tenant)
+    session_id: str, registry: Sessions, tenant: str = Depends(require_tenant)
 ) -> SessionDocumentList:
-    session = await registry_of(request).lookup(tenant, session_id)
+    session = await registry.lookup(tenant, session_id)
     return SessionDocumentList(data=[d.view() for d in session.documents.values()])
 
 
@@ -154,15 +151,14 @@ async def list_documents(
 async def retrieve_document(
     session_id: str,
     document_id: str,
-    request: Request,
+    registry: Sessions,
     stream: bool = False,
     tenant: str = Depends(require_tenant),
 ) -> SessionDocument | Response:
-    registry = registry_of(request)
-    doc = await registry.document(tenant, session_id, document_id)
+    doc = await registry.documents.get(tenant, session_id, document_id)
     if not stream:
         return doc.view()
-    return EventSourceResponse(_progress_events(registry.watch(doc)), sep="\n")
+    return EventSourceResponse(_progress_events(registry.documents.watch(doc)), sep="\n")
 
 
 async def _progress_events(views: AsyncIterator[SessionDocument]) -> AsyncIterator[str]:

@@ -69,7 +69,7 @@ def test_cli_refuses_public_host_without_key(
 
 def test_server_package_does_not_import_torch() -> None:
     code = (
-        "import sys, server.app, server.cli, server.serving_chat, server.serving_completion\n"
+        "import sys, server.app, server.cli, server.serving.chat, server.serving.completions\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
         "{'torch', 'transformers', 'faiss'} or (m.startswith('engine.') and "
         "m != 'engine.protocol'))\n"

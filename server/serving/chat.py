@@ -10,7 +10,7 @@ from fastapi import Request
 from sse_starlette import EventSourceResponse
 
 from engine.protocol import ChatMessage as EngineChatMessage
-from engine.protocol import GenerationDelta, SamplingParams, TokenLogprob
+from engine.protocol import GenerationDelta, TokenLogprob
 from server.errors import invalid_request
 from server.protocol import (
     ChatCompletion,
@@ -24,23 +24,23 @@ from server.protocol import (
     ChoiceLogprobs,
     TopLogprob,
 )
-from server.serving import (
-    ChoiceStreams,
-    Job,
-    ServingContext,
-    UsageCounter,
-    answer,
+from server.serving.answer import answer_choices
+from server.serving.checks import (
     check_max_tokens,
     check_model,
     check_n,
     check_prompt_length,
-    engine_memory,
-    fan_out,
-    new_id,
-    stop_sequences,
-    top_k_of,
+    sampling_params,
 )
-from server.sessions import registry_of
+from server.serving.choices import (
+    ChoiceRequest,
+    ChoiceStreams,
+    UsageCounter,
+    fan_out,
+    gather_choices,
+    new_id,
+)
+from server.serving.context import ServingContext
 
 
 def chat_logprobs(logprobs: list[TokenLogprob] | None) -> ChoiceLogprobs | None:
@@ -73,7 +73,7 @@ def _check_unsupported(request: ChatCompletionRequest) -> None:
         raise invalid_request("logit_bias is not supported.", param="logit_bias")
 
 
-def _jobs(ctx: ServingContext, request: ChatCompletionRequest, chat_id: str) -> list[Job]:
+def _jobs(ctx: ServingContext, request: ChatCompletionRequest, chat_id: str) -> list[ChoiceRequest]:
     settings = ctx.settings
     _check_unsupported(request)
     n = check_n(settings, request.n)
@@ -90,16 +90,10 @@ def _jobs(ctx: ServingContext, request: ChatCompletionRequest, chat_id: str) -> 
         raise invalid_request(
             f"top_logprobs must be at most {settings.max_top_logprobs}.", param="top_logprobs"
         )
-    sampling = SamplingParams(
+    sampling = sampling_params(
+        settings,
+        request,
         max_tokens=max_tokens,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=top_k_of(request.top_k),
-        seed=request.seed,
-        presence_penalty=request.presence_penalty or 0.0,
-        frequency_penalty=request.frequency_penalty or 0.0,
-        stop=stop_sequences(settings, request.stop),
-        ignore_eos=bool(request.ignore_eos),
         logprobs=bool(request.logprobs),
         top_logprobs=top_logprobs,
     )
@@ -126,44 +120,29 @@ async def create_chat_completion(
         )
     chars = sum(len(m.text()) for m in request.messages)
     await check_prompt_length(ctx, jobs[0].prompt, chars, "messages")
-    if request.session_id:
-        await registry_of(raw_request).before_generate(tenant, request.session_id, raw_request)
-    session_id, memory = engine_memory(tenant, request.session_id, request.memory)
-    streams = await ChoiceStreams.start(ctx, jobs, session_id, memory)
-
-    include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    return await answer(
+    return await answer_choices(
+        ctx,
+        request,
         raw_request,
-        streams,
-        bool(request.stream),
+        tenant,
+        jobs,
         lambda s: _gather(s, chat_id, model),
-        lambda s: _stream_chunks(s, chat_id, model, include_usage),
+        lambda s, include_usage: _stream_chunks(s, chat_id, model, include_usage),
     )
 
 
 async def _gather(streams: ChoiceStreams, chat_id: str, model: str) -> ChatCompletion:
-    jobs = {job.index: job for job in streams.jobs}
-    texts: dict[int, list[str]] = {i: [] for i in jobs}
-    logprobs: dict[int, list[TokenLogprob] | None] = {i: None for i in jobs}
-    finish: dict[int, str | None] = {i: None for i in jobs}
-    usage = UsageCounter()
-    async for index, delta in streams:
-        texts[index].append(delta.text)
-        if delta.logprobs is not None:
-            logprobs[index] = (logprobs[index] or []) + delta.logprobs
-        if delta.finish_reason is not None:
-            finish[index] = delta.finish_reason
-        usage.add(jobs[index], delta)
+    gathered, usage = await gather_choices(streams)
     choices = [
         ChatCompletionChoice(
             index=i,
-            message=ChatCompletionMessage(content="".join(texts[i])),
-            logprobs=chat_logprobs(logprobs[i]),
-            finish_reason=finish[i],
+            message=ChatCompletionMessage(content=gathered[i].text),
+            logprobs=chat_logprobs(gathered[i].logprobs),
+            finish_reason=gathered[i].finish_reason,
         )
-        for i in sorted(jobs)
+        for i in sorted(gathered)
     ]
-    return ChatCompletion(id=chat_id, model=model, choices=choices, usage=usage.usage())
+    return ChatCompletion(id=chat_id, model=model, choices=choices, usage=usage)
 
 
 async def _stream_chunks(

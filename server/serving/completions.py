@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 from sse_starlette import EventSourceResponse
 
-from engine.protocol import SamplingParams, TokenLogprob
+from engine.protocol import TokenLogprob
 from server.errors import invalid_request
 from server.protocol import (
     Completion,
@@ -17,23 +17,23 @@ from server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
 )
-from server.serving import (
-    ChoiceStreams,
-    Job,
-    ServingContext,
-    UsageCounter,
-    answer,
+from server.serving.answer import answer_choices
+from server.serving.checks import (
     check_max_tokens,
     check_model,
     check_n,
     check_prompt_length,
-    engine_memory,
-    fan_out,
-    new_id,
-    stop_sequences,
-    top_k_of,
+    sampling_params,
 )
-from server.sessions import registry_of
+from server.serving.choices import (
+    ChoiceRequest,
+    ChoiceStreams,
+    UsageCounter,
+    fan_out,
+    gather_choices,
+    new_id,
+)
+from server.serving.context import ServingContext
 
 
 def _prompts(request: CompletionRequest) -> list[str]:
@@ -47,7 +47,9 @@ def _prompts(request: CompletionRequest) -> list[str]:
     raise invalid_request("Token-id prompts are not supported; send text.", param="prompt")
 
 
-def _jobs(ctx: ServingContext, request: CompletionRequest, completion_id: str) -> list[Job]:
+def _jobs(
+    ctx: ServingContext, request: CompletionRequest, completion_id: str
+) -> list[ChoiceRequest]:
     settings = ctx.settings
     if request.echo:
         raise invalid_request("echo is not supported.", param="echo")
@@ -66,16 +68,10 @@ def _jobs(ctx: ServingContext, request: CompletionRequest, completion_id: str) -
         raise invalid_request(
             f"logprobs must be at most {settings.max_top_logprobs}.", param="logprobs"
         )
-    sampling = SamplingParams(
+    sampling = sampling_params(
+        settings,
+        request,
         max_tokens=check_max_tokens(settings, request.max_tokens, "max_tokens"),
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=top_k_of(request.top_k),
-        seed=request.seed,
-        presence_penalty=request.presence_penalty or 0.0,
-        frequency_penalty=request.frequency_penalty or 0.0,
-        stop=stop_sequences(settings, request.stop),
-        ignore_eos=bool(request.ignore_eos),
         logprobs=logprobs is not None,
         top_logprobs=logprobs or 0,
     )
@@ -104,6 +100,12 @@ class _LegacyLogprobs:
         )
 
 
+def completion_logprobs(logprobs: list[TokenLogprob] | None) -> CompletionLogprobs | None:
+    if logprobs is None:
+        return None
+    return _LegacyLogprobs().convert(logprobs)
+
+
 async def create_completion(
     ctx: ServingContext, request: CompletionRequest, raw_request: Request, tenant: str
 ) -> Completion | EventSourceResponse:
@@ -112,49 +114,29 @@ async def create_completion(
     jobs = _jobs(ctx, request, completion_id)
     for p, prompt in enumerate(_prompts(request)):
         await check_prompt_length(ctx, prompt, len(prompt), "prompt" if p == 0 else f"prompt[{p}]")
-    if request.session_id:
-        await registry_of(raw_request).before_generate(tenant, request.session_id, raw_request)
-    session_id, memory = engine_memory(tenant, request.session_id, request.memory)
-    streams = await ChoiceStreams.start(ctx, jobs, session_id, memory)
-
-    include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    return await answer(
+    return await answer_choices(
+        ctx,
+        request,
         raw_request,
-        streams,
-        bool(request.stream),
+        tenant,
+        jobs,
         lambda s: _gather(s, completion_id, model),
-        lambda s: _stream_chunks(s, completion_id, model, include_usage),
+        lambda s, include_usage: _stream_chunks(s, completion_id, model, include_usage),
     )
 
 
 async def _gather(streams: ChoiceStreams, completion_id: str, model: str) -> Completion:
-    jobs = {job.index: job for job in streams.jobs}
-    texts: dict[int, list[str]] = {i: [] for i in jobs}
-    logprobs: dict[int, CompletionLogprobs | None] = {i: None for i in jobs}
-    builders = {i: _LegacyLogprobs() for i in jobs}
-    finish: dict[int, str | None] = {i: None for i in jobs}
-    usage = UsageCounter()
-    async for index, delta in streams:
-        texts[index].append(delta.text)
-        if delta.logprobs is not None:
-            part = builders[index].convert(delta.logprobs)
-            whole = logprobs[index] or CompletionLogprobs()
-            logprobs[index] = CompletionLogprobs(
-                tokens=whole.tokens + part.tokens,
-                token_logprobs=whole.token_logprobs + part.token_logprobs,
-                top_logprobs=whole.top_logprobs + part.top_logprobs,
-                text_offset=whole.text_offset + part.text_offset,
-            )
-        if delta.finish_reason is not None:
-            finish[index] = delta.finish_reason
-        usage.add(jobs[index], delta)
+    gathered, usage = await gather_choices(streams)
     choices = [
         CompletionChoice(
-            index=i, text="".join(texts[i]), logprobs=logprobs[i], finish_reason=finish[i]
+            index=i,
+            text=choice.text,
+            logprobs=completion_logprobs(choice.logprobs),
+            finish_reason=choice.finish_reason,
         )
-        for i in sorted(jobs)
+        for i, choice in sorted(gathered.items())
     ]
-    return Completion(id=completion_id, model=model, choices=choices, usage=usage.usage())
+    return Completion(id=completion_id, model=model, choices=choices, usage=usage)
 
 
 async def _stream_chunks(

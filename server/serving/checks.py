@@ -1,0 +1,90 @@
+"""Request checks shared by chat and completions: the served model, the limits that depend on
+the server's settings, and the sampling knobs both requests carry."""
+
+from __future__ import annotations
+
+from engine.protocol import EngineClient, Prompt, SamplingParams
+from server.errors import APIError, invalid_request, model_not_found
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.serving.context import ServingContext
+from server.settings import ServerSettings
+
+
+def check_model(engine: EngineClient, model: str) -> str:
+    served = engine.model.id
+    if model != served:
+        raise model_not_found(model)
+    return served
+
+
+def stop_sequences(settings: ServerSettings, stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    stops = [s for s in stops if s]
+    if len(stops) > settings.max_stop_sequences:
+        raise invalid_request(
+            f"At most {settings.max_stop_sequences} stop sequences are allowed.", param="stop"
+        )
+    return tuple(stops)
+
+
+def check_max_tokens(settings: ServerSettings, value: int | None, param: str) -> int:
+    if value is None:
+        return settings.max_tokens_limit
+    if value > settings.max_tokens_limit:
+        raise invalid_request(
+            f"{param} must be at most {settings.max_tokens_limit}, got {value}.", param=param
+        )
+    return value
+
+
+def check_n(settings: ServerSettings, n: int | None) -> int:
+    n = 1 if n is None else n
+    if n > settings.max_n:
+        raise invalid_request(f"n must be at most {settings.max_n}, got {n}.", param="n")
+    return n
+
+
+async def check_prompt_length(ctx: ServingContext, prompt: Prompt, chars: int, param: str) -> None:
+    """Refuse prompts past max_prompt_tokens. A token holds at least one character, so short
+    prompts skip the tokenizer."""
+    limit = ctx.settings.max_prompt_tokens
+    if chars <= limit:
+        return
+    tokens = await ctx.engine.count_tokens(prompt)
+    if tokens > limit:
+        raise APIError(
+            400,
+            f"The prompt has {tokens} tokens; this server accepts at most {limit}.",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def top_k_of(top_k: int | None) -> int:
+    return 0 if top_k is None or top_k < 0 else top_k  # vLLM spells "no cut" as -1
+
+
+def sampling_params(
+    settings: ServerSettings,
+    request: ChatCompletionRequest | CompletionRequest,
+    *,
+    max_tokens: int,
+    logprobs: bool,
+    top_logprobs: int,
+) -> SamplingParams:
+    """The sampling knobs chat and completions share; the stop list is checked here."""
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=top_k_of(request.top_k),
+        seed=request.seed,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        stop=stop_sequences(settings, request.stop),
+        ignore_eos=bool(request.ignore_eos),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )

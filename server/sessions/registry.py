@@ -1,0 +1,313 @@
+"""SessionRegistry: every live session, by tenant, and what creates, finds, uses and removes
+them. Documents (ingestion.py), collections (attachments.py), restores (restore.py) and
+TTL eviction (sweeper.py) are its collaborators; the limits are in quotas.py, the listing of a
+tenant's sessions across replicas in listing.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+from fastapi import Request
+
+from engine.protocol import EngineClient, EngineError, MemorySpec
+from memory_store.errors import StoreError
+from server.disconnect import until_disconnected
+from server.documents import DocumentLimits, DocumentReader
+from server.errors import invalid_request, session_busy, session_not_found
+from server.metrics import Metrics
+from server.protocol import SessionCreateRequest, SessionObject
+from server.session_store import SessionStore
+from server.sessions.attachments import CollectionAttachments
+from server.sessions.ingestion import DocumentIngestion
+from server.sessions.models import Document, Session, new_session_id
+from server.sessions.quotas import check_session_count
+from server.sessions.restore import SessionRestorer
+from server.sessions.sweeper import SessionSweeper
+from server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+# How long a delete or an eviction waits for cancelled ingestion tasks to wind down.
+CANCEL_GRACE_SECONDS = 5.0
+
+
+class SessionRegistry:
+    """Every live session, by tenant. One per app; safe because everything runs on one loop."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        settings: ServerSettings,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.time,
+        store: SessionStore | None = None,
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.clock = clock
+        self.store = store
+        self.reader = DocumentReader(
+            DocumentLimits(
+                max_bytes=settings.max_document_bytes,
+                max_chars=settings.max_document_chars,
+                max_pdf_pages=settings.max_pdf_pages,
+                timeout_seconds=settings.document_extract_timeout_seconds,
+            )
+        )
+        self.documents = DocumentIngestion(self)
+        self.collections = CollectionAttachments(self)
+        self.restorer = SessionRestorer(self)
+        self.sweeper = SessionSweeper(self)
+        self._by_tenant: dict[str, dict[str, Session]] = {}
+        self._creating: Counter[str] = Counter()
+
+    # --- held sessions ------------------------------------------------------------------------
+
+    def sessions(self, tenant: str) -> list[Session]:
+        return list(self._by_tenant.get(tenant, {}).values())
+
+    def all_sessions(self) -> list[Session]:
+        return [s for sessions in self._by_tenant.values() for s in sessions.values()]
+
+    def held(self, tenant: str, session_id: str) -> Session | None:
+        return self._by_tenant.get(tenant, {}).get(session_id)
+
+    def hold(self, session: Session) -> Session:
+        """Register `session`; a session already held under its id stays (never hold two)."""
+        held = self._by_tenant.setdefault(session.tenant, {})
+        return held.setdefault(session.id, session)
+
+    def view(self, session: Session) -> SessionObject:
+        return session.view(self.engine.session_memory_info(session.engine_id))
+
+    def get(self, tenant: str, session_id: str) -> Session:
+        """A session this registry holds (no restore: see `lookup`)."""
+        session = self.held(tenant, session_id)
+        if session is None:
+            raise session_not_found(session_id)
+        return session
+
+    # --- finding ------------------------------------------------------------------
+
+    async def lookup(self, tenant: str, session_id: str) -> Session:
+        """A held session (unless the store says it was deleted meanwhile), or one restored
+        from the store; 404 when neither has it."""
+        session = self.held(tenant, session_id)
+        if session is not None:
+            if await self.gone_from_store(session):
+                await self.remove(session, "The session was deleted.")
+                raise session_not_found(session_id)
+            return session
+        if self.store is None:
+            raise session_not_found(session_id)
+        return await self.restorer.restore(tenant, session_id)
+
+    async def gone_from_store(self, session: Session) -> bool:
+        """True only when the store answers that the session's record is gone (deleted through
+        another replica); a store that cannot answer keeps held sessions serving."""
+        if self.store is None:
+            return False
+        try:
+            return not await self.store.exists(session.tenant, session.id)
+        except StoreError as exc:
+            logger.debug("could not check session %s in the memory store: %s", session.id, exc)
+            return False
+
+    # --- creating and removing ----------------------------------------------------------------
+
+    async def create(self, tenant: str, body: SessionCreateRequest) -> Session:
+        settings = self.settings
+        ttl = body.ttl_seconds or settings.default_session_ttl_seconds
+        if ttl > settings.max_session_ttl_seconds:
+            raise invalid_request(
+                f"ttl_seconds must be at most {settings.max_session_ttl_seconds}, got {ttl}.",
+                param="ttl_seconds",
+            )
+        check_session_count(settings, len(self.sessions(tenant)) + self._creating[tenant])
+        memory = (
+            MemorySpec(strategy=body.memory.strategy, params=body.memory.knobs())
+            if body.memory
+            else None
+        )
+        now = self.clock()
+        session = Session(
+            id=new_session_id(),
+            tenant=tenant,
+            created_at=now,
+            memory=memory,
+            ttl_seconds=ttl,
+            metadata=dict(body.metadata or {}),
+            last_used=now,
+        )
+        names = self.collections.check_names(body.collections or [], "collections[{i}]")
+        self._creating[tenant] += 1
+        # Shielded: once the engine holds the memory, the session is registered (and so swept
+        # when its TTL passes) even if the client has gone away meanwhile.
+        await asyncio.shield(self._create_in_engine(session))
+        try:
+            for name in names:
+                await self.collections.attach(tenant, session.id, name)
+        except BaseException:
+            # A collection that cannot be attached fails the whole create: no session is left.
+            if self.store is not None:
+                with contextlib.suppress(StoreError):
+                    await asyncio.shield(self._delete_everywhere(tenant, session.id, session))
+            await asyncio.shield(self.remove(session, "The session could not be created."))
+            raise
+        return session
+
+    async def _create_in_engine(self, session: Session) -> None:
+        try:
+            await self.engine.create_session(session.engine_id, session.memory)
+            if self.store is not None:
+                try:
+                    await self.store.save_session(session.record(), new=True)
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        await self.engine.drop_session(session.engine_id)
+                    raise
+                session.saved_last_used = session.last_used
+        finally:
+            self._creating[session.tenant] -= 1
+        self.hold(session)
+        logger.info("session %s created", session.engine_id)
+
+    async def delete(self, tenant: str, session_id: str) -> None:
+        """Forget the session here and in the store. With the store down: 503, and the session
+        stays (this replica, if it held it, lets it go; the next request restores it)."""
+        session = self.held(tenant, session_id)
+        if self.store is None:
+            if session is None:
+                raise session_not_found(session_id)
+            await asyncio.shield(self.remove(session, "The session was deleted."))
+            return
+        await self.store.ping()
+        if session is None and await self.store.load(tenant, session_id) is None:
+            raise session_not_found(session_id)
+        await asyncio.shield(self._delete_everywhere(tenant, session_id, session))
+
+    async def _delete_everywhere(
+        self, tenant: str, session_id: str, session: Session | None
+    ) -> None:
+        assert self.store is not None
+        if session is not None:
+            # Locally first: once ingestion has stopped, nothing writes the records again.
+            await self.remove(session, "The session was deleted.")
+            if session.saving is not None:
+                await asyncio.wait([session.saving])
+        await self.store.delete(tenant, session_id)
+
+    async def remove(self, session: Session, reason: str) -> None:
+        """Forget the session, cancel its ingestion, free its engine memory at once."""
+        tenant_sessions = self._by_tenant.get(session.tenant, {})
+        if tenant_sessions.get(session.id) is not session:
+            return
+        session.removed = True
+        del tenant_sessions[session.id]
+        if not tenant_sessions:
+            self._by_tenant.pop(session.tenant, None)
+        tasks = _cancel_ingestion(session.documents.values(), reason)
+        try:
+            await self.engine.drop_session(session.engine_id)
+        except EngineError as exc:
+            logger.warning("dropping session %s failed: %r", session.engine_id, exc)
+        if tasks:
+            await asyncio.wait(tasks, timeout=CANCEL_GRACE_SECONDS)
+        logger.info("session %s removed: %s", session.engine_id, reason)
+
+    # --- use ----------------------------------------------------------------------------------
+
+    def touch(self, session: Session) -> None:
+        session.last_used = self.clock()
+        self._save_last_used(session)
+
+    def _save_last_used(self, session: Session) -> None:
+        """Keep the stored last_used roughly current (so that another replica neither restores
+        an expired session nor drops a live one); best effort, in the background."""
+        if self.store is None or session.removed:
+            return
+        if session.saving is not None and not session.saving.done():
+            return
+        unsaved = any(not doc.saved for doc in session.documents.values())
+        if not unsaved and session.last_used - session.saved_last_used < session.ttl_seconds / 4:
+            return
+        session.saving = asyncio.create_task(
+            self._save_session_quietly(session), name=f"save-{session.id}"
+        )
+
+    async def _save_session_quietly(self, session: Session) -> None:
+        assert self.store is not None
+        record = session.record()
+        try:
+            await self.store.save_session(record)
+            session.saved_last_used = record.last_used
+            for doc in list(session.documents.values()):
+                if not doc.saved and not session.removed:
+                    await self.store.save_document(session.tenant, session.id, doc.record())
+                    doc.saved = True
+        except StoreError as exc:
+            logger.info("saving session %s to the memory store failed: %s", session.id, exc)
+
+    async def before_generate(self, tenant: str, session_id: str, request: Request) -> None:
+        """Mark the session used; wait for (or refuse, per session_busy_policy) its ingestion.
+
+        A session this registry does not hold is restored from the store when there is one
+        (404 if the store has none for this tenant). Without a store it is left for the engine
+        to judge: it raises SessionNotFound (404) when it holds no memory under the
+        tenant-scoped id, so tenants stay apart either way.
+        """
+        if self.store is None and self.held(tenant, session_id) is None:
+            return
+        session = await self.lookup(tenant, session_id)
+        self.touch(session)
+        if not session.ingesting():
+            return
+        settings = self.settings
+        if settings.session_busy_policy == "reject":
+            raise session_busy(
+                f"Session '{session_id}' is still reading documents; retry when every document "
+                "is ready (GET /v1/sessions/{id}/documents?stream=true follows progress)."
+            )
+        timeout = settings.session_wait_timeout_seconds
+        idle = await until_disconnected(request, session.wait_idle(timeout))
+        if self.held(tenant, session_id) is not session:
+            raise session_not_found(session_id)
+        if not idle:
+            raise session_busy(
+                f"Session '{session_id}' was still reading documents after {timeout:g} seconds."
+            )
+        self.touch(session)
+
+    # --- lifetime -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.sweeper.start()
+
+    async def close(self) -> None:
+        """Stop sweeping and cancel ingestion; the engine's shutdown frees the memories."""
+        await self.sweeper.stop()
+        sessions = self.all_sessions()
+        documents = [doc for session in sessions for doc in session.documents.values()]
+        tasks = _cancel_ingestion(documents, "The server is shutting down.")
+        for session in sessions:
+            if session.saving is not None and not session.saving.done():
+                session.saving.cancel()
+                tasks.append(session.saving)
+        if tasks:
+            await asyncio.wait(tasks, timeout=CANCEL_GRACE_SECONDS)
+
+
+def _cancel_ingestion(documents: Iterable[Document], reason: str) -> list[asyncio.Task[None]]:
+    tasks = []
+    for doc in documents:
+        if doc.task is not None and not doc.task.done():
+            doc.error = reason
+            doc.task.cancel()
+            tasks.append(doc.task)
+    return tasks
