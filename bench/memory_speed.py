@@ -25,7 +25,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.loader import load_model
-from engine.memory.frame import read_dtype
+from engine.memory.band import read_dtype
 from engine.memory.session import STRATEGIES, SessionMemory
 from engine.protocol import MemorySpec
 
@@ -66,7 +66,7 @@ def decode_ms_per_token(memory: SessionMemory, first: int, steps: int, device) -
 def plain_decode_ms_per_token(model, ids: torch.Tensor, steps: int) -> float:
     """Decode ms/token on transformers' own KV cache (DynamicCache) after a prompt of ids, no
     session: the model's plain decode over the same tokens. (The server's plain requests use
-    their own cache, engine/kv_attention.py; this is the model's reference, not that path.)"""
+    their own cache, engine/kv_cache.py; this is the model's reference, not that path.)"""
     out = model(ids[None], use_cache=True, logits_to_keep=1)
     cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
     started = time.perf_counter()

@@ -18,8 +18,9 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.attention import KV_KWARG, require_longserve_attention
 from engine.detokenize import Detokenizer, token_bytes, token_text
-from engine.kv_attention import KV_KWARG, KVBatch, KVCache, use_kv_attention
+from engine.kv_cache import KVBatch, KVCache
 from engine.protocol import (
     FinishReason,
     GenerationDelta,
@@ -59,6 +60,7 @@ class KVCacheState:
     strategy: str | None = None
 
     def __init__(self, model: Any, max_tokens: int | None = None) -> None:
+        require_longserve_attention(model)
         self._model = model
         self._device = next(model.parameters()).device
         self.cache = KVCache(model, max_tokens)
@@ -82,7 +84,6 @@ class KVCacheState:
 def forward_kv(model: Any, states: Sequence[KVCacheState], ids: torch.Tensor) -> torch.Tensor:
     """One forward of ids (B, T), row b appended to states[b]'s cache; logits (B, vocab) at the
     last position of each row. On failure no cache has changed."""
-    use_kv_attention(model)
     batch = KVBatch([state.cache for state in states])
     positions = batch.begin(ids.shape[1])  # (B, T)
     try:
@@ -318,32 +319,6 @@ class Generation:
         )
         self._pending_ids, self._pending_logprobs = [], []
         return delta
-
-
-def generate_steps(
-    state: DecodeState,
-    prompt_ids: torch.Tensor,
-    sampling: SamplingParams,
-    tokenizer: Any,
-    *,
-    stop_token_ids: Sequence[int] = (),
-    prefill_chunk_tokens: int = 512,
-    vocab_size: int | None = None,
-    queued_at: float | None = None,
-    append_final_token: bool = False,
-) -> Generation:
-    """The steps of one request: a `Generation` of prompt_ids (T,) over state."""
-    return Generation(
-        state,
-        prompt_ids,
-        sampling,
-        tokenizer,
-        stop_token_ids=stop_token_ids,
-        prefill_chunk_tokens=prefill_chunk_tokens,
-        vocab_size=vocab_size,
-        queued_at=queued_at,
-        append_final_token=append_final_token,
-    )
 
 
 def step_batch(

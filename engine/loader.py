@@ -103,8 +103,11 @@ def _from_pretrained(cls: Any, source: str, kwargs: dict[str, Any], what: str) -
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
-    """Load the tokenizer and causal LM named by `config`, in eval mode on its device."""
+    """Load the tokenizer and causal LM named by `config`, in eval mode on its device, with
+    longserve's attention function selected (engine/attention.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.attention import use_longserve_attention
 
     source, kwargs, default_id = _source(config.model)
     device = resolve_device(config.device)
@@ -113,6 +116,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     tokenizer = _from_pretrained(AutoTokenizer, source, kwargs, "tokenizer")
     model = _from_pretrained(AutoModelForCausalLM, source, {**kwargs, "dtype": dtype}, "model")
     model = model.to(device=device, dtype=dtype).eval()
+    use_longserve_attention(model)
 
     trained_len = getattr(model.config, "max_position_embeddings", None)
     max_model_len = config.max_model_len or trained_len

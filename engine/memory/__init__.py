@@ -2,8 +2,12 @@
 memory that every forward attends to through a frame (ARCHITECTURE.md section 3).
 
     session.py     SessionMemory, STRATEGIES - the only interface the rest of engine/ uses
-    attention.py   the attention function registered with transformers' AttentionInterface
-    frame.py       the frame [sinks | retrieved | local window | chunk] and per-layer stores
+    frame.py       FrameState: the frame [sinks | retrieved | local window | chunk], positions,
+                   one layer's attention (reached through engine/attention.py)
+    band.py        a reading chunk's band attention, and the dtype it computes in
+    step_cache.py  the decode-step path and what decode steps keep between steps
+    buffers.py     GrowingBuffer, LayerStore: where each layer's keys and values live
+    selector.py    Selector, the base class a strategy plugs into the frame
     rotary.py      un-rotating and re-rotating keys at frame positions
     config.py      one frozen dataclass of hyperparameters per strategy, MemorySpec parsing
     segments.py    CacheFormer (default)      tokens.py  Unlimiformer (decoder-only)

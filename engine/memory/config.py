@@ -32,43 +32,25 @@ class FrameConfig:
     read_retrieval: 1 lets every forward retrieve from memory; 0 (default) lets only forwards
         of at most `tail` tokens retrieve (the question's tail forward and decode steps),
         while the chunks of a long append (document reading) attend to sinks + local window +
-        chunk only, as in the prototype that first kept passkey at 11.5K ("retrieval only for
-        the question"). Every token is still stored and retrievable later (its upper-layer
-        keys and values were computed without long-range context). Measured on SmolLM2-135M,
-        bench/passkey.py prompt at 12.3K tokens, key at depth 0.4, segments k 8 u 1: found
-        with 0 and with 1, but reading took 197 s with 0 against 335 s with 1 (one run each,
-        CPU, shared); with 1 a chat-template prompt of 12.6K tokens missed the key although
-        its block was in the frame for 90 of 90 (layer, KV head) pairs (see segments.py).
-        With chunk_size <= tail, or tail 0 (no forward of its own for the question), every
-        forward retrieves: measured, a question forward without retrieval answers wrong even
-        when the decode steps after it retrieve (12.6K chat prompt: " a magical item ...").
+        chunk only. Every token is still stored and retrievable later (its upper-layer keys
+        and values were computed without long-range context). With chunk_size <= tail, or
+        tail 0 (no forward of its own for the question), every forward retrieves
+        (docs/decisions/011-read-without-retrieval.md).
     read_window: how much of the local window a reading chunk attends (a forward that does
         not retrieve, once the session is longer than sinks + local window): every token of
         the chunk attends the sinks and at least the `read_window` tokens before it, at most
         read_window + 127 (query rows go in blocks of 128, each attending one contiguous
-        slice: see FrameState._attend_band); 0 (or anything from local_window up) means the
-        whole window. The question's tail, decode steps and every forward while the session
-        still fits attend the whole window, so a session that fits is still exactly the
-        model's own attention. Measured on SmolLM2-135M, CPU, reading 8192 tokens in chunks
-        of 512 against a bare forward over the same chunks (bench/memory_speed.py, interleaved):
-        0.73 with the whole 1024-token window, 0.78 with 512 when every row of a chunk attended
-        the same newest 512 (512 to 1023 tokens of context), 0.86 with the band of 512 (512 to
-        639), 0.91 with a band of 256. On the 29.7K-token prose document of
-        tests/e2e/test_session_recall.py (three facts and a follow-up) 512 answers all four,
-        both as a band and not; 256 loses the second fact (answers "Southampton" for
-        "Lisbon"), both as a band and not. Passkey with 256 (not a band): 10/10 at 4K and 16K.
+        slice: see band.attend_band); 0 (or anything from local_window up) means the whole
+        window. The question's tail, decode steps and every forward while the session still
+        fits attend the whole window, so a session that fits is still exactly the model's own
+        attention (docs/decisions/012-read-band.md).
     read_dtype: the precision of a reading chunk's band attention (the read_window
         attention above; nothing else). "model" computes it in the model's dtype; "bfloat16"
         rounds its queries, keys and values to bfloat16 (the kernels accumulate in fp32) and
         casts the output back; "auto" (default) is "bfloat16" for an fp32 model on a device
         with native bfloat16 matrix units (a CPU with AMX or AVX512-BF16, a CUDA GPU that
-        supports bfloat16) and "model" elsewhere. The band is where reading a document spends
-        more than a bare forward (each token attends at least read_window tokens, a bare
-        chunk 288 on average); measured on SmolLM2-135M, CPU with AMX, 2 threads, one band
-        attention of a 512-token chunk: 9.4-10.1 ms fp32, 3.9-4.6 ms bfloat16 (output relative
-        error 0.4 %); reading 8192 tokens vs a bare forward (bench/memory_speed.py): 0.83 fp32,
-        0.96 bfloat16; the 30K prose recall test answers 4 of 4 with either. The keys and
-        values a session stores stay in the model's dtype.
+        supports bfloat16) and "model" elsewhere (docs/decisions/013-read-dtype.md). The keys
+        and values a session stores stay in the model's dtype.
     tier: where memory blocks live. "device" (default) keeps them beside the model; "host"
         keeps them in (page-locked) host memory and copies only the rows a forward retrieves
         to the device, so a GPU holds sinks, window, summaries and indices while the bulk of
@@ -109,23 +91,12 @@ class SegmentsConfig(FrameConfig):
     score: block summary used for scoring. "bound" (default) is a Quest-style upper bound of
         the best token score in the block (per-dimension max/min of its keys); "mean" is
         CacheFormer's compressed segment (the mean pre-rotary key of the block, per KV head).
-        Measured on SmolLM2-135M (passkey at ~1000 of 3200 tokens, local window 512, k=4, u=1):
-        "mean" put the passkey block in the frame for 46 of 90 (layer, KV head) pairs and the
-        answer was wrong; "bound" for 90 of 90, and the answer was right.
     select: who picks the top-k. "consensus" (default): a forward's block scores add up over
         the KV heads and the layers, and layer l takes the top-k of the sum over layers 0..l,
         the same blocks for all its KV heads. "head": every layer and KV head picks its own
-        top-k, as CacheFormer does per head. Measured on SmolLM2-135M, a 29.7K-token prose
-        document with three planted facts (tests/e2e/haystack.py), read once: per head the
-        fact's block was in the top 8 for 33, 32 and 45 of 90 (layer, KV head) pairs and the
-        model answered 1 of 3; summed over heads only (per layer) 1 of 3; summed over heads
-        and layers the facts' blocks ranked 6th, 3rd and 1st and the model answered 3 of 3.
+        top-k, as CacheFormer does per head.
     Defaults: sinks 64, block 64, k 8, u 1, local window 1024, chunk 512: frame
-    64 + 8*3*64 + 1024 + 512 = 3136 tokens. k and u measured (bench/passkey.py prompt, 12.3K
-    tokens, key at depth 0.4, one document read then the question forward swept): k 2, 4, 8,
-    16 with u 0 or 1, "bound", all found the key (24 retrieved blocks of near-identical filler
-    do not dilute it away), so k 8, u 1 keep the larger budget for real text; "mean" (k 4,
-    u 0) missed it.
+    64 + 8*3*64 + 1024 + 512 = 3136 tokens (docs/decisions/014-segments-ranking.md).
     """
 
     k: int = 8
@@ -174,9 +145,8 @@ class NeurocacheConfig(FrameConfig):
 
     r: layer whose output is compressed; -1 means layer num_layers // 6. The paper puts r at
         3/4 of the depth, where its trained cache attention takes over; without that training
-        the upper quarter alone cannot use what it retrieves. Measured on SmolLM2-135M (30
-        layers), bench/passkey.py at 4K, n 4, k 16, w 2: r 21 (3/4) found 1 of 4, r 15 and
-        r 10 2 of 4, r 1 and r 3 3 of 4, r 5 3 of 4; r 5 with k 64 (or w 4, or k 128) 4 of 4.
+        the upper quarter alone cannot use what it retrieves
+        (docs/decisions/015-neurocache-layer.md).
     d: compressed size; 0 means hidden/4.
     fit_tokens: W_p is the PCA of the session's first fit_tokens memory states (fitted once).
     projection_path: a torch file with {"weight": (d, hidden), "mean": (hidden,)} to use instead.

@@ -1,6 +1,6 @@
 """Nearest-neighbour search over a growing set of vectors, behind one interface.
 
-    index = make_index(dim, backend="auto", metric="ip", device=device)
+    index = VectorIndex(dim, backend="auto", metric="ip", device=device)
     index.add(x)                           # x (n, dim); ids are 0, 1, 2, ... in add order
     scores, ids = index.search(q, k)       # q (r, dim) -> (r, k) each, best first, ids -1 if none
     index.drop_front(n)                    # forget the n oldest vectors (FIFO); ids shift down
@@ -11,9 +11,8 @@ Backends:
 - "faiss-flat": exact faiss IndexFlatIP / IndexFlatL2 (faiss-gpu when importable and the
   vectors live on a GPU; faiss-GPU caps k at 2048, so k is clipped there).
 - "faiss-hnsw": HNSW (M=32, efConstruction 80, efSearch 128 whatever k) - approximate, grows
-  without training. With k above efSearch (tokens' k 256) it still returns k hits; measured on
-  131,072 random 64-dim vectors, 3 queries: recall@256 0.87 at efSearch 128, 0.91 at 256, 0.94
-  at 512, at 2.2 / 3.1 / 5.0 ms per search on one thread.
+  without training. With k above efSearch (tokens' k 256) it still returns k hits
+  (docs/decisions/019-hnsw-ef-search.md).
 - "faiss-ivf": IVF-Flat trained on the vectors held when it is first searched (nlist ~
   4*sqrt(n), nprobe = nlist/4); retrained whenever the set has doubled since.
 - "auto": torch on a GPU; on CPU torch exact up to `threshold` vectors, faiss HNSW past it.
@@ -36,7 +35,7 @@ import torch
 try:
     import faiss
 except ImportError:  # pragma: no cover - faiss-cpu is a dependency
-    faiss = None
+    faiss = None  # type: ignore[assignment]
 
 FAISS_GPU_MAX_K = 2048
 AUTO_THRESHOLD = 1 << 16
@@ -165,11 +164,11 @@ class VectorIndex:
         flat = faiss.IndexFlatIP(self.dim) if self.metric == "ip" else faiss.IndexFlatL2(self.dim)
         if kind == "faiss-ivf":
             nlist = max(1, min(int(4 * math.sqrt(self._size)), self._size // 39))
-            index = faiss.IndexIVFFlat(flat, self.dim, nlist, metric)
-            index.train(self.vectors().cpu().numpy())
-            index.nprobe = max(1, nlist // 4)
+            ivf = faiss.IndexIVFFlat(flat, self.dim, nlist, metric)
+            ivf.train(self.vectors().cpu().numpy())
+            ivf.nprobe = max(1, nlist // 4)
             self._trained_at = self._size
-            return index
+            return ivf
         if self.device.type == "cuda" and hasattr(faiss, "StandardGpuResources"):
             self._resources = faiss.StandardGpuResources()
             self._on_faiss_gpu = True
@@ -189,13 +188,3 @@ class VectorIndex:
         its copy plus 2M neighbour ids per vector at M 32: about the same again)."""
         size = self._size * self.dim * self._vectors.element_size()
         return size * (2 if self._faiss is not None else 1)
-
-
-def make_index(
-    dim: int,
-    backend: str = "auto",
-    metric: str = "ip",
-    device: torch.device | str = "cpu",
-    threshold: int = AUTO_THRESHOLD,
-) -> VectorIndex:
-    return VectorIndex(dim, backend, metric, device, threshold)

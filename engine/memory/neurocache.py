@@ -43,15 +43,16 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from engine.memory.attention import FRAME_KWARG
+from engine.attention import FRAME_KWARG
+from engine.memory.buffers import LayerStore
 from engine.memory.config import NeurocacheConfig
-from engine.memory.frame import LayerStore
-from engine.memory.index import VectorIndex, make_index
+from engine.memory.index import VectorIndex
+from engine.memory.selector import Selector
 from engine.memory.tokens import fair_union, query_rows
 from engine.protocol import InvalidRequest
 
 
-class NeurocacheSelector:
+class NeurocacheSelector(Selector):
     def __init__(self, config: NeurocacheConfig, model: PreTrainedModel) -> None:
         self.config = config
         num_layers = model.config.num_hidden_layers
@@ -69,12 +70,12 @@ class NeurocacheSelector:
         self.mean: torch.Tensor | None = None  # (hidden,)
         if config.projection_path:
             self._load_projection(config.projection_path)
-        self.cache: VectorIndex = make_index(
+        self.cache: VectorIndex = VectorIndex(
             self.d if self.weight is not None else self.hidden, "auto", "l2", self.device
         )
-        self._raw = make_index(self.hidden, "torch", "l2", self.device)  # raw h_r, for refits
+        self._raw = VectorIndex(self.hidden, "torch", "l2", self.device)  # raw h_r, for refits
         self._fitted_at = 0
-        self.frame: object | None = None  # set by the session; the hook acts for it only
+        self.frame = None  # set by the session; the hook acts for it only
         self.seconds = 0.0
         self._chunk_h: torch.Tensor | None = None  # (T, hidden) layer-r output of the chunk
         self._window_h = torch.empty(0, self.hidden, device=self.device)
@@ -137,7 +138,7 @@ class NeurocacheSelector:
         return None
 
     def _compress(self, h: torch.Tensor) -> torch.Tensor:
-        if self.weight is None:
+        if self.weight is None or self.mean is None:  # set together
             return h
         return (h - self.mean) @ self.weight.T
 
@@ -214,7 +215,7 @@ class NeurocacheSelector:
         _, _, vh = torch.linalg.svd(states - self.mean, full_matrices=False)
         self.weight = vh[: self.d]
         compressed = self._compress(states)
-        self.cache = make_index(self.d, "auto", "l2", self.device)
+        self.cache = VectorIndex(self.d, "auto", "l2", self.device)
         self.cache.add(compressed)
 
     def on_memory_dropped(self, layer: int, n: int) -> None:

@@ -13,28 +13,16 @@ token reduces to its own softmax (the same ranking as its raw scores).
 
 Who chooses (`select`): by default the top-k is a consensus. The block scores of a forward
 add up over the KV heads and, layer by layer, over the layers so far: layer l retrieves the
-top-k of the sum over layers 0..l for all its KV heads. One head's ranking is noisy on prose
-(a planted fact's block in the top 8 for about a third to a half of the (layer, KV head)
-pairs), the sum is not (the facts' blocks ranked 1st to 6th; config.py has the figures).
-"head" keeps CacheFormer's own choice, per layer and head.
+top-k of the sum over layers 0..l for all its KV heads. One head's ranking is noisy on prose,
+the sum is not. "head" keeps CacheFormer's own choice, per layer and head.
 
 Summaries (`score`): "bound" (default) is an upper bound of the best single-token score in
 the block, sum_i max(q_i * max_i, q_i * min_i) over the per-dimension key extremes (as in
 Quest), which does not let one strong token drown among 63 ordinary ones; "mean" is the mean
-pre-rotary key of the block (CacheFormer's compressed segment). On SmolLM2-135M's passkey
-(config.py) the mean missed the passkey block in half the (layer, KV head) pairs and the
-answer; the bound found it in all and answered.
+pre-rotary key of the block (CacheFormer's compressed segment).
 
-Measured on SmolLM2-135M (CPU, greedy): passkey in a ~3.2K-token prompt with local window 512,
-k=4, u=1 found at 3 of 3 depths; at 12.6K tokens (chat-template prompt) with every chunk
-retrieving while reading, the passkey block was in the frame for all 90 (layer, KV head)
-pairs but the answer was wrong. Dilution by many filler blocks is not the cause: on
-bench/passkey.py's prompt at 12.3K tokens (key at depth 0.4), reading once and then sweeping
-the question forward, k 2/4/8/16 x u 0/1 x retrieved tokens packed after the sinks or placed
-right before the local window all found the key, with reading that retrieved and with reading
-that did not; only score "mean" (k 4, u 0) missed it (passkey block in 40 of 90 pairs, answer
-"123456"). So reading retrieves nothing by default (config.read_retrieval: same answers,
-1.7x faster reading) and k 8, u 1, "bound" stay.
+Why these defaults, with the figures: docs/decisions/014-segments-ranking.md (and
+011-read-without-retrieval.md for reading without retrieval).
 
 Defaults (SegmentsConfig): sinks 64, block 64, k 8, u 1, score "bound", select "consensus",
 local window 1024, chunk 512, tail 32.
@@ -44,11 +32,12 @@ from __future__ import annotations
 
 import torch
 
+from engine.memory.buffers import GrowingBuffer, LayerStore
 from engine.memory.config import SegmentsConfig
-from engine.memory.frame import GrowingBuffer, LayerStore
+from engine.memory.selector import Selector
 
 
-class SegmentSelector:
+class SegmentSelector(Selector):
     def __init__(
         self,
         config: SegmentsConfig,

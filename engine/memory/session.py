@@ -6,9 +6,10 @@
 
 `append` forwards the tokens in chunks of `chunk_size`; every chunk attends to the frame
 (sinks, the memory its strategy selects, the local window) and then joins it, so every token
-appended, prompt or generated, is context for every later append. The model's attention is
-switched to `engine.memory.attention.memory_attention` once; a forward without a session
-still runs plain SDPA attention.
+appended, prompt or generated, is context for every later append. The frame reaches the
+model's layers as a forward keyword of longserve's attention function (engine/attention.py),
+which the model must have selected (the loader does); a forward without a session still runs
+plain SDPA attention.
 """
 
 from __future__ import annotations
@@ -20,17 +21,18 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from engine.memory.attention import FRAME_KWARG, use_memory_attention
+from engine.attention import FRAME_KWARG, require_longserve_attention
 from engine.memory.config import (
     NeurocacheConfig,
     SegmentsConfig,
     TokensConfig,
     parse_memory_spec,
 )
-from engine.memory.frame import FrameState, Selector
+from engine.memory.frame import FrameState
 from engine.memory.rotary import RotaryTable
+from engine.memory.selector import Selector
 from engine.protocol import InvalidRequest, MemorySpec
-from memory_store.encodings import ChunkEncoding, chain_hash
+from memory_store.client import ChunkEncoding, chain_hash
 
 STRATEGIES: tuple[str, ...] = ("segments", "tokens", "neurocache")
 
@@ -39,6 +41,7 @@ class SessionMemory:
     def __init__(self, model: PreTrainedModel, spec: MemorySpec | None = None) -> None:
         cfg = model.config
         max_positions = int(cfg.max_position_embeddings)
+        require_longserve_attention(model)
         self.config = parse_memory_spec(spec, max_positions=max_positions)
         self.strategy = (spec or MemorySpec()).strategy
         self.model = model
@@ -73,25 +76,23 @@ class SessionMemory:
             dtype,
             device,
         )
-        if hasattr(selector, "frame"):
-            selector.frame = self._frame
+        selector.frame = self._frame
         self._last_logits: torch.Tensor | None = None
         # chain hash of every forward (or imported chunk) so far; None for an empty session
         self.state_hash: str | None = None
         self._offloaded = False
-        use_memory_attention(model)
 
     def __del__(self) -> None:
         # frame and selector refer to each other (selector.frame): break the cycle so that a
         # dropped session's keys and values are freed at once, not at the next full gc pass
         selector = self.__dict__.get("_selector")
-        if selector is not None and getattr(selector, "frame", None) is not None:
+        if selector is not None:
             selector.frame = None
 
     def end_request(self) -> None:
-        """A request on this memory ended: drop the decode steps' caches (about 94 MB for a
-        segments session of SmolLM2 in fp32), so a session between requests holds its memory
-        only. The next decode step rebuilds them (one rotation of the window per layer)."""
+        """A request on this memory ended: drop the decode steps' caches, so a session between
+        requests holds its memory only (docs/decisions/018-decode-step-caches.md). The next
+        decode step rebuilds them (one rotation of the window per layer)."""
         self._frame.release_step_caches()
 
     # -- tiers: an idle session leaves the device ------------------------------------------
@@ -172,11 +173,10 @@ class SessionMemory:
         returns the logits (vocab,) at its last token. A selector that votes (segments'
         consensus) gets a voting pass first: the same forward, run and thrown away, whose
         layers' summed block scores then choose the blocks of every layer of the real one."""
-        wants_vote = getattr(self._selector, "wants_vote", None)
-        if wants_vote is not None and wants_vote(ids.numel()):
+        if self._selector.wants_vote(ids.numel()):
             self._forward_once(ids)
             self._frame.abort()
-            self._selector.hold_vote()  # type: ignore[attr-defined]
+            self._selector.hold_vote()
         return self._forward_once(ids)
 
     def _forward_once(self, ids: torch.Tensor) -> torch.Tensor:
@@ -217,8 +217,7 @@ class SessionMemory:
             logits = self._forward(ids.to(device))
             try:
                 keys, values = self._frame.pending_chunk()
-                export = getattr(self._selector, "export_chunk_state", None)
-                meta = {"strategy": self.strategy, **(export() if export is not None else {})}
+                meta = {"strategy": self.strategy, **self._selector.export_chunk_state()}
                 encoding = ChunkEncoding(
                     keys=tuple(k.to(torch.float16).cpu().numpy() for k in keys),
                     values=tuple(v.to(torch.float16).cpu().numpy() for v in values),
@@ -278,9 +277,7 @@ class SessionMemory:
             [torch.from_numpy(np.array(k, dtype=np.float16)) for k in encoding.keys],
             [torch.from_numpy(np.array(v, dtype=np.float16)) for v in encoding.values],
         )
-        take = getattr(self._selector, "import_chunk_state", None)
-        if take is not None:
-            take(encoding.meta, forwarded)
+        self._selector.import_chunk_state(encoding.meta, forwarded)
 
     def _chunks(self, total: int, tail: bool = True) -> list[tuple[int, int]]:
         """[start, end) of each forward: chunk_size pieces, the last `tail` tokens apart."""
@@ -296,5 +293,4 @@ class SessionMemory:
     def pop_retrieval_seconds(self) -> float:
         """Seconds spent selecting memory since the last call."""
         seconds, self._frame.retrieval_seconds = self._frame.retrieval_seconds, 0.0
-        pop_own = getattr(self._selector, "pop_seconds", None)
-        return seconds + (pop_own() if pop_own is not None else 0.0)
+        return seconds + self._selector.pop_seconds()

@@ -23,9 +23,8 @@ rank by rank with the last token's rows first and the first k distinct kept (fai
 Scoring: queries are rotated by their distance to the retrieved span before the search
 (FrameState.query_at_retrieval_distance), so a key's score is the logit it will get in the
 frame, not the logit it would get at distance zero. Both are departures from the paper, which
-searches with each token's own query for that token alone; together they took SmolLM2-135M's passkey
-at 4K tokens (bench/passkey.py, n 4, same keys and depths) from 2 of 4 to 4 of 4, with k 256
-and with k 64.
+searches with each token's own query for that token alone
+(docs/decisions/016-tokens-search.md).
 
 Defaults (TokensConfig): k 256, all layers augmented (the paper tunes a few upper layers per
 model; without tuning, all layers keep the model's own attention pattern everywhere), index
@@ -36,12 +35,14 @@ from __future__ import annotations
 
 import torch
 
+from engine.memory.buffers import LayerStore
 from engine.memory.config import TokensConfig, parse_layers
-from engine.memory.frame import FrameState, LayerStore
-from engine.memory.index import VectorIndex, make_index
+from engine.memory.frame import FrameState
+from engine.memory.index import VectorIndex
+from engine.memory.selector import Selector
 
 
-class TokenSelector:
+class TokenSelector(Selector):
     def __init__(
         self,
         config: TokensConfig,
@@ -54,7 +55,7 @@ class TokenSelector:
         self.layers = set(parse_layers(config.layers, num_layers))
         self.frame: FrameState | None = None  # set by the session: query positions
         self.indices: dict[int, list[VectorIndex]] = {
-            layer: [make_index(head_dim, config.index, "ip", device) for _ in range(kv_heads)]
+            layer: [VectorIndex(head_dim, config.index, "ip", device) for _ in range(kv_heads)]
             for layer in self.layers
         }
 
@@ -110,9 +111,8 @@ def fair_union(ids: torch.Tensor, k: int) -> torch.Tensor:
 
     Ranking the union by raw score instead lets the rows that have near-copies in memory (the
     repeated filler of a long document) fill all k slots, and the row that matters most - the
-    last token, whose logits are returned - loses its hits: measured on SmolLM2-135M passkey
-    at 4K tokens, the key's digits reached the frame in 8-13 of 90 (layer, KV head) pairs with
-    the score ranking and the answer was wrong."""
+    last token, whose logits are returned - loses its hits
+    (docs/decisions/016-tokens-search.md)."""
     order = ids.T.reshape(-1)
     order = order[order >= 0]
     if order.numel() == 0:

@@ -1,13 +1,13 @@
 import pytest
 import torch
 
-from engine.generate import KVCacheState, MemoryState, generate_steps
+from engine.generate import Generation, KVCacheState, MemoryState
 from engine.protocol import SamplingParams
 
 
 def run(loaded, prompt_ids, sampling, **kwargs):
     state = KVCacheState(loaded.model)
-    steps = generate_steps(state, prompt_ids, sampling, loaded.tokenizer, **kwargs)
+    steps = Generation(state, prompt_ids, sampling, loaded.tokenizer, **kwargs)
     deltas = [d for d in steps if d is not None]
     return deltas, [t for d in deltas for t in d.token_ids]
 
@@ -98,7 +98,7 @@ def test_memory_state_appends_every_token(tiny_loaded, small_memory_spec):
     ids = prompt(tiny_loaded)
     deltas = [
         d
-        for d in generate_steps(
+        for d in Generation(
             state,
             ids,
             SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),

@@ -13,6 +13,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from engine.attention import use_longserve_attention
 from engine.memory.session import SessionMemory
 from engine.protocol import InvalidRequest, MemorySpec
 
@@ -38,12 +39,12 @@ def tiny(kind: str, **overrides) -> torch.nn.Module:
         model = MistralForCausalLM(MistralConfig(sliding_window=None, **kw))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**kw))
-    model.set_attn_implementation("sdpa")
+    use_longserve_attention(model)  # as the loader does
     return model.eval()
 
 
 def reference_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    model.set_attn_implementation("sdpa")
+    """The model's own attention: a forward with no frame is plain SDPA."""
     with torch.inference_mode():
         return model(input_ids=ids[None]).logits[0]
 
@@ -143,9 +144,9 @@ def test_a_reading_chunk_attends_a_band_of_at_least_read_window_tokens(
     masked fp32 attention over [sinks | newest read_window window tokens | chunk] built from
     that rule, for blocks that divide the chunk, that do not, and that run past read_window;
     in the model's dtype and in bfloat16 (FrameConfig.read_dtype), whose output is fp32."""
-    from engine.memory import frame as frame_module
+    from engine.memory import band as band_module
 
-    monkeypatch.setattr(frame_module, "BAND_ROWS", 6)
+    monkeypatch.setattr(band_module, "BAND_ROWS", 6)
     model = tiny("llama")
     spec = dict(sinks=8, local_window=64, chunk_size=chunk, block=8, k=2, u=1, tail=4)
     spec.update(read_window=16, read_dtype=read_dtype)
@@ -166,7 +167,7 @@ def test_a_reading_chunk_attends_a_band_of_at_least_read_window_tokens(
     store = frame.layers[0]
     rw, S = 16, frame.n_sinks
     window = frame.rotary.rotate(store.local_k[:, -rw:], frame._local_positions()[-rw:])
-    keys = torch.cat((frame._rotated_sinks(0), window, key[0]), dim=1)[None]
+    keys = torch.cat((frame.rotated_sinks(0), window, key[0]), dim=1)[None]
     values = torch.cat((store.sink_v, store.local_v[:, -rw:], value[0]), dim=1)[None]
     visible = torch.zeros(chunk, S + rw + chunk, dtype=torch.bool)
     for r in range(chunk):
@@ -184,16 +185,16 @@ def test_a_reading_chunk_attends_a_band_of_at_least_read_window_tokens(
 
 
 def test_read_dtype_auto_is_bfloat16_only_for_fp32_on_native_hardware(monkeypatch):
-    from engine.memory import frame as frame_module
+    from engine.memory import band as band_module
 
     cpu = torch.device("cpu")
-    assert frame_module.read_dtype("model", torch.float32, cpu) == torch.float32
-    assert frame_module.read_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16
-    assert frame_module.read_dtype("auto", torch.float16, cpu) == torch.float16
+    assert band_module.read_dtype("model", torch.float32, cpu) == torch.float32
+    assert band_module.read_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16
+    assert band_module.read_dtype("auto", torch.float16, cpu) == torch.float16
     for native in (True, False):
-        monkeypatch.setattr(frame_module, "_native_bfloat16", lambda kind, n=native: n)
+        monkeypatch.setattr(band_module, "_native_bfloat16", lambda kind, n=native: n)
         expected = torch.bfloat16 if native else torch.float32
-        assert frame_module.read_dtype("auto", torch.float32, cpu) == expected
+        assert band_module.read_dtype("auto", torch.float32, cpu) == expected
     with pytest.raises(InvalidRequest) as e:
         SessionMemory(tiny("llama"), MemorySpec("segments", {"read_dtype": "fp8"}))
     assert e.value.param == "memory.read_dtype"
@@ -257,15 +258,15 @@ def test_bad_specs_are_invalid_requests(strategy, params, param):
     assert e.value.param == param
 
 
-def _dense_step(self, layer, query, key, value, prefix_k, prefix_v, retrieved_ok, scaling):
-    """The frame a decode step attended before FrameState._attend_step: every key rotated at its
+def _dense_step(frame, layer, query, key, value, prefix_k, prefix_v, retrieved_ok, _, scaling):
+    """The frame a decode step attended before StepCache.attend: every key rotated at its
     frame position, one concatenated frame, one SDPA call."""
-    store = self.layers[layer]
-    window = self.rotary.rotate(store.local_k, self._local_positions())
+    store = frame.layers[layer]
+    window = frame.rotary.rotate(store.local_k, frame._local_positions())
     keys = torch.cat((*prefix_k, window, key[0]), dim=1)[None]
     values = torch.cat((*prefix_v, store.local_v, value[0]), dim=1)[None]
     group = query.shape[1] // key.shape[1]
-    mask = self._mask(keys.shape[2] - 1, retrieved_ok, 1, group, query.dtype)
+    mask = frame.mask(keys.shape[2] - 1, retrieved_ok, 1, group, query.dtype)
     return torch.nn.functional.scaled_dot_product_attention(
         query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=group > 1
     ).transpose(1, 2)
@@ -299,8 +300,8 @@ def test_a_decode_step_attends_what_the_whole_frame_would(monkeypatch, case):
     ids = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(11))
     logits = memory.append(ids)
     dense = memory.fork()
-    monkeypatch.setattr(dense._frame, "_attend_step", _dense_step.__get__(dense._frame))
-    monkeypatch.setattr(dense._frame, "_step_retrieved", _NoReuse())
+    monkeypatch.setattr(dense._frame.step_cache, "attend", _dense_step)
+    monkeypatch.setattr(dense._frame.step_cache, "retrieved", _NoReuse())
     taken = [0]
     take = memory._frame._take_retrieved
 
@@ -311,13 +312,13 @@ def test_a_decode_step_attends_what_the_whole_frame_would(monkeypatch, case):
     monkeypatch.setattr(memory._frame, "_take_retrieved", counting_take)
     token, rebuilt = int(logits.argmax()), 0
     for _ in range(130):
-        before = memory._frame._step_window
+        before = memory._frame.step_cache.window
         got = memory.append(torch.tensor([token]))
-        rebuilt += before is not None and memory._frame._step_window is not before
+        rebuilt += before is not None and memory._frame.step_cache.window is not before
         want = dense.append(torch.tensor([token]))
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
         token = int(want.argmax())
-    assert memory._frame._step_window is not None
+    assert memory._frame.step_cache.window is not None
     assert rebuilt >= 1  # the window's base moved at least once
     if case.startswith("segments"):  # most steps retrieve what the previous one did
         assert taken[0] < 130 * 2, f"{taken[0]} takes in 130 steps of 2 layers"
@@ -328,7 +329,7 @@ def test_a_decode_step_attends_what_the_whole_frame_would(monkeypatch, case):
 def test_growing_buffer_take_returns_each_heads_rows():
     """take(idx) is gather along the rows, through appends that grow and compact the buffer,
     front drops and a move."""
-    from engine.memory.frame import GrowingBuffer
+    from engine.memory.buffers import GrowingBuffer
 
     g = torch.Generator().manual_seed(12)
     buffer = GrowingBuffer(3, 4, torch.float32, torch.device("cpu"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.memory.index import make_index
+from engine.memory.index import VectorIndex
 
 
 @pytest.mark.parametrize("metric", ["ip", "l2"])
@@ -14,8 +14,8 @@ def test_backends_return_the_exact_top_k(backend, metric):
     gen = torch.Generator().manual_seed(0)
     data = torch.randn(4000, 32, generator=gen)
     queries = torch.randn(20, 32, generator=gen)
-    exact = make_index(32, "torch", metric)
-    other = make_index(32, backend, metric)
+    exact = VectorIndex(32, "torch", metric)
+    other = VectorIndex(32, backend, metric)
     for part in data.split(1000):  # grown in pieces, as memory grows
         exact.add(part)
         other.add(part)
@@ -32,7 +32,7 @@ def test_backends_return_the_exact_top_k(backend, metric):
 def test_drop_front_shifts_ids_and_auto_switches_backend():
     gen = torch.Generator().manual_seed(1)
     data = torch.randn(300, 16, generator=gen)
-    index = make_index(16, "auto", "ip", threshold=200)
+    index = VectorIndex(16, "auto", "ip", threshold=200)
     index.add(data[:100])
     assert index.current_backend() == "torch"
     index.add(data[100:])
@@ -48,7 +48,7 @@ def test_past_the_auto_threshold_the_graph_is_built_as_vectors_arrive():
     later adds, so the first search after a long document does not pay for building it."""
     gen = torch.Generator().manual_seed(2)
     data = torch.randn(300, 16, generator=gen)
-    index = make_index(16, "auto", "ip", threshold=200)
+    index = VectorIndex(16, "auto", "ip", threshold=200)
     index.add(data[:150])
     assert index._faiss is None  # exact torch scan below the threshold: nothing to build
     index.add(data[150:250])
@@ -60,6 +60,6 @@ def test_past_the_auto_threshold_the_graph_is_built_as_vectors_arrive():
 
 
 def test_search_of_an_empty_index_returns_nothing():
-    index = make_index(8, "faiss-flat")
+    index = VectorIndex(8, "faiss-flat")
     scores, ids = index.search(torch.randn(3, 8), 5)
     assert scores.shape == (3, 0) and ids.shape == (3, 0)

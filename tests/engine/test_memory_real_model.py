@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.attention import use_longserve_attention
 from engine.memory.session import SessionMemory
 from engine.protocol import MemorySpec
 
@@ -31,6 +32,7 @@ def smollm():
 
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=GGUF)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=GGUF, dtype=torch.float32)
+    use_longserve_attention(model)  # as the loader does
     return model.eval(), tokenizer
 
 

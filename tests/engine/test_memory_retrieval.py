@@ -11,27 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from engine.memory.session import SessionMemory
 from engine.protocol import MemorySpec
 
+from .test_memory_frame import tiny
+
 VOCAB, PLANT, QUERY, AXIS = 400, 7, 9, 0
 FRAME = dict(sinks=8, local_window=32, chunk_size=16, block=8)
-
-
-def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    return LlamaForCausalLM(config).eval()
 
 
 def align_keys(model: LlamaForCausalLM, layer: int, strength: float = 10.0) -> None:
@@ -45,7 +33,7 @@ def align_keys(model: LlamaForCausalLM, layer: int, strength: float = 10.0) -> N
 
 
 def planted_model() -> LlamaForCausalLM:
-    model = tiny_llama()
+    model = tiny("llama", vocab_size=VOCAB)
     with torch.no_grad():
         embed = model.model.embed_tokens.weight
         embed[:, AXIS] = 0.0
@@ -57,7 +45,7 @@ def planted_model() -> LlamaForCausalLM:
 
 
 def neurocache_model() -> LlamaForCausalLM:
-    model = tiny_llama()
+    model = tiny("llama", vocab_size=VOCAB)
     with torch.no_grad():
         embed = model.model.embed_tokens.weight
         embed[:, AXIS] = 0.0

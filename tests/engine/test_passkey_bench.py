@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.passkey import answer_with_memory, answers_sharing_prefix
 from engine.protocol import MemorySpec
+
+from .test_memory_frame import tiny
 
 FRAME = dict(sinks=8, local_window=32, chunk_size=16, block=8, tail=4, read_window=16)
 SPECS = {
@@ -28,18 +29,7 @@ class Ids:
 
 @pytest.mark.parametrize("strategy", list(SPECS))
 def test_shared_prefix_gives_the_answers_of_whole_prompts(strategy):
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=300,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
-        )
-    ).eval()
+    model = tiny("llama")
     filler = torch.randint(10, 300, (400,), generator=torch.Generator().manual_seed(1)).tolist()
     # needles at growing depths in the same filler; lengths differ a little, as keys do
     prompts = [

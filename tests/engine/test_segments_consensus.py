@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from engine.memory.buffers import GrowingBuffer, LayerStore
 from engine.memory.config import SegmentsConfig
-from engine.memory.frame import GrowingBuffer, LayerStore
 from engine.memory.segments import SegmentSelector
 from engine.memory.session import SessionMemory
 from engine.protocol import MemorySpec
+
+from .test_memory_frame import tiny
 
 KV_HEADS, GROUP, HEAD_DIM, BLOCK, BLOCKS = 2, 2, 8, 4, 12
 SCALING = HEAD_DIM**-0.5
@@ -132,20 +134,6 @@ def test_the_decode_carry_follows_its_blocks_when_fifo_drops_the_oldest():
     assert chosen_blocks(chooser.select(0, step, stores[0], SCALING)) == [[expected]] * KV_HEADS
 
 
-def tiny_llama(layers: int = 3) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
 FRAME = dict(sinks=8, local_window=32, chunk_size=16, block=8, k=2, u=0, tail=8)
 
 
@@ -157,7 +145,7 @@ def count_forwards(model: LlamaForCausalLM) -> list[int]:
 
 @pytest.mark.parametrize("select", ["consensus", "head"])
 def test_a_question_tail_votes_first_then_every_layer_takes_the_vote(select):
-    model = tiny_llama()
+    model = tiny("llama", num_hidden_layers=3)
     memory = SessionMemory(model, MemorySpec("segments", dict(FRAME, select=select)))
     document = 20 + torch.randperm(250, generator=torch.Generator().manual_seed(1))
     memory.append(document)  # 250 tokens: 25 blocks in memory, far more than k
@@ -180,7 +168,7 @@ def test_a_question_tail_votes_first_then_every_layer_takes_the_vote(select):
 
 
 def test_reading_chunks_do_not_vote():
-    model = tiny_llama()
+    model = tiny("llama", num_hidden_layers=3)
     memory = SessionMemory(model, MemorySpec("segments", FRAME))
     calls = count_forwards(model)
     memory.append(20 + torch.arange(200))

@@ -7,12 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
-from engine.client import assistant_turn_end, encode_chat
+from engine.chat_template import assistant_turn_end, encode_chat
 from engine.protocol import SamplingParams
-
-pytest.importorskip("engine.memory.session")
 
 ANSWER = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM"
@@ -54,7 +50,7 @@ def test_a_continuation_keeps_contents_as_text(tokenizer):
 
 async def ask(engine, request_id, messages, session_id="s"):
     """One chat request on the session; (answer text, last delta, memory tokens it added)."""
-    memory = engine._sessions[session_id].memory
+    memory = engine._memory_sessions.sessions[session_id].memory
     before = memory.num_tokens
     deltas = await collect(engine.generate(request_id, messages, ANSWER, session_id=session_id))
     return "".join(d.text for d in deltas), deltas[-1], memory.num_tokens - before
@@ -82,7 +78,7 @@ async def test_a_conversation_resent_in_full_is_appended_once(engine, small_memo
         assert added == last.prompt_tokens + last.completion_tokens + closing_tokens(engine, last)
         messages.append({"role": "assistant", "content": answer})
         history = [(m["role"], m["content"]) for m in messages]
-        assert engine._sessions["s"].turns == history
+        assert engine._memory_sessions.sessions["s"].turns == history
 
 
 async def test_a_client_sending_only_new_questions(engine, small_memory_spec):
@@ -96,7 +92,7 @@ async def test_a_client_sending_only_new_questions(engine, small_memory_spec):
     assert DEFAULT_SYSTEM not in tokenizer.decode(encode_chat(tokenizer, second_q, held))
     assert added == last2.prompt_tokens + last2.completion_tokens + closing_tokens(engine, last2)
     held += [("user", "And then?"), ("assistant", second)]
-    assert engine._sessions["s"].turns == held
+    assert engine._memory_sessions.sessions["s"].turns == held
     # the same client switching to resending everything: only the new question goes in
     everything = [{"role": r, "content": c} for r, c in held] + [{"role": "user", "content": "Ok"}]
     _, last3, _ = await ask(engine, "c", everything)
@@ -114,8 +110,8 @@ async def test_an_edited_history_is_appended_as_sent(engine, small_memory_spec):
     ]
     _, last, _ = await ask(engine, "b", edited)
     assert last.prompt_tokens == len(encode_chat(engine._tokenizer, edited, held))
-    assert engine._sessions["s"].turns[:2] == held
-    assert [role for role, _ in engine._sessions["s"].turns] == [
+    assert engine._memory_sessions.sessions["s"].turns[:2] == held
+    assert [role for role, _ in engine._memory_sessions.sessions["s"].turns] == [
         "user",
         "assistant",
         "user",
@@ -127,7 +123,7 @@ async def test_an_edited_history_is_appended_as_sent(engine, small_memory_spec):
 
 async def test_an_aborted_answer_is_closed_and_remembered(engine, small_memory_spec):
     await engine.create_session("s", small_memory_spec)
-    memory = engine._sessions["s"].memory
+    memory = engine._memory_sessions.sessions["s"].memory
     stream = engine.generate(
         "long",
         [{"role": "user", "content": "Tell me a story"}],
@@ -138,7 +134,7 @@ async def test_an_aborted_answer_is_closed_and_remembered(engine, small_memory_s
     await engine.abort("long")
     deltas = [first] + await collect(stream)
     assert deltas[-1].finish_reason == "abort"
-    turns = engine._sessions["s"].turns
+    turns = engine._memory_sessions.sessions["s"].turns
     assert turns[0] == ("user", "Tell me a story") and turns[1][0] == "assistant"
     text = "".join(d.text for d in deltas)
     assert turns[1][1] == text
@@ -153,24 +149,24 @@ async def test_an_aborted_answer_is_closed_and_remembered(engine, small_memory_s
 async def test_completions_leave_the_turns_alone(engine, small_memory_spec):
     await engine.create_session("s", small_memory_spec)
     first, _, _ = await ask(engine, "a", [{"role": "user", "content": "Hello?"}])
-    memory = engine._sessions["s"].memory
+    memory = engine._memory_sessions.sessions["s"].memory
     before = memory.num_tokens
     deltas = await collect(engine.generate("c", "Some raw text", ANSWER, session_id="s"))
     assert memory.num_tokens == before + deltas[-1].prompt_tokens + deltas[-1].completion_tokens
-    assert engine._sessions["s"].turns == [("user", "Hello?"), ("assistant", first)]
+    assert engine._memory_sessions.sessions["s"].turns == [("user", "Hello?"), ("assistant", first)]
 
 
 async def test_a_session_between_requests_holds_no_decode_caches(engine, small_memory_spec):
     """Decode steps keep the window's rotated keys and their last retrieval; the request's end
     drops them, and the next request's steps rebuild them."""
     await engine.create_session("s", small_memory_spec)
-    memory = engine._sessions["s"].memory
+    memory = engine._memory_sessions.sessions["s"].memory
     long_question = " ".join(f"word{i}" for i in range(150)) + "?"
     for request_id in ("a", "b"):
         await ask(engine, request_id, [{"role": "user", "content": long_question}])
         frame = memory._frame
         assert frame.memory_used  # the steps ran on the decode-step path
-        assert frame._step_window is None and not frame._step_retrieved
+        assert frame.step_cache.window is None and not frame.step_cache.retrieved
     assert memory.nbytes() == sum(s.nbytes() for s in frame.layers) + frame.selector.nbytes()
 
 
@@ -195,7 +191,7 @@ async def test_an_idle_session_moves_to_host_memory_and_answers_the_same(
         await collect(engine.ingest("i", "s", "The access code is 4721. " * 20))
         await ask(engine, "a", [{"role": "user", "content": "What is the code?"}])
     await wait_for_tier(idle, "s", "host")
-    assert idle._sessions["s"].memory.offloaded
+    assert idle._memory_sessions.sessions["s"].memory.offloaded
     assert idle.stats().sessions_offloaded == 1 and never.stats().sessions_offloaded == 0
     await asyncio.sleep(0.3)
     assert never.session_memory_info("s").tier == "device"

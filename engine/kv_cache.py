@@ -1,28 +1,19 @@
-"""Per-request KV caches, and the attention function that lets requests share one forward.
+"""Per-request KV caches, so that requests on the plain path can share one forward.
 
 Every request on the plain KV path owns a `KVCache`: per layer, its keys and values (rotated at
 their positions, as the model hands them over) in a buffer that grows by doubling (up to the
 request's prompt + max_tokens), so a step writes only its new tokens and the cache is copied only
-when it doubles. A forward reads its caches from the keyword argument `KV_KWARG`, a `KVBatch`
-with one cache per row of the batch:
+when it doubles. A forward passes its caches as the keyword argument `KV_KWARG`
+(engine/attention.py), a `KVBatch` with one cache per row of the batch:
 
     prefill   input_ids (1, T)  -> the row's cache gets T tokens, causal inside the chunk
     decode    input_ids (B, 1)  -> each row appends its token and attends to its own cache
 
-Rows of a batched decode step have different context lengths; `kv_attention` attends row by row
-(one SDPA call per row and layer). The alternative, padding the rows into one SDPA call with a
-key-padding mask, must copy every row's cache into the padded tensor at every layer of every
-step. Measured on this project's 2-core CPU (SmolLM2 shapes: 9 heads, 3 KV heads, d 64; one
-thread, best of 15), per layer, loop vs padded: B=4, 64 keys 0.15 vs 0.25 ms; B=16, 512 keys
-2.8 vs 15.8 ms; B=32, 512 keys 5.2 vs 15.2 ms; B=32, 2048 keys 24 vs 107 ms. The loop wins at
-every B <= 32 and context <= 2K tried. (On a GPU a varlen/paged kernel would replace the loop.)
-
-The function is registered with transformers' AttentionInterface as `ATTN_IMPLEMENTATION`. A
-forward without a `KVBatch` falls through: to the session memory's attention when its frame is
-passed (engine.memory.attention), else to plain SDPA, so one model serves every path. Memory
-sessions select their own attention when created; `use_kv_attention` selects this one again
-before each KV forward (a string comparison when nothing changed), and each function hands the
-other's forwards on, whichever is selected.
+Rows of a batched decode step have different context lengths; `KVBatch.attend` attends row by
+row (one SDPA call per row and layer) rather than padding the rows into one SDPA call with a
+key-padding mask, which must copy every row's cache into the padded tensor at every layer of
+every step (docs/decisions/010-kv-decode-row-loop.md). On a GPU a varlen/paged kernel would
+replace the loop.
 """
 
 from __future__ import annotations
@@ -31,14 +22,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import AttentionInterface, PreTrainedModel
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-ATTN_IMPLEMENTATION = "longserve_kv"
-KV_KWARG = "longserve_kv"
-MEMORY_ATTENTION = "longserve_memory"  # engine.memory.attention: its implementation and keyword
 
 _MIN_CAPACITY = 64
 
@@ -132,6 +115,25 @@ class KVBatch:
         for cache in self.caches:
             cache.abort()
 
+    def attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+    ) -> torch.Tensor:
+        """query (B, H, T, d), key/value (B, kv_heads, T, d) of one layer: every row's new keys
+        and values join its cache, and the row attends to its own cache -> (B, T, H, d)."""
+        if len(self.caches) != query.shape[0]:
+            raise ValueError(f"{len(self.caches)} caches for a batch of {query.shape[0]} rows")
+        rows = []
+        for row, cache in enumerate(self.caches):
+            keys, values = cache.write(layer, key[row], value[row])  # (kv_heads, S, d)
+            rows.append(_attend(query[row : row + 1], keys[None], values[None], scaling))
+        out = rows[0] if len(rows) == 1 else torch.cat(rows)  # (B, H, T, d)
+        return out.transpose(1, 2).contiguous()
+
 
 def _attend(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
@@ -153,53 +155,3 @@ def _attend(
         scale=scaling,
         enable_gqa=query.shape[1] != keys.shape[1],
     )
-
-
-def kv_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """query (B, H, T, d), key/value (B, kv_heads, T, d) -> ((B, T, H, d), None)."""
-    batch: KVBatch | None = kwargs.get(KV_KWARG)
-    if batch is None:
-        if kwargs.get(MEMORY_ATTENTION) is not None:
-            memory_attention = ALL_ATTENTION_FUNCTIONS[MEMORY_ATTENTION]
-            return memory_attention(
-                module,
-                query,
-                key,
-                value,
-                attention_mask,
-                scaling=scaling,
-                dropout=dropout,
-                **kwargs,
-            )
-        out, _ = sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-        return out, None
-    if len(batch.caches) != query.shape[0]:
-        raise ValueError(f"{len(batch.caches)} caches for a batch of {query.shape[0]} rows")
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    layer: int = module.layer_idx  # type: ignore[assignment]
-    rows = []
-    for row, cache in enumerate(batch.caches):
-        keys, values = cache.write(layer, key[row], value[row])  # (kv_heads, S, d)
-        rows.append(_attend(query[row : row + 1], keys[None], values[None], scaling))
-    out = rows[0] if len(rows) == 1 else torch.cat(rows)  # (B, H, T, d)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def use_kv_attention(model: PreTrainedModel) -> None:
-    """Register `kv_attention` (idempotent) and select it on the model if something else is."""
-    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
-        AttentionInterface.register(ATTN_IMPLEMENTATION, kv_attention)
-        AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)

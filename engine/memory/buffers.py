@@ -1,0 +1,122 @@
+"""Where the frame's keys and values live: growing buffers, and one layer's store of them.
+
+`GrowingBuffer` holds (heads, n, dim) rows with amortised O(1) appends and O(1) front drops;
+`LayerStore` is one layer's sinks, local window and memory (engine/memory/frame.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class GrowingBuffer:
+    """(heads, n, dim) with amortised O(1) appends along n and O(1) drops from the front.
+
+    Rows live in data[:, start : start + size]; an append that does not fit moves the live
+    rows to the front when that frees at least half the capacity, else doubles it, so each row
+    is copied a constant number of times on average (a sliding local window is not re-copied
+    whole on every commit).
+
+    pin: keep the data in page-locked host memory (a host tier feeding a CUDA device), so
+    copies of retrieved rows to the device can run asynchronously."""
+
+    def __init__(
+        self,
+        heads: int,
+        dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        pin: bool = False,
+    ) -> None:
+        self.data = torch.empty(heads, 0, dim, dtype=dtype, device=device)
+        self.start = 0
+        self.size = 0
+        self.pin = pin and device.type == "cpu" and torch.cuda.is_available()
+
+    def append(self, x: torch.Tensor) -> None:  # x (heads, n, dim)
+        n = x.shape[1]
+        capacity = self.data.shape[1]
+        if self.start + self.size + n > capacity:
+            live = self.view()
+            if self.size + n <= capacity // 2:
+                self.data[:, : self.size] = live.clone()
+            else:
+                capacity = max(2 * capacity, self.size + n, 256)
+                grown = self.data.new_empty(self.data.shape[0], capacity, self.data.shape[2])
+                if self.pin:
+                    grown = grown.pin_memory()
+                grown[:, : self.size] = live
+                self.data = grown
+            self.start = 0
+        end = self.start + self.size
+        self.data[:, end : end + n] = x.to(self.data.device)
+        self.size += n
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def to(self, device: torch.device, pin: bool = False) -> None:
+        """Move the held rows (only those: spare capacity is dropped) to device."""
+        data = self.view().to(device).contiguous()  # take() reads the buffer as flat rows
+        self.pin = pin and device.type == "cpu" and torch.cuda.is_available()
+        self.data = data.pin_memory() if self.pin else data.clone()
+        self.start = 0
+
+    def drop_front(self, n: int) -> None:
+        n = min(n, self.size)
+        self.start += n
+        self.size -= n
+
+    def view(self) -> torch.Tensor:
+        return self.data[:, self.start : self.start + self.size]
+
+    def take(self, idx: torch.Tensor) -> torch.Tensor:
+        """Rows idx (heads, R) of each head, in range -> (heads, R, dim). One index_select of
+        whole rows over the flat buffer: a row is one copy, where `gather` along the rows
+        reads element by element (docs/decisions/017-frame-copies-and-masks.md)."""
+        heads, capacity, dim = self.data.shape
+        offsets = torch.arange(heads, device=idx.device)[:, None] * capacity + self.start
+        rows = (idx + offsets).reshape(-1)
+        return self.data.view(heads * capacity, dim).index_select(0, rows).view(heads, -1, dim)
+
+    def nbytes(self) -> int:
+        """Bytes of the rows held (the capacity behind them, grown by doubling, is up to twice
+        that while a session grows)."""
+        return self.size * self.data.shape[0] * self.data.shape[2] * self.data.element_size()
+
+
+@dataclass
+class LayerStore:
+    """One layer's pre-rotary keys and values, each (kv_heads, n, head_dim): sinks (fixed once
+    filled), the local window and memory (growing buffers)."""
+
+    sink_k: torch.Tensor
+    sink_v: torch.Tensor
+    window_k: GrowingBuffer
+    window_v: GrowingBuffer
+    mem_k: GrowingBuffer
+    mem_v: GrowingBuffer
+
+    @property
+    def local_k(self) -> torch.Tensor:
+        return self.window_k.view()
+
+    @property
+    def local_v(self) -> torch.Tensor:
+        return self.window_v.view()
+
+    def to(self, device: torch.device, memory_device: torch.device, pin: bool) -> None:
+        self.sink_k, self.sink_v = self.sink_k.to(device), self.sink_v.to(device)
+        self.window_k.to(device)
+        self.window_v.to(device)
+        self.mem_k.to(memory_device, pin)
+        self.mem_v.to(memory_device, pin)
+
+    def nbytes(self) -> int:
+        buffers = (self.window_k, self.window_v, self.mem_k, self.mem_v)
+        return sum(t.numel() * t.element_size() for t in (self.sink_k, self.sink_v)) + sum(
+            b.nbytes() for b in buffers
+        )

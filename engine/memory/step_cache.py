@@ -1,0 +1,134 @@
+"""The decode-step path: one token's attention once memory is in use, and what steps keep.
+
+A decode step (one token, memory in use) does not rebuild the frame. Its window would sit one
+position further left every step, so every window key would be rotated again; instead each
+layer keeps its window keys rotated once at their document positions (less a base that keeps
+them inside the rotary table), and the step's query is rotated twice: at its frame position for
+the sinks and the retrieved tokens, at its document position for the window. Rotary attention
+depends only on the distance between query and key, and the window's distances are the true
+ones in both layouts, so the logits are the frame's; the pieces are attended without being
+concatenated (StepCache.attend). A step that retrieves the rows the previous step retrieved
+reuses their rotated keys and values (StepCache.retrieved; docs/decisions/018-decode-step-caches.md).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.memory.buffers import GrowingBuffer
+from engine.memory.rotary import Angles
+
+if TYPE_CHECKING:
+    from engine.memory.frame import FrameState
+
+
+class StepCache:
+    """What decode steps keep between steps; dropped by `release` (a session between requests)
+    and rebuilt by the next step."""
+
+    def __init__(self) -> None:
+        # per layer, the window's keys rotated at (document position - base), built at the
+        # first step and kept in step with the window by commit; None when unbuilt
+        self.window: list[GrowingBuffer] | None = None
+        self.base = 0
+        # per layer, the last step's retrieval (idx, rotated keys, values), reused while a step
+        # retrieves the same rows (segments: most steps of most layers); dropped by any longer
+        # forward, a FIFO drop (rows shift) and a move
+        self.retrieved: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.angles: Angles | None = None  # the step's query, in the window's frame (begin)
+
+    def begin(self, frame: FrameState) -> None:
+        """Ready a decode step of the frame: its window (when missing) and its query's angles."""
+        self._build_window(frame)
+        step = torch.tensor([frame.num_tokens - self.base], device=frame.device)
+        self.angles = frame.rotary.angles(step)
+
+    def _build_window(self, frame: FrameState) -> None:
+        """When missing, every layer's window keys rotated at (document position -
+        self.base), the base being the oldest window token's position."""
+        if self.window is not None:
+            return
+        self.base = frame.num_tokens - frame.n_local
+        positions = torch.arange(frame.n_local, device=frame.device)
+        self.window = []
+        for store in frame.layers:
+            buffer = GrowingBuffer(
+                frame.kv_heads, store.sink_k.shape[-1], store.sink_k.dtype, frame.device
+            )
+            buffer.append(frame.rotary.rotate(store.local_k, positions))
+            self.window.append(buffer)
+
+    def extend_window(
+        self, frame: FrameState, k_pre: dict[int, torch.Tensor], to_sinks: int, num_new: int
+    ) -> None:
+        """Rotate the window's new keys (k_pre, the committed chunk's per layer) into the
+        decode steps' window (commit, before the frame counts them), or drop that window when
+        the newest would fall outside the rotary table (the next step rebuilds it from a new
+        base)."""
+        if self.window is None or to_sinks == num_new:
+            return
+        first, n = frame.num_tokens + to_sinks - self.base, num_new - to_sinks
+        if first + n >= frame.rotary.cos.shape[0]:
+            self.window = None
+            return
+        positions = first + torch.arange(n, device=frame.device)
+        for layer, buffer in enumerate(self.window):
+            buffer.append(frame.rotary.rotate(k_pre[layer][:, to_sinks:], positions))
+
+    def drop_window_front(self, layer: int, n: int) -> None:
+        """The window's n oldest tokens of this layer moved to memory."""
+        if self.window is not None:
+            self.window[layer].drop_front(n)
+
+    def release(self) -> None:
+        """Drop the window's rotated keys and the last retrieval: the next step rebuilds them."""
+        self.window = None
+        self.retrieved.clear()
+
+    def nbytes(self) -> int:
+        return sum(b.nbytes() for b in self.window or ()) + sum(
+            k.numel() * k.element_size() + v.numel() * v.element_size()
+            for _, k, v in self.retrieved.values()
+        )
+
+    def attend(
+        self,
+        frame: FrameState,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        prefix_k: list[torch.Tensor],
+        prefix_v: list[torch.Tensor],
+        retrieved_ok: torch.Tensor | None,
+        chunk_angles: Angles,
+        scaling: float,
+    ) -> torch.Tensor:
+        """Attention of one token once memory is in use: the sinks and retrieved keys
+        (prefix_k, rotated at their frame positions) against the query as the model rotated it
+        (its frame position, chunk_angles), the window's keys rotated at their document
+        positions against the query rotated at its own, and the token itself; one softmax over
+        all of them, no concatenated frame (see the module docstring)."""
+        assert self.angles is not None and self.window is not None, "begin() builds them"
+        store = frame.layers[layer]
+        kvh, d = key.shape[1], key.shape[-1]
+        group = query.shape[1] // kvh
+        window = self.window[layer].view()
+        q_window = frame.rotary.rotate(frame.rotary.unrotate(query[0], chunk_angles), self.angles)
+        q_frame = query[0].reshape(kvh, group, d)
+        q_window = q_window.reshape(kvh, group, d)
+        pieces_k = [*prefix_k, window, key[0]]
+        pieces_v = [*prefix_v, store.local_v, value[0]]
+        logits = [
+            q @ k.transpose(1, 2)
+            for q, k in zip([q_frame] * len(prefix_k) + [q_window, q_frame], pieces_k, strict=True)
+        ]  # (kv_heads, group, n) each
+        if retrieved_ok is not None:  # the retrieved slots follow the sinks
+            logits[1] = logits[1].masked_fill(~retrieved_ok[:, None, :], float("-inf"))
+        weights = (torch.cat(logits, dim=-1).float() * scaling).softmax(dim=-1)
+        weights = weights.to(value.dtype).split([k.shape[1] for k in pieces_k], dim=-1)
+        out = sum(w @ v for w, v in zip(weights, pieces_v, strict=True))
+        assert isinstance(out, torch.Tensor)
+        return out.reshape(1, 1, kvh * group, d)
