@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,13 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import HOST, free_port, wait_for_process
+
 API_KEY = "e2e-key"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -65,20 +60,13 @@ def start_server(tmp_path: Path, *extra: str, timeout: float = 240.0) -> ServerP
     process = subprocess.Popen(
         cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).resolve().parents[2]
     )
-    server = ServerProcess(f"http://127.0.0.1:{port}", process, log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
-        try:
-            with urllib.request.urlopen(f"{server.base_url}/ready", timeout=2) as response:
-                if response.status == 200:
-                    return server
-        except OSError:
-            pass
-        time.sleep(0.5)
-    stop_server(server)
-    raise TimeoutError(f"server not ready after {timeout}s:\n{server.log()}")
+    server = ServerProcess(f"http://{HOST}:{port}", process, log_path)
+    try:
+        wait_for_process(process, f"{server.base_url}/ready", server.log, timeout, interval_s=0.5)
+    except AssertionError:
+        stop_server(server)
+        raise
+    return server
 
 
 def stop_server(server: ServerProcess) -> None:

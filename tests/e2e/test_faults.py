@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 
 import httpx
 import pytest
 
 from tests.e2e.conftest import API_KEY, start_server, stop_server
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.real_model
 
@@ -36,16 +36,20 @@ def test_sigterm_drains_then_exits_0(tmp_path, monkeypatch) -> None:
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
-        deadline = time.monotonic() + 60
-        while len(events) < 2:
-            assert time.monotonic() < deadline and reader.is_alive(), server.log()
-            time.sleep(0.01)
+
+        def streaming() -> bool:
+            assert reader.is_alive() or len(events) >= 2, server.log()
+            return len(events) >= 2
+
+        wait_until(streaming, server.log, timeout_s=60)
         server.process.send_signal(signal.SIGTERM)
 
-        deadline = time.monotonic() + 10
-        while httpx.get(f"{server.base_url}/ready", timeout=5).status_code != 503:
-            assert time.monotonic() < deadline, "SIGTERM did not start the drain"
-            time.sleep(0.02)
+        wait_until(
+            lambda: httpx.get(f"{server.base_url}/ready", timeout=5).status_code == 503,
+            "SIGTERM did not start the drain",
+            timeout_s=10,
+            interval_s=0.02,
+        )
         refused = httpx.post(
             f"{server.api_base}/chat/completions", json={**body, "stream": False}, headers=AUTH
         )

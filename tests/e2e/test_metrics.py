@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers import wait_until
 
 from .conftest import API_KEY, upload_and_wait
 
@@ -83,12 +84,13 @@ def test_every_metric_appears_and_moves(server):
     )
 
     # A session request appends its last token to memory just after the final delta is sent.
-    deadline = time.monotonic() + 30
+    wait_until(
+        lambda: value(families(server), "longserve:num_requests_running") == 0,
+        "a finished request is still counted as running",
+        timeout_s=30,
+        interval_s=0.2,
+    )
     after = families(server)
-    while value(after, "longserve:num_requests_running") != 0:
-        assert time.monotonic() < deadline, "a finished request is still counted as running"
-        time.sleep(0.2)
-        after = families(server)
     for name, kind in EXPECTED.items():
         assert name in after, f"{name} missing from /metrics"
         assert after[name].type == kind, (name, after[name].type)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers import wait_until
 
 from .conftest import API_KEY, start_server, stop_server
 
@@ -166,10 +167,12 @@ def test_client_closing_a_stream_frees_the_request(server, client, model_id):
             break
     assert metric_value(server, "longserve:num_requests_running") >= 0
     stream.close()
-    deadline = time.monotonic() + 10
-    while metric_value(server, "longserve:num_requests_running") != 0:
-        assert time.monotonic() < deadline, "the closed stream is still running"
-        time.sleep(0.1)
+    wait_until(
+        lambda: metric_value(server, "longserve:num_requests_running") == 0,
+        "the closed stream is still running",
+        timeout_s=10,
+        interval_s=0.1,
+    )
 
 
 async def test_full_queue_answers_429_with_retry_after(tmp_path, model_id):

@@ -4,25 +4,21 @@ survives kill -9 of Redis and the memory service, and a restart of the replica."
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import API_KEY, ServerProcess, free_port, start_server, stop_server
-from tests.memory_store.conftest import RedisProcess, redis_server  # noqa: F401 (fixture)
+from tests.e2e.conftest import API_KEY, ServerProcess, start_server, stop_server, upload_and_wait
+from tests.helpers import HOST, free_port, wait_for_process
+from tests.redis_process import RedisProcess
 
 pytestmark = pytest.mark.real_model
 
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 KEY = 7391
 INTRO = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
@@ -36,12 +32,6 @@ DOCUMENT = INTRO + FILLER * 25 + NEEDLE + FILLER * 45  # about 1.5K tokens
 QUESTION = "What is the pass key? The pass key is"
 
 
-def engine_reads_the_store() -> bool:
-    from engine.config import EngineConfig
-
-    return "memory_store_url" in {f.name for f in dataclasses.fields(EngineConfig)}
-
-
 class MemoryServiceProcess:
     """`longserve memory-store` on Redis: start, kill -9, start again on the same port."""
 
@@ -53,26 +43,19 @@ class MemoryServiceProcess:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{HOST}:{self.port}"
 
     def start(self, timeout: float = 60.0) -> None:
-        log = (self.dir / f"memory-store-{self.port}.log").open("ab")
+        log_path = self.dir / f"memory-store-{self.port}.log"
         cmd = [sys.executable, "-m", "server.cli", "memory-store", "--port", str(self.port),
                "--redis-url", self.redis_url]  # fmt: skip
-        self.proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2]
+        with log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2]
+            )
+        wait_for_process(
+            self.proc, f"{self.url}/ready", lambda: log_path.read_text(errors="replace"), timeout
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "the memory service exited"
-            try:
-                with urllib.request.urlopen(f"{self.url}/ready", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("the memory service did not become ready")
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -121,27 +104,11 @@ def ask(server: ServerProcess, session_id: str) -> str:
 def test_session_is_shared_by_replicas_and_survives_store_restart(
     tmp_path: Path, redis: RedisProcess, memory_service: MemoryServiceProcess
 ) -> None:
-    if not engine_reads_the_store():
-        pytest.skip("the engine does not take memory_store_url yet")
     first = start_server(tmp_path, "--memory-store", memory_service.url)
     second = start_server(tmp_path, "--memory-store", memory_service.url)
     try:
-        session = httpx.post(f"{first.api_base}/sessions", headers=AUTH, timeout=30).json()
+        session, _ = upload_and_wait(first.api_base, "passkey.txt", DOCUMENT, timeout_s=900)
         session_id = session["id"]
-        doc = httpx.post(
-            f"{first.api_base}/sessions/{session_id}/documents",
-            json={"text": DOCUMENT, "name": "passkey.txt"},
-            headers=AUTH,
-            timeout=60,
-        ).json()
-        deadline = time.monotonic() + 900
-        while doc["status"] not in ("ready", "failed"):
-            assert time.monotonic() < deadline, f"the document was never read: {doc}"
-            time.sleep(0.5)
-            doc = httpx.get(
-                f"{first.api_base}/sessions/{session_id}/documents/{doc['id']}", headers=AUTH
-            ).json()
-        assert doc["status"] == "ready", doc
         assert ingest_tokens(first) >= 1000
 
         assert str(KEY) in ask(second, session_id), second.log()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import io
 import time
 
@@ -20,6 +19,7 @@ from server.documents import (
     sanitize_name,
 )
 from server.errors import APIError
+from tests.helpers import wait_until_async
 
 LIMITS = DocumentLimits(max_bytes=1 << 20, max_chars=1 << 20, max_pdf_pages=10, timeout_seconds=5)
 
@@ -257,5 +257,6 @@ async def test_reader_gives_up_at_the_timeout(monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(APIError) as exc:
         await reader.read(file_upload(b"x", "text/plain"))
     assert code_of(exc) == (413, "document_too_large")
-    await asyncio.sleep(0.35)  # the abandoned thread ends and frees its slot
-    assert not reader._slots.locked()
+    await wait_until_async(  # the abandoned thread ends and frees its slot
+        lambda: not reader._slots.locked(), "the abandoned thread kept its slot", 5
+    )

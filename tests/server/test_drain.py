@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ import pytest
 
 from server.app import build_app
 from server.settings import ServerSettings
+from tests.helpers import HOST, free_port, wait_for_process, wait_until, wait_until_async
 from tests.server.conftest import API_KEY, MODEL
 from tests.server.fake_engine import FakeEngine
 
@@ -68,8 +68,7 @@ async def test_in_flight_counts_a_stream_until_it_ends() -> None:
     async with httpx.AsyncClient(transport=transport, base_url="http://t", headers=AUTH) as http:
         body = {**CHAT, "stream": True}
         call = asyncio.create_task(http.post("/v1/chat/completions", json=body))
-        while not engine.running:
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: engine.running, "the stream never reached the engine")
         assert drain.in_flight == 1
         await http.get("/health")  # ungated: not counted
         assert drain.in_flight == 1
@@ -93,12 +92,6 @@ class Served:
         return self.log_path.read_text(errors="replace")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture
 def serve_fake(tmp_path: Path) -> Iterator[object]:
     started: list[Served] = []
@@ -111,17 +104,10 @@ def serve_fake(tmp_path: Path) -> Iterator[object]:
                "--drain-timeout", str(drain_timeout), "--token-delay", str(token_delay)]  # fmt: skip
         with log_path.open("wb") as log:
             process = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        served = Served(process, f"http://127.0.0.1:{port}", log_path)
+        served = Served(process, f"http://{HOST}:{port}", log_path)
         started.append(served)
-        deadline = time.monotonic() + 30
-        while True:
-            assert process.poll() is None, served.log()
-            assert time.monotonic() < deadline, served.log()
-            try:
-                if httpx.get(f"{served.base_url}/ready", timeout=1).status_code == 200:
-                    return served
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_for_process(process, f"{served.base_url}/ready", served.log, timeout_s=30)
+        return served
 
     yield start
     for served in started:
@@ -152,10 +138,11 @@ class StreamReader(threading.Thread):
             self.error = exc
 
     def wait_for_events(self, count: int) -> None:
-        deadline = time.monotonic() + 10
-        while len(self.events) < count:
-            assert time.monotonic() < deadline and self.is_alive(), (self.events, self.error)
-            time.sleep(0.01)
+        def arrived() -> bool:
+            assert self.is_alive() or len(self.events) >= count, (self.events, self.error)
+            return len(self.events) >= count
+
+        wait_until(arrived, lambda: (self.events, self.error), timeout_s=10)
 
     def text(self) -> str:
         chunks = [json.loads(e) for e in self.events if e != "[DONE]"]
@@ -165,10 +152,12 @@ class StreamReader(threading.Thread):
 
 
 def wait_until_draining(base_url: str) -> None:
-    deadline = time.monotonic() + 5
-    while httpx.get(f"{base_url}/ready", timeout=2).status_code != 503:
-        assert time.monotonic() < deadline, "SIGTERM did not start the drain"
-        time.sleep(0.02)
+    wait_until(
+        lambda: httpx.get(f"{base_url}/ready", timeout=2).status_code == 503,
+        "SIGTERM did not start the drain",
+        timeout_s=5,
+        interval_s=0.02,
+    )
 
 
 def test_sigterm_drains_the_stream_in_flight_then_exits_0(serve_fake) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -15,7 +14,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from engine.protocol import (
     EngineDead,
@@ -28,6 +26,7 @@ from engine.protocol import (
 )
 from server.app import build_app
 from server.settings import ServerSettings
+from tests.helpers import ThreadedServer, wait_until
 from tests.server.conftest import API_KEY, MODEL
 from tests.server.fake_engine import FakeEngine, last_text
 
@@ -170,36 +169,19 @@ async def test_a_fatal_engine_error_fails_ready_and_new_requests() -> None:
 # --- client disconnects, over a real socket -----------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture
 def served() -> Iterator[tuple[str, FakeEngine]]:
     engine = FakeEngine(MODEL, token_delay=0.01)
     app = build_app(ServerSettings(api_keys=[API_KEY]), engine)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="error")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{server.config.port}", engine
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    with ThreadedServer.of(app) as server:
+        yield server.url, engine
 
 
 def wait_freed(engine: FakeEngine, closed_at: float) -> float:
-    while engine.running:
-        assert time.monotonic() - closed_at < 1.0, "the engine request outlived its client by 1 s"
-        time.sleep(0.005)
+    left = 1.0 - (time.monotonic() - closed_at)
+    wait_until(
+        lambda: not engine.running, "the engine request outlived its client by 1 s", left, 0.005
+    )
     return time.monotonic() - closed_at
 
 
@@ -234,10 +216,7 @@ def test_a_waiting_client_that_hangs_up_is_freed_within_a_second(
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
-        deadline = time.monotonic() + 5
-        while not engine.running:
-            assert time.monotonic() < deadline, "the request never reached the engine"
-            time.sleep(0.01)
+        wait_until(lambda: engine.running, "the request never reached the engine", 5)
     closed_at = time.monotonic()
     wait_freed(engine, closed_at)
     assert engine.calls[-1].request_id in engine.aborted

@@ -12,7 +12,6 @@ import gzip
 import json
 import secrets
 import socket
-import threading
 import time
 import zlib
 from collections.abc import AsyncIterator, Iterator
@@ -20,12 +19,12 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from server.app import build_app
 from server.drain import uvicorn_config
 from server.limits import MAX_HEAD_BYTES
 from server.settings import ServerSettings
+from tests.helpers import HOST, ThreadedServer, free_port
 from tests.server.conftest import API_KEY, MODEL
 from tests.server.fake_engine import FakeEngine
 
@@ -396,19 +395,9 @@ async def test_control_tokens_in_content_reach_the_engine_as_plain_text(
 
 @pytest.fixture
 def port(app: Any) -> Iterator[int]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        free = int(sock.getsockname()[1])
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", free, "error"))  # as served
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    yield free
-    server.should_exit = True
-    thread.join(timeout=10)
+    config = uvicorn_config(app, HOST, free_port(), "error")  # as served
+    with ThreadedServer(config) as server:
+        yield server.port
 
 
 def raw_exchange(port: int, *pieces: bytes) -> bytes:

@@ -23,14 +23,9 @@ from memory_store.settings import MemoryStoreSettings
 from server.app import build_app
 from server.auth import tenant_session_id
 from server.settings import ServerSettings, tenant_of
-from tests.memory_store.conftest import (  # noqa: F401 - redis_server is a fixture
-    FAST_RETRY,
-    HashingEncoder,
-    RedisProcess,
-    ThreadedServer,
-    free_port,
-    redis_server,
-)
+from tests.helpers import ThreadedServer
+from tests.memory_store.conftest import FAST_RETRY, HashingEncoder
+from tests.redis_process import RedisProcess
 from tests.server.conftest import asgi_client
 from tests.server.fake_engine import FakeEngine
 
@@ -148,13 +143,15 @@ class MemoryService:
         self.server.stop()
 
     def restart(self) -> None:
-        self.server = ThreadedServer(memory_service_app(self.redis), self.server.port)
+        self.server = ThreadedServer.of(
+            memory_service_app(self.redis), self.server.port, lifespan="off"
+        )
         self.server.start()
 
 
 @pytest.fixture
 def memory_service(redis_server: RedisProcess) -> Iterator[MemoryService]:  # noqa: F811
-    server = ThreadedServer(memory_service_app(redis_server), free_port())
+    server = ThreadedServer.of(memory_service_app(redis_server), lifespan="off")
     server.start()
     service = MemoryService(redis_server, server)
     try:
@@ -406,7 +403,8 @@ async def test_store_latency_and_requests_are_measured(tmp_path: Path) -> None:
 
 
 def test_cli_builds_the_store_client(tmp_path: Path) -> None:
-    from memory_store.client import HttpMemoryStoreClient, InProcessMemoryStoreClient
+    from memory_store.client_http import HttpMemoryStoreClient
+    from memory_store.client_inprocess import InProcessMemoryStoreClient
     from server.cli import memory_store_client
 
     embedded = memory_store_client(ServerSettings(data_dir=str(tmp_path / "d")))

@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import threading
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -18,17 +16,16 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
 from server.app import build_app
 from server.auth import tenant_session_id
 from server.sessions import SessionRegistry
 from server.settings import ServerSettings, tenant_of
+from tests.helpers import ThreadedServer, wait_until_async
 from tests.server.conftest import API_KEY, MODEL
 from tests.server.fake_engine import FakeEngine
 from tests.server.test_documents import make_pdf
-from tests.server.test_uvicorn import free_port
 
 MESSAGES = [{"role": "user", "content": "what does it say"}]
 OTHER_KEY = "sk-other-tenant"
@@ -707,13 +704,13 @@ async def test_idle_sessions_are_evicted_after_their_ttl(engine: FakeEngine) -> 
     now = [1_000_000.0]
     registry(app).clock = lambda: now[0]
     swept: list[float] = []
-    sweep = registry(app).sweep
+    sweep = registry(app).sweeper.sweep
 
     async def counted_sweep() -> list[str]:
         swept.append(now[0])
         return await sweep()
 
-    registry(app).sweep = counted_sweep  # type: ignore[method-assign]
+    registry(app).sweeper.sweep = counted_sweep  # type: ignore[method-assign]
 
     async def alive(http: httpx.AsyncClient, sid: str) -> bool:
         """Whether the session survives the next two sweeps (polling for up to 2 s)."""
@@ -748,7 +745,7 @@ async def test_idle_sessions_are_evicted_after_their_ttl(engine: FakeEngine) -> 
         assert await alive(http, busy)  # reading a document is not idleness
 
         engine.ingest_gate.set()
-        await asyncio.sleep(0.05)
+        await wait_until_async(lambda: not engine.ingest_running, "the document was never read")
         now[0] += 61
         assert not await alive(http, busy)
         error_of(await http.get(f"/v1/sessions/{short}/documents"), 404, "session_not_found")
@@ -769,15 +766,9 @@ def test_upload_then_streamed_chat_waits_over_uvicorn() -> None:
     engine.ingest_chunk_tokens = 1
     engine.ingest_delay = 0.03
     app = build_app(ServerSettings(api_keys=[API_KEY]), engine)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    base = f"http://127.0.0.1:{port}"
+    server = ThreadedServer.of(app)
+    server.start()
+    base = server.url
     headers = {"Authorization": f"Bearer {API_KEY}"}
     try:
         with httpx.Client(base_url=base, headers=headers, timeout=10) as http:
@@ -805,6 +796,5 @@ def test_upload_then_streamed_chat_waits_over_uvicorn() -> None:
             doc = http.get(f"/v1/sessions/{sid}/documents/{doc_id}").json()
             assert doc["status"] == "ready" and doc["tokens"] == 8
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+        server.stop()
     assert engine.shutdown_called
