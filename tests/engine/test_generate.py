@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from engine.generate import Generation, KVCacheState, MemoryState
+from engine.memory.session import SessionMemory
 from engine.protocol import SamplingParams
 
 
@@ -92,8 +93,7 @@ def test_logprobs_on_every_token(tiny_loaded):
 
 
 def test_memory_state_appends_every_token(tiny_loaded, small_memory_spec):
-    session = pytest.importorskip("engine.memory.session")
-    memory = session.SessionMemory(tiny_loaded.model, small_memory_spec)
+    memory = SessionMemory(tiny_loaded.model, small_memory_spec)
     state = MemoryState(memory, "segments")
     ids = prompt(tiny_loaded)
     deltas = [
