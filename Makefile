@@ -1,4 +1,4 @@
-# Two entry points for a fresh machine: `make serve` and `make test`.
+# Entry points for a fresh machine: `make serve`, `make test` and `make lint`.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -23,6 +23,10 @@ serve: setup
 test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
+# All three checks run and report; the target fails if any did (pre-commit runs the same).
 lint: setup
-	$(BIN)/ruff check .
-	$(BIN)/mypy
+	@status=0; \
+	$(BIN)/ruff check . || status=1; \
+	$(BIN)/ruff format --check . || status=1; \
+	$(BIN)/mypy || status=1; \
+	exit $$status
