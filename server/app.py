@@ -19,8 +19,8 @@ from server.limits import BodySizeLimit, HeadSizeLimit, RefuseEncodedBodies
 from server.metrics import Metrics
 from server.routes import chat, completions, health, metrics, models, sessions
 from server.serving.context import ServingContext
-from server.session_store import SessionStore
 from server.sessions import SessionRegistry
+from server.sessions.records import SessionStore
 from server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ from fastapi import Depends, Request
 
 from server.drain import DrainState
 from server.serving.context import ServingContext
-from server.session_store import SessionStore
 from server.sessions import SessionRegistry
+from server.sessions.records import SessionStore
 
 
 def serving_context(request: Request) -> ServingContext:

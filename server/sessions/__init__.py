@@ -9,7 +9,7 @@ cancels its tasks (which closes the engine's ingest iterators) and drops its eng
 Another tenant's session is indistinguishable from a missing one: every lookup is keyed by
 (tenant, id) and answers 404 `session_not_found`.
 
-With a memory store (server/session_store.py) a session is also durable, so that it survives a
+With a memory store (records.py) a session is also durable, so that it survives a
 restart and any replica can serve it: creating it, uploading a document (its text) and a
 document becoming ready each return only once the store holds the change. A request naming a
 session this registry does not hold restores it from the store (restore.py). While the store
@@ -17,7 +17,8 @@ is down, held sessions keep serving chat; operations that need the store answer 
 `memory_store_unavailable`.
 
 Rooms: models.py (what is held), registry.py (SessionRegistry), listing.py, ingestion.py
-(documents), attachments.py (collections), restore.py, quotas.py, sweeper.py (TTL).
+(documents), attachments.py (collections), restore.py, quotas.py, sweeper.py (TTL), records.py (the
+durable records in the memory store).
 """
 
 from server.sessions.listing import list_session_views

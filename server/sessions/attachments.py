@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 from engine.protocol import CollectionIncompatible, CollectionNotFound
 from memory_store.errors import StoreError
 from server.errors import invalid_request, session_busy
-from server.session_store import CollectionRecord
 from server.sessions.models import AttachedCollection, Session
 from server.sessions.quotas import check_collection_count
+from server.sessions.records import CollectionRecord
 
 if TYPE_CHECKING:
     from server.sessions.registry import SessionRegistry

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 from memory_store.errors import InvalidStoreRequest, StoreError
 from server.protocol import SessionObject
-from server.session_store import SessionRecord
 from server.sessions.models import Session, stored_view
+from server.sessions.records import SessionRecord
 
 if TYPE_CHECKING:
     from server.sessions.registry import SessionRegistry

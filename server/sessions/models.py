@@ -17,7 +17,7 @@ from server.protocol import (
     SessionMemoryView,
     SessionObject,
 )
-from server.session_store import CollectionRecord, DocumentRecord, SessionRecord
+from server.sessions.records import CollectionRecord, DocumentRecord, SessionRecord
 
 
 def new_session_id() -> str:

@@ -21,11 +21,11 @@ from server.documents import DocumentLimits, DocumentReader
 from server.errors import invalid_request, session_busy, session_not_found
 from server.metrics import Metrics
 from server.protocol import SessionCreateRequest, SessionObject
-from server.session_store import SessionStore
 from server.sessions.attachments import CollectionAttachments
 from server.sessions.ingestion import DocumentIngestion
 from server.sessions.models import Document, Session, new_session_id
 from server.sessions.quotas import check_session_count
+from server.sessions.records import SessionStore
 from server.sessions.restore import SessionRestorer
 from server.sessions.sweeper import SessionSweeper
 from server.settings import ServerSettings

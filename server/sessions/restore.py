@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 from engine.protocol import EngineError, IngestProgress, MemorySpec, StoreUnavailableError
 from memory_store.errors import NotFound, StoreError
 from server.errors import session_not_found
-from server.session_store import CollectionRecord, DocumentRecord
 from server.sessions.models import Document, Session
+from server.sessions.records import CollectionRecord, DocumentRecord
 
 if TYPE_CHECKING:
     from server.sessions.registry import SessionRegistry
