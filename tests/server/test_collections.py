@@ -10,7 +10,7 @@ import openai
 from engine.protocol import MemorySpec
 from server.auth import tenant_session_id
 from tests.server.fake_engine import FakeEngine
-from tests.server.test_session_store import embedded_client, replica
+from tests.server.test_session_records import embedded_client, replica
 from tests.server.test_sessions import (
     OTHER_KEY,
     build,
