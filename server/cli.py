@@ -181,6 +181,7 @@ BENCHMARKS = (
     "load",
     "larimar_passkey",
     "store_rebuild",
+    "recall",
 )
 
 

@@ -1,0 +1,389 @@
+"""Recall of facts planted in long documents of real text, asked through the chat API.
+
+Documents come from three kinds of text installed on this machine (bench/recall_corpus.py);
+facts and questions are those of bench/recall_tasks.py (single, multikey, multivalue,
+paraphrase, followup). Each question goes through the official openai SDK's
+`chat.completions.create`, greedy, as a user asks it: the question alone, no answer prefix.
+The same facts and the same question wording are asked in every mode of one run:
+
+- `reference`: the model's own full attention: a document of the same kind and seed that fits
+  the window (the opening of the long one's text) with the same facts at the same depths;
+- `truncate`: the long document's last paragraphs that fit the window, in a plain request;
+- `rag`: the long document cut into chunks of about --rag-chunk-tokens; all-MiniLM-L6-v2
+  picks the chunks nearest the question (with the previous answer, on a follow-up turn) up to
+  --rag-tokens, sent in document order in a plain request;
+- `inline`: the whole long document in the user message (the server reads it into ephemeral
+  memory), per strategy;
+- `session`: the document uploaded once per (trial, strategy) to a session, each question in
+  its own chat with `session_id`. A session's memory keeps every earlier turn, so later
+  questions of a trial see the earlier questions and answers (asked in the order of --tasks).
+
+Starts `longserve serve` on a free loopback port (or drives --base-url on loopback). One JSON
+line per cell (length, kind or "all", task, mode, strategy) as soon as it is complete, then a
+summary line. Token counts are the model's tokenizer's (loaded from the same GGUF):
+
+    longserve bench recall --lengths 16384 32768 -n 4 --strategies segments
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+from bench.load import free_port, require_loopback, wait_ready
+from bench.recall_corpus import (
+    KINDS,
+    Document,
+    build_document,
+    chunk_document,
+    load_token_counter,
+    retrieve,
+)
+from bench.recall_tasks import TASKS, Question, Trial, is_correct, make_trial, wilson
+
+BASELINES = ("reference", "truncate", "rag")
+MEMORY_MODES = ("inline", "session")
+STRATEGIES = ("segments", "tokens", "neurocache", "larimar")
+
+
+@dataclass
+class Answer:
+    correct: bool
+    seconds: float
+    context_tokens: int
+    text: str
+    expected: tuple[str, ...]
+    error: str | None = None
+    prompt_tokens: int = 0  # the server's count: a baseline's must fit the window
+
+
+class Asker:
+    """Chats with the server: one question (one or two turns) per call."""
+
+    def __init__(self, client, model: str, max_tokens: int) -> None:
+        self.client, self.model, self.max_tokens = client, model, max_tokens
+
+    def chat(self, question: Question, context_for, extra_body: dict) -> tuple[list[str], int, int]:
+        """Answers to each turn. context_for(turn, question, previous answer) gives the text to
+        put before a turn's question and its tokens, or None for the question alone. Also
+        returns the first context's tokens and the largest prompt the server counted."""
+        messages: list[dict] = []
+        answers: list[str] = []
+        context_tokens = prompt_tokens = 0
+        for turn, text in enumerate(question.turns):
+            context = context_for(turn, text, answers[-1] if answers else "")
+            if context is not None:
+                text = f"{context[0]}\n\n{text}"
+                context_tokens = context_tokens or context[1]
+            messages.append({"role": "user", "content": text})
+            reply = self.client.chat.completions.create(
+                model=self.model,
+                messages=messages,
+                temperature=0,
+                max_tokens=self.max_tokens,
+                extra_body=extra_body,
+            )
+            answers.append(reply.choices[0].message.content or "")
+            messages.append({"role": "assistant", "content": answers[-1]})
+            if reply.usage is not None:
+                prompt_tokens = max(prompt_tokens, reply.usage.prompt_tokens)
+        return answers, context_tokens, prompt_tokens
+
+
+def ask_all(asker: Asker, trial: Trial, context_for, extra_body: dict) -> list[Answer]:
+    out = []
+    for question in trial.questions:
+        started = time.perf_counter()
+        try:
+            answers, tokens, prompt_tokens = asker.chat(question, context_for, extra_body)
+        except Exception as e:  # a failed request is a wrong answer, and is reported
+            out.append(Answer(False, 0.0, 0, "", question.expected, f"{type(e).__name__}: {e}"))
+            continue
+        correct = is_correct(answers[-1], question.expected)
+        out.append(
+            Answer(
+                correct,
+                time.perf_counter() - started,
+                tokens,
+                " | ".join(answers),
+                question.expected,
+                prompt_tokens=prompt_tokens,
+            )
+        )
+    return out
+
+
+def upload(http: httpx.Client, strategy: str, text: str, timeout: float) -> tuple[str, int, float]:
+    """A session of `strategy` holding `text`, read: (id, the server's token count, seconds)."""
+    started = time.perf_counter()
+    session = http.post("/sessions", json={"memory": {"strategy": strategy}}).json()
+    response = http.post(
+        f"/sessions/{session['id']}/documents", json={"name": "document.txt", "text": text}
+    )
+    doc = response.json()
+    if "id" not in doc:
+        raise RuntimeError(f"upload refused: {doc}")
+    deadline = time.monotonic() + timeout
+    while doc["status"] not in ("ready", "failed"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"document not read after {timeout} s")
+        time.sleep(1)
+        doc = http.get(f"/sessions/{session['id']}/documents/{doc['id']}").json()
+    if doc["status"] != "ready":
+        raise RuntimeError(f"document failed: {doc.get('error')}")
+    return session["id"], doc["tokens"], time.perf_counter() - started
+
+
+@dataclass
+class Run:
+    """What one run shares: the server, the documents and the cells measured so far."""
+
+    args: argparse.Namespace
+    asker: Asker
+    http: httpx.Client
+    info: dict
+    count: Callable[[list[str]], list[int]]
+    embed: Callable[[list[str]], np.ndarray] | None = None
+    cells: dict[tuple, list[Answer]] = field(default_factory=lambda: defaultdict(list))
+    read_seconds: dict[tuple, list[float]] = field(default_factory=lambda: defaultdict(list))
+
+    def ask(self, mode: str, strategy: str | None, trial: Trial, doc: Document) -> list[Answer]:
+        budget = self.args.rag_tokens
+
+        def first(context: str, tokens: int):
+            return lambda turn, _q, _prev: (context, tokens) if turn == 0 else None
+
+        if mode == "reference":
+            return ask_all(self.asker, trial, first(doc.reference, doc.reference_tokens), {})
+        if mode == "truncate":
+            return ask_all(self.asker, trial, first(doc.tail, doc.tail_tokens), {})
+        if mode == "rag":
+            if doc.chunk_vectors is None:
+                chunk_document(doc, self.count, self.args.rag_chunk_tokens, self.rag_embedder())
+            embed = self.rag_embedder()
+            return ask_all(
+                self.asker,
+                trial,
+                lambda _turn, q, prev: retrieve(doc, f"{prev}\n{q}".strip(), budget, embed),
+                {},
+            )
+        memory = {"memory": {"strategy": strategy}}
+        if mode == "inline":
+            return ask_all(self.asker, trial, first(doc.text, doc.tokens), memory)
+        session_id, tokens, seconds = upload(self.http, str(strategy), doc.text, 3600)
+        try:
+            answers = ask_all(self.asker, trial, lambda *_: None, {"session_id": session_id})
+        finally:
+            self.http.delete(f"/sessions/{session_id}")
+        for answer in answers:
+            answer.context_tokens = tokens
+        self.read_seconds[mode, strategy].append(seconds)
+        return answers
+
+    def rag_embedder(self) -> Callable[[list[str]], np.ndarray]:
+        if self.embed is None:
+            from memory_store.client import default_embedder
+
+            self.embed = default_embedder().embed
+        return self.embed
+
+    def line(self, length: int, kind: str, task: str, mode: str, strategy, answers) -> dict:
+        correct = sum(a.correct for a in answers)
+        low, high = wilson(correct, len(answers))
+        timed = [a.seconds for a in answers if a.error is None]
+        errors = [a.error for a in answers if a.error]
+        record = {
+            "bench": "recall",
+            "length": length,
+            "kind": kind,
+            "task": task,
+            "mode": mode,
+            "strategy": strategy,
+            "n": len(answers),
+            "correct": correct,
+            "accuracy": round(correct / len(answers), 4) if answers else None,
+            "ci_low": round(low, 4),
+            "ci_high": round(high, 4),
+            "seconds_per_question": round(sum(timed) / len(timed), 2) if timed else None,
+            "context_tokens": round(sum(a.context_tokens for a in answers) / len(answers)),
+            "max_prompt_tokens": max(a.prompt_tokens for a in answers),
+            "errors": len(errors),
+            "first_error": errors[0] if errors else None,
+            "misses": [
+                {"expected": list(a.expected), "answer": a.text[:160]}
+                for a in answers
+                if not a.correct
+            ][:3],
+            **self.info,
+        }
+        reads = self.read_seconds.get((mode, strategy))
+        if mode == "session" and reads:
+            record["read_seconds_per_document"] = round(sum(reads) / len(reads), 1)
+        return record
+
+
+def emit(record: dict) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def combos(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    out: list[tuple[str, str | None]] = [(m, None) for m in args.modes if m in BASELINES]
+    for strategy in args.strategies:
+        out += [(m, strategy) for m in args.modes if m in MEMORY_MODES]
+    return out
+
+
+def measure(run: Run) -> None:
+    args = run.args
+    fit = run.info["max_model_len"] - args.reserve
+    docs: dict[tuple, tuple[Trial, Document]] = {}
+    for length in args.lengths:
+        trials = args.n_large if length >= args.large_from else args.samples
+        for mode, strategy in combos(args):
+            run.read_seconds.pop((mode, strategy), None)
+            for kind in args.kinds:
+                for i in range(trials):
+                    if (length, kind, i) not in docs:
+                        seed = f"{args.seed}:{kind}:{i}"
+                        trial = make_trial(seed, tuple(args.tasks), args.keys, args.values)
+                        doc = build_document(trial, kind, seed, length, fit, run.count)
+                        docs[length, kind, i] = trial, doc
+                    trial, doc = docs[length, kind, i]
+                    for question, answer in zip(
+                        trial.questions, run.ask(mode, strategy, trial, doc), strict=True
+                    ):
+                        run.cells[length, kind, question.task, mode, strategy].append(answer)
+                for task in args.tasks:
+                    answers = run.cells[length, kind, task, mode, strategy]
+                    emit(run.line(length, kind, task, mode, strategy, answers))
+            for task in args.tasks:
+                answers = [
+                    a for kind in args.kinds for a in run.cells[length, kind, task, mode, strategy]
+                ]
+                emit(run.line(length, "all", task, mode, strategy, answers))
+        for key in [key for key in docs if key[0] == length]:
+            del docs[key]
+
+
+def summary(run: Run, seconds: float) -> dict:
+    by_cell: dict[str, list[Answer]] = defaultdict(list)
+    for (length, _kind, _task, mode, strategy), answers in run.cells.items():
+        by_cell[f"{length}/{mode}/{strategy or '-'}"] += answers
+    table = {}
+    for name, answers in by_cell.items():
+        correct = sum(a.correct for a in answers)
+        low, high = wilson(correct, len(answers))
+        table[name] = {
+            "n": len(answers),
+            "correct": correct,
+            "accuracy": round(correct / len(answers), 4),
+            "ci_low": round(low, 4),
+            "ci_high": round(high, 4),
+        }
+    args = {k: v for k, v in vars(run.args).items() if k not in ("api_key",)}
+    return {
+        "bench": "recall",
+        "summary": table,
+        "seconds": round(seconds),
+        "args": args,
+        **run.info,
+    }
+
+
+def start_server(args: argparse.Namespace, port: int, data_dir: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1"]
+    cmd += ["--port", str(port), "--data-dir", data_dir, "--log-level", "warning"]
+    if args.model:
+        cmd += ["--model", args.model]
+    if args.device:
+        cmd += ["--device", args.device]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return subprocess.Popen(cmd, env=env, stdout=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> None:
+    import openai
+
+    started = time.perf_counter()
+    count = load_token_counter(args.model)
+    server = None
+    with tempfile.TemporaryDirectory(prefix="longserve-recall-") as data_dir:
+        if args.base_url:
+            base = args.base_url.rstrip("/").removesuffix("/v1")
+            require_loopback(base)
+        else:
+            port = free_port()
+            base = f"http://127.0.0.1:{port}"
+            server = start_server(args, port, data_dir)
+        try:
+            wait_ready(base, server, args.ready_timeout)
+            client = openai.OpenAI(
+                base_url=f"{base}/v1", api_key=args.api_key, timeout=3600, max_retries=0
+            )
+            card = client.models.list().data[0]
+            extra = card.model_extra or {}
+            info = {"model": card.id, "max_model_len": extra.get("max_model_len")}
+            missing = set(args.strategies) - set(extra.get("strategies") or STRATEGIES)
+            if missing:
+                raise SystemExit(f"the server does not offer {sorted(missing)}")
+            headers = {"Authorization": f"Bearer {args.api_key}"}
+            with httpx.Client(base_url=f"{base}/v1", headers=headers, timeout=600) as http:
+                bench = Run(args, Asker(client, card.id, args.max_tokens), http, info, count)
+                measure(bench)
+                emit(summary(bench, time.perf_counter() - started))
+        finally:
+            if server is not None:
+                server.terminate()
+                try:
+                    server.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    server.kill()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
+    parser.add_argument("-n", "--samples", type=int, default=4, help="trials per length and kind")
+    parser.add_argument("--n-large", type=int, default=2, help="trials at --large-from and above")
+    parser.add_argument("--large-from", type=int, default=131072)
+    parser.add_argument("--modes", nargs="+", choices=BASELINES + MEMORY_MODES)
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--keys", type=int, default=3, help="multikey: facts asked one by one")
+    parser.add_argument("--values", type=int, default=3, help="multivalue: values of the key")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument(
+        "--reserve",
+        type=int,
+        default=512,
+        help="window tokens kept for template, question and answer (reference, truncate)",
+    )
+    parser.add_argument("--rag-tokens", type=int, default=3072, help="retrieved, per turn")
+    parser.add_argument("--rag-chunk-tokens", type=int, default=256)
+    parser.add_argument("--base-url", help="a running server on loopback (default: start one)")
+    parser.add_argument("--api-key", default="bench")
+    parser.add_argument("--model", help="--model of the started server (default: embedded)")
+    parser.add_argument("--device", help="--device of the started server")
+    parser.add_argument("--ready-timeout", type=float, default=300.0)
+    args = parser.parse_args(argv)
+    args.modes = args.modes or list(BASELINES + MEMORY_MODES)
+    if min(args.samples, args.n_large, args.keys, args.values) < 1:
+        parser.error("-n, --n-large, --keys and --values must be >= 1")
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""bench/recall's documents, facts, questions and scoring (no model, no server): documents of
+real text that are the same for a seed, facts where they were meant to go, paraphrases that do
+not repeat the fact's words, and the scoring and interval the JSON lines report."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.recall_corpus import (
+    SOURCES,
+    Document,
+    filler,
+    prose_paragraphs,
+    read_docstrings,
+    retrieve,
+)
+from bench.recall_tasks import (
+    FOLLOWUP_QUESTION,
+    RELATIONS,
+    VAULT,
+    contains,
+    is_correct,
+    make_trial,
+    plant_facts,
+    wilson,
+)
+
+STOPWORDS = set(
+    [
+        "the",
+        "a",
+        "an",
+        "of",
+        "is",
+        "was",
+        "what",
+        "which",
+        "how",
+        "many",
+        "does",
+        "do",
+        "in",
+        "on",
+        "with",
+        "to",
+        "for",
+        "and",
+        "by",
+        "has",
+        "have",
+        "one",
+        "are",
+        "its",
+        "it",
+    ]
+)
+
+
+def approx_tokens(texts: list[str]) -> list[int]:
+    return [len(text) // 4 for text in texts]
+
+
+def content_stems(sentence: str) -> set[str]:
+    """Words that carry meaning, cut to five letters so "register" meets "registration"."""
+    words = re.findall(r"[a-z]+", sentence.lower())
+    return {word[:5] for word in words if word not in STOPWORDS and word not in ("key", "value")}
+
+
+KINDS = ["docs", "docstrings"] + (["manpages"] if shutil.which("man") else [])
+
+
+@pytest.fixture
+def stdlib_docstrings(monkeypatch):
+    """The docstrings kind over the standard library's top-level modules only: the same reader,
+    without walking every installed package (seconds)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    modules = tuple(sorted(str(path) for path in root.glob("*.py")))
+    monkeypatch.setitem(SOURCES, "docstrings", (lambda: modules, read_docstrings))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_documents_are_real_prose_the_same_for_a_seed(kind, stdlib_docstrings):
+    first = [p for p, _ in filler(kind, 7, 2000, approx_tokens)]
+    assert [p for p, _ in filler(kind, 7, 2000, approx_tokens)] == first
+    shorter = [p for p, _ in filler(kind, 8, 1000, approx_tokens)]
+    assert shorter != first[: len(shorter)]
+    assert 1500 <= sum(approx_tokens(first)) + 2 * len(first) <= 2000
+    # a shorter document of the same seed is the opening of the longer one
+    shorter = [p for p, _ in filler(kind, 7, 1000, approx_tokens)]
+    assert shorter == first[: len(shorter)]
+    sentences = [s for p in first for s in re.split(r"(?<=\.)\s+", p)]
+    assert len(set(sentences)) >= 0.95 * len(sentences), "filler repeats its sentences"
+    assert not any(re.search(r"\d{5,}", p) for p in first)
+
+
+def test_prose_paragraphs_drop_code_tables_and_long_numbers():
+    prose = (
+        "The library keeps its books on open shelves, so that readers may browse before they "
+        "borrow. Each shelf is labelled by subject, and the labels follow the same order in "
+        "every room of the building, which makes a visit to any branch feel familiar."
+    )
+    code = "def f(x):\n    return {x: [x * 2 for _ in range(3)]} | {'a': 1}  # " + "x = y; " * 30
+    table = "| a | b |\n| --- | --- |\n" + "| 1 | 2 |\n" * 40
+    numbered = prose.replace("open shelves", "shelf 1234567")
+    text = "\n\n".join([prose, code, table, numbered, "Too short."])
+    assert prose_paragraphs(text) == [prose]
+
+
+def test_facts_land_at_their_depths():
+    trial = make_trial(3)
+    paragraphs = [f"Paragraph number {i} of the filler." for i in range(400)]
+    planted = plant_facts(paragraphs, trial.facts)
+    assert len(planted) == len(paragraphs) + len(trial.facts)
+    for fact in trial.facts:
+        at = planted.index(fact.sentence)
+        before = sum(1 for p in planted[:at] if p.startswith("Paragraph number"))
+        assert abs(before / len(paragraphs) - fact.depth) <= 1 / len(paragraphs) + 1e-9
+
+
+def test_a_trial_is_the_same_for_a_seed_and_its_answers_are_planted():
+    trial = make_trial(11)
+    assert make_trial(11) == trial
+    assert make_trial(12) != trial
+    assert [q.task for q in trial.questions] == ["single", "multikey", "multikey", "multikey"] + [
+        "multivalue",
+        "paraphrase",
+        "followup",
+    ]
+    sentences = " ".join(f.sentence for f in trial.facts)
+    values = [v for q in trial.questions for v in q.expected]
+    assert len(set(values)) == len(values)
+    for value in values:
+        assert re.fullmatch(r"\d{5,7}", value) and sentences.count(value) == 1
+    assert len({f.depth for f in trial.facts}) == len(trial.facts)
+    multivalue = next(q for q in trial.questions if q.task == "multivalue")
+    assert len(multivalue.expected) == 3
+
+
+def test_the_follow_up_needs_the_first_answer():
+    question = next(q for q in make_trial(5).questions if q.task == "followup")
+    vault = question.first_expected
+    assert vault not in question.turns[1] and question.turns[1] == FOLLOWUP_QUESTION
+    facts = [f.sentence for f in make_trial(5).facts]
+    code_facts = [f for f in facts if question.expected[0] in f]
+    assert len(code_facts) == 1 and vault in code_facts[0]
+    # another vault with its own keeper and code: guessing the vault does not answer it
+    assert sum("vault" in f for f in facts) == 4
+
+
+@pytest.mark.parametrize("name", list(RELATIONS) + ["vault"])
+def test_paraphrases_share_no_content_word_with_the_fact(name):
+    relation = RELATIONS.get(name, VAULT)
+    forms = set().union(*(content_stems(form) for form in relation.facts))
+    assert content_stems(relation.paraphrase) & forms == set()
+    assert len(content_stems(relation.question) & forms) >= 2  # the literal one repeats them
+
+
+def test_scoring_finds_the_value_and_nothing_like_it():
+    assert contains("The access code is 1,234,567.", "1234567")
+    assert contains("It is 48213", "48213")
+    assert not contains("It is 482135", "48213")
+    assert not contains("It is 148213", "48213")
+    assert contains("The vault is the quinmar vault.", "Quinmar")
+    assert is_correct("codes: 11111, 22222 and 33333", ("11111", "22222", "33333"))
+    assert not is_correct("codes: 11111 and 33333", ("11111", "22222", "33333"))
+
+
+def test_wilson_interval():
+    assert wilson(0, 0) == (0.0, 1.0)
+    low, high = wilson(5, 10)
+    assert low == pytest.approx(0.2366, abs=1e-4) and high == pytest.approx(0.7634, abs=1e-4)
+    low, high = wilson(10, 10)
+    assert low == pytest.approx(0.7225, abs=1e-4) and high == 1.0
+    assert wilson(0, 10)[0] == 0.0
+
+
+def test_rag_keeps_the_nearest_chunks_in_document_order_within_budget():
+    vectors = np.eye(4, dtype=np.float32)
+    doc = Document(["a", "b", "c", "d"], 4, "", 0, "", 0)
+    doc.chunks, doc.chunk_tokens = ["A", "B", "C", "D"], [100, 100, 250, 100]
+    doc.chunk_vectors = vectors
+
+    def embed(_texts):
+        return np.array([[0.1, 0.2, 0.9, 0.8]], dtype=np.float32)
+
+    assert retrieve(doc, "q", 350, embed) == ("C\n\nD", 350)
+    assert retrieve(doc, "q", 300, embed) == ("C", 250)
+    assert retrieve(doc, "q", 200, embed) == ("B\n\nD", 200)  # C is nearest but too large
