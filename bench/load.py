@@ -20,19 +20,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import json
-import os
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from bench.server_process import model_args, served
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",
@@ -52,39 +47,6 @@ class RequestResult:
     latency: float = 0.0
     output_tokens: int = 0
     itl: list[float] = field(default_factory=list)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def require_loopback(base_url: str) -> None:
-    host = urllib.parse.urlsplit(base_url).hostname or ""
-    if host == "localhost":
-        return
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return
-    except ValueError:
-        pass
-    raise SystemExit(f"--base-url must be a loopback address, got {host!r}")
-
-
-def wait_ready(base: str, server: subprocess.Popen | None, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server is not None and server.poll() is not None:
-            raise RuntimeError(f"the server exited with code {server.returncode}")
-        try:
-            with urllib.request.urlopen(f"{base}/ready", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"server at {base} not ready after {timeout}s")
 
 
 async def one_request(client, model: str, prompt: str, max_tokens: int) -> RequestResult:
@@ -187,89 +149,63 @@ def summarize(
     }
 
 
-def start_server(args: argparse.Namespace, port: int, data_dir: str) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "server.cli",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
+def serve_args(args: argparse.Namespace) -> list[str]:
+    most = max(args.concurrency)
+    return [
         "--max-running-requests",
-        str(max(args.max_running_requests or 0, max(args.concurrency))),
+        str(max(args.max_running_requests or 0, most)),
         "--max-waiting-requests",
-        str(max(64, max(args.concurrency))),
-        "--data-dir",
-        data_dir,
-        "--log-level",
-        "warning",
+        str(max(64, most)),
+        *model_args(args),
     ]
-    if args.model:
-        cmd += ["--model", args.model]
-    if args.device:
-        cmd += ["--device", args.device]
-    return subprocess.Popen(cmd, env=os.environ.copy())
 
 
 async def run(args: argparse.Namespace) -> None:
     import openai
 
-    server = None
-    with tempfile.TemporaryDirectory(prefix="longserve-load-") as data_dir:
-        if args.base_url:
-            base = args.base_url.rstrip("/").removesuffix("/v1")
-            require_loopback(base)
-        else:
-            port = free_port()
-            base = f"http://127.0.0.1:{port}"
-            server = start_server(args, port, data_dir)
-        try:
-            wait_ready(base, server, args.ready_timeout)
-            client = openai.AsyncOpenAI(
-                base_url=f"{base}/v1",
-                api_key=args.api_key,
-                timeout=args.level_timeout,
-                max_retries=0,
+    serving = served(
+        args.base_url,
+        serve_args=serve_args(args),
+        ready_timeout=args.ready_timeout,
+        prefix="longserve-load-",
+    )
+    with serving as base:
+        client = openai.AsyncOpenAI(
+            base_url=f"{base}/v1",
+            api_key=args.api_key,
+            timeout=args.level_timeout,
+            max_retries=0,
+        )
+        model = (await client.models.list()).data[0].id
+        warmup = await one_request(client, model, PROMPTS[0], 4)
+        if not warmup.ok:
+            raise RuntimeError(f"warm-up request failed: {warmup.error}")
+        lines = []
+        for concurrency in args.concurrency:
+            num_requests = min(MAX_REQUESTS_PER_LEVEL, concurrency * args.requests_per_client)
+            line = await run_level(
+                client, model, concurrency, num_requests, args.max_tokens, args.level_timeout
             )
-            model = (await client.models.list()).data[0].id
-            warmup = await one_request(client, model, PROMPTS[0], 4)
-            if not warmup.ok:
-                raise RuntimeError(f"warm-up request failed: {warmup.error}")
-            lines = []
-            for concurrency in args.concurrency:
-                num_requests = min(MAX_REQUESTS_PER_LEVEL, concurrency * args.requests_per_client)
-                line = await run_level(
-                    client, model, concurrency, num_requests, args.max_tokens, args.level_timeout
-                )
-                print(json.dumps(line), flush=True)
-                lines.append(line)
-            base_tps = lines[0]["output_token_throughput"]
-            print(
-                json.dumps(
-                    {
-                        "bench": "load",
-                        "output_throughput_ratio_vs_concurrency_" + str(lines[0]["concurrency"]): {
-                            str(line["concurrency"]): round(
-                                line["output_token_throughput"] / base_tps, 2
-                            )
-                            if base_tps
-                            else None
-                            for line in lines
-                        },
-                    }
-                ),
-                flush=True,
-            )
-            await client.close()
-        finally:
-            if server is not None:
-                server.terminate()
-                try:
-                    server.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    server.kill()
+            print(json.dumps(line), flush=True)
+            lines.append(line)
+        base_tps = lines[0]["output_token_throughput"]
+        print(
+            json.dumps(
+                {
+                    "bench": "load",
+                    "output_throughput_ratio_vs_concurrency_" + str(lines[0]["concurrency"]): {
+                        str(line["concurrency"]): round(
+                            line["output_token_throughput"] / base_tps, 2
+                        )
+                        if base_tps
+                        else None
+                        for line in lines
+                    },
+                }
+            ),
+            flush=True,
+        )
+        await client.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -29,10 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -41,7 +38,6 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-from bench.load import free_port, require_loopback, wait_ready
 from bench.recall_corpus import (
     KINDS,
     Document,
@@ -51,6 +47,7 @@ from bench.recall_corpus import (
     retrieve,
 )
 from bench.recall_tasks import TASKS, Question, Trial, is_correct, make_trial, wilson
+from bench.server_process import model_args, served
 
 BASELINES = ("reference", "truncate", "rag")
 MEMORY_MODES = ("inline", "session")
@@ -301,54 +298,34 @@ def summary(run: Run, seconds: float) -> dict:
     }
 
 
-def start_server(args: argparse.Namespace, port: int, data_dir: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), "--data-dir", data_dir, "--log-level", "warning"]
-    if args.model:
-        cmd += ["--model", args.model]
-    if args.device:
-        cmd += ["--device", args.device]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    return subprocess.Popen(cmd, env=env, stdout=sys.stderr)
-
-
 def run(args: argparse.Namespace) -> None:
     import openai
 
     started = time.perf_counter()
     count = load_token_counter(args.model)
-    server = None
-    with tempfile.TemporaryDirectory(prefix="longserve-recall-") as data_dir:
-        if args.base_url:
-            base = args.base_url.rstrip("/").removesuffix("/v1")
-            require_loopback(base)
-        else:
-            port = free_port()
-            base = f"http://127.0.0.1:{port}"
-            server = start_server(args, port, data_dir)
-        try:
-            wait_ready(base, server, args.ready_timeout)
-            client = openai.OpenAI(
-                base_url=f"{base}/v1", api_key=args.api_key, timeout=3600, max_retries=0
-            )
-            card = client.models.list().data[0]
-            extra = card.model_extra or {}
-            info = {"model": card.id, "max_model_len": extra.get("max_model_len")}
-            missing = set(args.strategies) - set(extra.get("strategies") or STRATEGIES)
-            if missing:
-                raise SystemExit(f"the server does not offer {sorted(missing)}")
-            headers = {"Authorization": f"Bearer {args.api_key}"}
-            with httpx.Client(base_url=f"{base}/v1", headers=headers, timeout=600) as http:
-                bench = Run(args, Asker(client, card.id, args.max_tokens), http, info, count)
-                measure(bench)
-                emit(summary(bench, time.perf_counter() - started))
-        finally:
-            if server is not None:
-                server.terminate()
-                try:
-                    server.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    server.kill()
+    serving = served(
+        args.base_url,
+        serve_args=model_args(args),
+        ready_timeout=args.ready_timeout,
+        prefix="longserve-recall-",
+        env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+        stdout=sys.stderr,
+    )
+    with serving as base:
+        client = openai.OpenAI(
+            base_url=f"{base}/v1", api_key=args.api_key, timeout=3600, max_retries=0
+        )
+        card = client.models.list().data[0]
+        extra = card.model_extra or {}
+        info = {"model": card.id, "max_model_len": extra.get("max_model_len")}
+        missing = set(args.strategies) - set(extra.get("strategies") or STRATEGIES)
+        if missing:
+            raise SystemExit(f"the server does not offer {sorted(missing)}")
+        headers = {"Authorization": f"Bearer {args.api_key}"}
+        with httpx.Client(base_url=f"{base}/v1", headers=headers, timeout=600) as http:
+            bench = Run(args, Asker(client, card.id, args.max_tokens), http, info, count)
+            measure(bench)
+            emit(summary(bench, time.perf_counter() - started))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,38 +12,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
-import urllib.request
 
+from bench.server_process import model_args, served
 from engine.client import LocalEngine
 from engine.config import EngineConfig
 from engine.protocol import SamplingParams
 
 PROMPT = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_ready(base: str, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{base}/ready", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"server at {base} not ready after {timeout}s")
 
 
 async def in_process(engine: LocalEngine, max_tokens: int, index: int) -> tuple[float, float]:
@@ -86,15 +64,8 @@ async def over_http(client, model: str, max_tokens: int) -> tuple[float, float]:
 async def run(args: argparse.Namespace) -> None:
     import openai
 
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    if args.model:
-        cmd += ["--model", args.model]
-    server = subprocess.Popen(cmd, env={**os.environ, "LONGSERVE_LOG_LEVEL": "warning"})
-    try:
-        engine = LocalEngine(EngineConfig(model=args.model))
-        wait_ready(base)
+    engine = LocalEngine(EngineConfig(model=args.model))
+    with served(None, serve_args=model_args(args), ready_timeout=180.0) as base:
         client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="bench")
         model = (await client.models.list()).data[0].id
         # One warm-up each.
@@ -136,9 +107,6 @@ async def run(args: argparse.Namespace) -> None:
             flush=True,
         )
         await engine.shutdown()
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 def main(argv: list[str] | None = None) -> None:
