@@ -174,9 +174,12 @@ def kind_paragraphs(kind: str, seed: int | str) -> Generator[str, None, None]:
     read = SOURCES[kind][1]
     seen: set[str] = set()
     names = source_order(kind, seed)
-    with ThreadPoolExecutor(max_workers=4) as pool:  # rendering a man page is a subprocess
+    # Rendering a man page is a subprocess: worth threads. ast.parse is not thread-safe on
+    # CPython 3.11 ("AST constructor recursion depth mismatch"), so docstrings read in order.
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        each = pool.map if kind == "manpages" else map
         for start in range(0, len(names), 16):
-            for text in pool.map(read, names[start : start + 16]):
+            for text in each(read, names[start : start + 16]):
                 for paragraph in prose_paragraphs(text):
                     if paragraph not in seen:
                         seen.add(paragraph)
