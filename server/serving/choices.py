@@ -291,7 +291,9 @@ async def gather_choices(streams: ChoiceStreams) -> tuple[dict[int, GatheredChoi
         choice = choices[index]
         choice.texts.append(delta.text)
         if delta.logprobs is not None:
-            choice.logprobs = (choice.logprobs or []) + delta.logprobs
+            if choice.logprobs is None:
+                choice.logprobs = []
+            choice.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
             choice.finish_reason = delta.finish_reason
         usage.add(jobs[index], delta)
