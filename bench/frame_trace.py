@@ -3,7 +3,8 @@ whether the question's retrieval brings each fact's tokens into the frame, layer
 what the model answers with them - for the question framed as a session asks it today (a chat
 turn rendered after the document: "session"), as an inline request frames it (the document
 inside the user turn: "inline"), and with the document as a user turn of its own after the
-system prompt, the question the next user turn ("user-turn"). No HTTP: the engine's SessionMemory directly, so each step can be inspected.
+system prompt, the question the next user turn ("user-turn", how a session frames it since
+docs/decisions/021); --prior adds the text prior (decisions/022). No HTTP: the engine's SessionMemory directly, so each step can be inspected.
 
     python -m bench.frame_trace --tokens 12000 --facts 4 --strategy segments
 
@@ -103,6 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--strategy", default="segments")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--framings", nargs="+", default=["session", "inline", "user-turn"])
+    parser.add_argument(
+        "--prior", action="store_true", help="with the text prior (engine/memory/prior.py)"
+    )
     args = parser.parse_args(argv)
 
     loaded = load_model(EngineConfig())
@@ -113,10 +117,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         ids, spans = _document(tokenizer, args.tokens, args.facts, rng)
         for framing in args.framings:
             base = SessionMemory(model, MemorySpec(strategy=args.strategy))
+            if args.prior:
+                from memory_store.client import default_embedder
+
+                base.attach_prior(default_embedder(), lambda t: tokenizer.decode(list(t)))
             opening = _opening(tokenizer, framing)
             base.append(torch.tensor(opening + ids), document=True)
             for place, code, (first, last) in spans:
                 memory = base.fork()
+                memory.set_query(f"What is the access code for the {place} vault?")
                 logits = memory.append(torch.tensor(_question(tokenizer, place, framing)))
                 shift = len(opening)
                 trace = _trace(memory, first + shift, last + shift)
@@ -137,6 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     **trace,
                     "answer": text.strip()[:60],
                     "correct": str(code) in text,
+                    "prior": args.prior,
                 }
                 print(json.dumps(record), flush=True)
                 del memory

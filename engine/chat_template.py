@@ -110,9 +110,13 @@ def _tokenize_rendered(
 
 
 def encode_chat(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Any], history: Sequence[Turn] = ()
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Any],
+    history: Sequence[Turn] = (),
+    generation_prompt: bool = True,
 ) -> list[int]:
-    """Token ids of chat messages rendered by the chat template, with a generation prompt.
+    """Token ids of chat messages rendered by the chat template, with a generation prompt
+    (without one for generation_prompt=False: a document read into a session as a user turn).
 
     With a history (the turns a session's memory already holds), only the continuation is
     encoded: the template rendered over history + messages, minus its rendering of the history
@@ -131,14 +135,28 @@ def encode_chat(
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequest("this model has no chat template; use completions", param="messages")
     contents = [text for _, text in history] + [text for _, text in turns]
-    rendered = _render(tokenizer, [*history, *turns], 0, True)
+    rendered = _render(tokenizer, [*history, *turns], 0, generation_prompt)
     if history:
         before = _render(tokenizer, history, 0, False)
         if rendered.startswith(before):
             rendered = rendered[len(before) :]
         else:
-            rendered = _render(tokenizer, turns, len(history), True)
+            rendered = _render(tokenizer, turns, len(history), generation_prompt)
     return _tokenize_rendered(tokenizer, rendered, contents)
+
+
+def encode_document(
+    tokenizer: PreTrainedTokenizerBase, text: str, history: Sequence[Turn] = ()
+) -> list[int]:
+    """A document as a session reads it: with a chat template, a user turn continuing the
+    conversation held (the first one opens with the template's system prompt, which then sits
+    in the sinks), so a question asked by chat continues a conversation that holds the
+    document (docs/decisions/021-documents-as-turns.md); without one, its text as it is.
+    Contents never become control tokens."""
+    if not text or not getattr(tokenizer, "chat_template", None):
+        return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids)
+    message = {"role": "user", "content": text}
+    return encode_chat(tokenizer, [message], history, generation_prompt=False)
 
 
 def assistant_turn_end(tokenizer: PreTrainedTokenizerBase) -> list[int]:

@@ -16,6 +16,7 @@ import torch
 
 from engine.chat_template import message_text
 from engine.generate import Generation, MemoryState
+from engine.prior_query import prior_query
 from engine.protocol import (
     CollectionAttachment,
     CollectionIncompatible,
@@ -225,6 +226,7 @@ class SessionCollections:
             raise SessionNotFound(f"session {session_id!r} has no memory")
         prompt_ids, new = self._sessions.turn_prompt(session, prompt, prompt_ids)
         fork = session.memory.fork()
+        fork.set_query(prior_query(prompt, session.turns))
         for chunk in chunks:
             fork.import_chunk(chunk)
         generated: list[int] = []
@@ -246,7 +248,7 @@ class SessionCollections:
         if new is not None:
             closing = self._sessions.decoding.turn_end
             generated += closing[1:] if generated and generated[-1:] == closing[:1] else closing
-            session.turns = [*session.turns, *new, ("assistant", "".join(answer))]
+            session.add_turns(new, "".join(answer))
         turn = torch.cat((prompt_ids, torch.tensor(generated, dtype=torch.long)))
         with torch.inference_mode():
             session.memory.append(turn)

@@ -30,6 +30,9 @@ class EngineConfig:
     collection_max_chunks: a collection of at most this many chunks is read whole into a
     session's memory when attached (64 chunks of 512 tokens is about 32K tokens); a larger one
     is searched per request: EmbQ(last user message) picks its collection_top_k chunks.
+    text_prior: give every memory session the text prior (engine/memory/prior.py: the
+    sentence encoder's EmbQ(question) . EmbD(block) picks blocks next to attention); False,
+    or no encoder installed, leaves the memory knobs prior_k/prior_u without effect.
     """
 
     model: str | None = None
@@ -48,6 +51,7 @@ class EngineConfig:
     session_offload_after_s: float = 300.0
     collection_max_chunks: int = 64
     collection_top_k: int = 16
+    text_prior: bool = True
 
     def __post_init__(self) -> None:
         if self.model is not None and not self.model.strip():

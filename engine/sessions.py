@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
-from engine.chat_template import Turn, encode_chat, message_turns
+from engine.chat_template import Turn, encode_chat, encode_document, message_turns
 from engine.collections import Collection, SessionCollections
 from engine.config import EngineConfig
 from engine.generate import Generation, MemoryState
 from engine.memory.session import STRATEGIES, SessionMemory
+from engine.prior_query import prior_encoder, prior_query
 from engine.protocol import (
     CollectionAttachment,
     GenerationDelta,
@@ -104,10 +105,19 @@ class MemorySession:
     memory: SessionMemory
     strategy: str
     # Every chat message the memory holds, in order, each request's messages followed by the
-    # answer generated for them (see MemorySessions._session_steps).
+    # answer generated for them (see MemorySessions._session_steps): what a resent
+    # conversation is matched against.
     turns: list[Turn] = dataclasses.field(default_factory=list)
+    # What the chat template has rendered into the memory, in order: the chat turns above
+    # and each document read, as a user turn (see MemorySessions._ingest_steps).
+    rendered: list[Turn] = dataclasses.field(default_factory=list)
     last_used: float = dataclasses.field(default_factory=time.monotonic)
     collections: dict[str, Collection] = dataclasses.field(default_factory=dict)
+
+    def add_turns(self, new: list[Turn], answer: str) -> None:
+        """A chat request's messages and its answer joined the memory."""
+        self.turns = [*self.turns, *new, ("assistant", answer)]
+        self.rendered = [*self.rendered, *new, ("assistant", answer)]
 
     @property
     def selected(self) -> list[Collection]:
@@ -137,6 +147,7 @@ class MemorySessions:
         self._encode = encode  # asyncio side: prompt -> ids (T,), InvalidRequest when empty
         self._store = store
         self._model_fingerprint = model_fingerprint
+        self.encoder = prior_encoder(config)  # the memories' text prior (None: off)
         self.sessions: dict[str, MemorySession] = {}  # written on the device thread only
         self._ingest_ids: set[str] = set()  # running ingestions (drop fails them)
         self.collections = SessionCollections(self, worker, store, model_fingerprint)
@@ -167,9 +178,7 @@ class MemorySessions:
         def create() -> None:
             if session_id in self.sessions:
                 raise InvalidRequest(f"session {session_id!r} already exists", param="session_id")
-            self.sessions[session_id] = MemorySession(
-                SessionMemory(self.model, spec), spec.strategy
-            )
+            self.sessions[session_id] = MemorySession(self.new_memory(spec), spec.strategy)
 
         await on_device(self._worker, create)
 
@@ -210,7 +219,7 @@ class MemorySessions:
         queued_at: float,
     ) -> AsyncIterator[GenerationDelta]:
         self._check_strategy(spec)
-        steps = self._ephemeral_steps(spec, prompt_ids, sampling, queued_at)
+        steps = self._ephemeral_steps(spec, prompt, prompt_ids, sampling, queued_at)
         return submit(self._worker, request_id, steps, None, aborted_delta(len(prompt_ids)))
 
     def ingest(self, request_id: str, session_id: str, text: str) -> AsyncIterator[IngestProgress]:
@@ -236,14 +245,25 @@ class MemorySessions:
 
     # -- the device thread ----------------------------------------------------------------------
 
+    def new_memory(self, spec: MemorySpec) -> SessionMemory:
+        """A memory of this engine's model, with the text prior when the engine has one."""
+        memory = SessionMemory(self.model, spec)
+        if self.encoder is not None:
+            tokenizer = self.decoding.tokenizer
+            memory.attach_prior(self.encoder, lambda ids: str(tokenizer.decode(list(ids))))
+        return memory
+
     def _ephemeral_steps(
         self,
         spec: MemorySpec,
+        prompt: Prompt,
         prompt_ids: torch.Tensor,
         sampling: SamplingParams,
         queued_at: float,
     ) -> Generator[GenerationDelta | None, None, None]:
-        state = MemoryState(SessionMemory(self.model, spec), spec.strategy)
+        memory = self.new_memory(spec)
+        memory.set_query(prior_query(prompt))
+        state = MemoryState(memory, spec.strategy)
         yield from Generation(
             state,
             prompt_ids,
@@ -277,6 +297,7 @@ class MemorySessions:
         prompt_ids, new = self.turn_prompt(session, prompt, prompt_ids)
         self.check_memory_cap(session.memory.num_tokens + len(prompt_ids) + sampling.max_tokens)
         tokens_before = session.memory.num_tokens
+        session.memory.set_query(prior_query(prompt, session.turns))
         generation = Generation(
             MemoryState(session.memory, session.strategy),
             prompt_ids,
@@ -308,7 +329,8 @@ class MemorySessions:
         sent = message_turns(prompt)
         held = session.turns
         new = sent[len(held) :] if sent[: len(held)] == held else sent
-        ids = encode_chat(self.decoding.tokenizer, prompt[len(sent) - len(new) :], held)
+        messages = prompt[len(sent) - len(new) :]
+        ids = encode_chat(self.decoding.tokenizer, messages, session.rendered)
         return torch.tensor(ids, dtype=torch.long), new
 
     def _end_turn(
@@ -328,7 +350,7 @@ class MemorySessions:
         if new is not None:
             closing = self.decoding.turn_end
             tail += closing[1:] if tail and closing and tail[-1] == closing[0] else closing
-            session.turns = [*session.turns, *new, ("assistant", answer)]
+            session.add_turns(new, answer)
         if not tail:
             return
         try:
@@ -346,9 +368,7 @@ class MemorySessions:
             started = time.perf_counter()
             if session is None:
                 raise SessionNotFound(f"session {session_id!r} has no memory")
-            ids = self.decoding.tokenizer(
-                text, add_special_tokens=False, split_special_tokens=True
-            ).input_ids
+            ids = encode_document(self.decoding.tokenizer, text, session.rendered)
             self.check_memory_cap(session.memory.num_tokens + len(ids))
             yield IngestProgress(0, len(ids), time.perf_counter() - started, done=not ids)
             if self._store is not None and ids:
@@ -362,6 +382,7 @@ class MemorySessions:
                     decode=lambda piece: str(self.decoding.tokenizer.decode(piece)),
                     started=started,
                 )
+                self._read_document(session, text)
                 return
             chunk = self.config.prefill_chunk_tokens
             doc = torch.tensor(ids, dtype=torch.long)  # (T,)
@@ -369,6 +390,8 @@ class MemorySessions:
                 with torch.inference_mode():
                     session.memory.append(doc[start : start + chunk], document=True)
                 done = min(start + chunk, len(ids))
+                if done == len(ids):
+                    self._read_document(session, text)
                 yield IngestProgress(
                     done, len(ids), time.perf_counter() - started, done=done == len(ids)
                 )
@@ -376,6 +399,11 @@ class MemorySessions:
             self._ingest_ids.discard(request_id)
             if session is not None:
                 session.last_used = time.monotonic()
+
+    @staticmethod
+    def _read_document(session: MemorySession, text: str) -> None:
+        """A document was read whole: later turns continue after it."""
+        session.rendered = [*session.rendered, ("user", text)]
 
     def offload_idle(self) -> None:
         """Worker housekeeping (device thread): move sessions idle for session_offload_after_s

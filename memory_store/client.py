@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from memory_store.backends import Backend, EmbeddedBackend
-from memory_store.embedder import Embedder, TextEncoder
+from memory_store.embedder import Embedder, TextEncoder, bundled_model_path
 from memory_store.encodings import (
     ChunkEncoding,
     ChunkRef,
@@ -56,6 +56,7 @@ __all__ = [
     "RequestHook",
     "RetryPolicy",
     "TextEncoder",
+    "bundled_model_path",
     "chain_hash",
     "default_embedder",
     "split_sentences",

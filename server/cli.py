@@ -127,6 +127,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "session_offload_after_s": settings.session_offload_after_seconds,
         "collection_max_chunks": settings.collection_max_chunks,
         "collection_top_k": settings.collection_top_k,
+        "text_prior": settings.text_prior,
         # One store for the engine's encodings and the server's session records: the memory
         # service, or the embedded store under --data-dir.
         "memory_store_url": settings.memory_store_url,

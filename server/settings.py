@@ -76,6 +76,9 @@ class ServerSettings(BaseSettings):
     max_collections_per_session: int = Field(default=8, ge=0)
     collection_max_chunks: int = Field(default=64, ge=1)
     collection_top_k: int = Field(default=16, ge=1)
+    # Memory sessions retrieve, next to attention, the blocks whose sentence embedding is
+    # nearest the question's (the text prior; memory knobs prior_k, prior_u).
+    text_prior: bool = True
 
     memory_store_url: str | None = None
     data_dir: str = "./data"

@@ -51,6 +51,13 @@ class FrameConfig:
         with native bfloat16 matrix units (a CPU with AMX or AVX512-BF16, a CUDA GPU that
         supports bfloat16) and "model" elsewhere (docs/decisions/013-read-dtype.md). The keys
         and values a session stores stay in the model's dtype.
+    prior_k, prior_u: the text prior (prior.py): a question retrieves, besides what the
+        strategy picks, the prior_k memory blocks whose sentence embedding EmbD is nearest
+        the question's EmbQ, each with prior_u neighbouring blocks on either side (the
+        Decoupled Context Processing seed's k-argmax); prior_k 0 turns it off. Left unset,
+        prior_k is 8, or fewer when the frame would not fit the model's window. It needs the
+        engine's sentence encoder; without one the budget stays unused
+        (docs/decisions/022-text-prior.md).
     tier: where memory blocks live. "device" (default) keeps them beside the model; "host"
         keeps them in (page-locked) host memory and copies only the rows a forward retrieves
         to the device, so a GPU holds sinks, window, summaries and indices while the bulk of
@@ -68,6 +75,8 @@ class FrameConfig:
     read_window: int = 512
     read_dtype: str = "auto"
     tier: str = "device"
+    prior_k: int = 8
+    prior_u: int = 1
 
     def tail_start(self, total: int) -> int:
         """Where the last `tail` tokens of an append of `total` tokens begin (they are
@@ -80,6 +89,11 @@ class FrameConfig:
 
     @property
     def retrieval_budget(self) -> int:
+        """Frame slots for retrieved memory: the strategy's own and the text prior's."""
+        return self.strategy_budget + self.prior_k * (2 * self.prior_u + 1) * self.block
+
+    @property
+    def strategy_budget(self) -> int:
         return 0
 
 
@@ -105,7 +119,7 @@ class SegmentsConfig(FrameConfig):
     select: str = "consensus"
 
     @property
-    def retrieval_budget(self) -> int:
+    def strategy_budget(self) -> int:
         return self.k * (2 * self.u + 1) * self.block
 
 
@@ -132,7 +146,7 @@ class TokensConfig(FrameConfig):
     max_queries: int = 64
 
     @property
-    def retrieval_budget(self) -> int:
+    def strategy_budget(self) -> int:
         return self.k
 
 
@@ -162,7 +176,7 @@ class NeurocacheConfig(FrameConfig):
     max_queries: int = 64
 
     @property
-    def retrieval_budget(self) -> int:
+    def strategy_budget(self) -> int:
         return self.k * self.w * self.c
 
 
@@ -179,7 +193,17 @@ _CHOICES = {
     "tier": ("device", "host"),
     "read_dtype": ("auto", "model", "bfloat16"),
 }
-_MAY_BE_ZERO = {"m", "u", "d", "fit_tokens", "tail", "read_retrieval", "read_window"}
+_MAY_BE_ZERO = {
+    "m",
+    "u",
+    "d",
+    "fit_tokens",
+    "tail",
+    "read_retrieval",
+    "read_window",
+    "prior_k",
+    "prior_u",
+}
 _MAY_BE_NEGATIVE = {"r"}
 
 
@@ -202,6 +226,11 @@ def parse_memory_spec(spec: MemorySpec | None, *, max_positions: int) -> FrameCo
             )
         values[name] = _check_value(name, value, type(fields[name].default))
     config = cls(**values)
+    if "prior_k" not in values:  # the default, cut to what the model's window leaves
+        spare = max_positions - config.sinks - config.local_window - config.chunk_size
+        line = (2 * config.prior_u + 1) * config.block
+        fits = max(0, spare - config.strategy_budget) // line
+        config = dataclasses.replace(config, prior_k=min(config.prior_k, fits))
     _check_config(config, max_positions)
     return config
 

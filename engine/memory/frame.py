@@ -16,9 +16,10 @@ and a band of at least `read_window` tokens before each of its tokens, not the w
 
 Positions. While nothing has reached memory, the frame is the plain context and every token
 sits at its document position: the forward is then the model's own attention. Once memory is
-in use, positions are budgets: sinks at 0..S-1, retrieved tokens at S.. in document order,
-the local window right-aligned to end at S+R+W-1 (so its distances to the current tokens are
-the true ones), and current token t at S+R+W+t. Unused budget is a gap.
+in use, positions are budgets: sinks at 0..S-1, the local window right-aligned to end at
+S+R+W-1 (so its distances to the current tokens are the true ones), the retrieved tokens in
+document order right before it, ending at S+R-1, and current token t at S+R+W+t. Unused
+budget is a gap after the sinks.
 
 A reading chunk's band is band.py; a decode step (one token, memory in use) does not rebuild
 the frame but runs the decode-step path of step_cache.py. Stores are buffers.py; what a
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 from engine.memory.band import attend_band
 from engine.memory.buffers import GrowingBuffer, LayerStore
 from engine.memory.config import FrameConfig
+from engine.memory.prior import merge_rows
 from engine.memory.rotary import Angles, RotaryTable
 from engine.memory.selector import Selector
 from engine.memory.step_cache import StepCache
@@ -86,6 +88,7 @@ class FrameState:
         self.num_tokens = 0
         self.retrieval_seconds = 0.0
         self.last_selected: dict[int, torch.Tensor] = {}  # layer -> (kv_heads, R), for tests
+        self.pinned: torch.Tensor | None = None  # memory rows (P,) every retrieval includes
         self._positions: torch.Tensor | None = None
         self._pending = _Pending()
         self._mask_cache: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
@@ -213,6 +216,8 @@ class FrameState:
             q_pre = self.rotary.unrotate(query[0], chunk_angles)
             q_pre = q_pre.view(kvh, group, T, -1)
             idx = self.selector.select(layer, q_pre, store, scaling)
+            if self.pinned is not None:  # the text prior's rows (prior.py), every layer
+                idx = merge_rows(idx, self.pinned, kvh)
             self.retrieval_seconds += time.perf_counter() - start
             if idx is not None and idx.shape[1]:
                 self.last_selected[layer] = idx
@@ -263,7 +268,10 @@ class FrameState:
         rows = idx.clamp(min=0).to(store.mem_k.device)
         mem_k = store.mem_k.take(rows).to(self._device, non_blocking=True)
         mem_v = store.mem_v.take(rows).to(self._device, non_blocking=True)
-        frame_pos = self.config.sinks + torch.arange(idx.shape[1], device=self._device)
+        # right-aligned against the window: unused budget is a gap after the sinks, and the
+        # retrieved text runs into the window as if it preceded it (docs/decisions/022)
+        first = self.config.sinks + self.config.retrieval_budget - idx.shape[1]
+        frame_pos = first + torch.arange(idx.shape[1], device=self._device)
         return self.rotary.rotate(mem_k, frame_pos), mem_v
 
     def mask(

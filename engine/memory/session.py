@@ -15,7 +15,7 @@ plain SDPA attention.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -29,10 +29,11 @@ from engine.memory.config import (
     parse_memory_spec,
 )
 from engine.memory.frame import FrameState
+from engine.memory.prior import TextPrior
 from engine.memory.rotary import RotaryTable
 from engine.memory.selector import Selector
 from engine.protocol import InvalidRequest, MemorySpec
-from memory_store.client import ChunkEncoding, chain_hash
+from memory_store.client import ChunkEncoding, TextEncoder, chain_hash
 
 STRATEGIES: tuple[str, ...] = ("segments", "tokens", "neurocache")
 
@@ -77,6 +78,7 @@ class SessionMemory:
             device,
         )
         selector.frame = self._frame
+        self.prior: TextPrior | None = None  # attach_prior: DCP's EmbQ . EmbD (prior.py)
         self._last_logits: torch.Tensor | None = None
         # chain hash of every forward (or imported chunk) so far; None for an empty session
         self.state_hash: str | None = None
@@ -89,11 +91,26 @@ class SessionMemory:
         if selector is not None:
             selector.frame = None
 
+    def attach_prior(self, encoder: TextEncoder, decode: Callable[[Sequence[int]], str]) -> None:
+        """Give this memory the text prior (prior.py): `encoder` embeds texts, `decode` turns
+        token ids into text. Attach before the first append: the prior keeps every token id
+        read after this call."""
+        c = self.config
+        if c.prior_k and self.prior is None and self.num_tokens == 0:
+            self.prior = TextPrior(encoder, decode, c.prior_k, c.prior_u, c.block)
+
+    def set_query(self, text: str | None) -> None:
+        """The question x of the request under way (EmbQ(x) for the text prior), or None."""
+        if self.prior is not None:
+            self.prior.set_query(text)
+
     def end_request(self) -> None:
         """A request on this memory ended: drop the decode steps' caches, so a session between
         requests holds its memory only (docs/decisions/018-decode-step-caches.md). The next
-        decode step rebuilds them (one rotation of the window per layer)."""
+        decode step rebuilds them (one rotation of the window per layer). The request's
+        question is forgotten."""
         self._frame.release_step_caches()
+        self.set_query(None)
 
     # -- tiers: an idle session leaves the device ------------------------------------------
 
@@ -161,8 +178,7 @@ class SessionMemory:
                 if done and should_stop is not None and should_stop():
                     break
                 self._last_logits = self._forward(input_ids[done:end].to(device))
-                self._frame.commit()
-                self._advance_hash(input_ids[done:end])
+                self._commit(input_ids[done:end])
                 if on_progress is not None:
                     on_progress(end)
         assert self._last_logits is not None
@@ -180,6 +196,9 @@ class SessionMemory:
         return self._forward_once(ids)
 
     def _forward_once(self, ids: torch.Tensor) -> torch.Tensor:
+        retrieves = self._frame.n_memory and self.config.retrieves(ids.numel())
+        prior = self.prior
+        self._frame.pinned = prior.rows(self._frame) if prior is not None and retrieves else None
         positions = self._frame.begin(ids.numel())
         try:
             out = self.model(
@@ -193,6 +212,13 @@ class SessionMemory:
             self._frame.abort()
             raise
         return out.logits[0, -1]
+
+    def _commit(self, ids: torch.Tensor) -> None:
+        """The pending chunk of ids joins the frame (and the prior's token ids)."""
+        self._frame.commit()
+        if self.prior is not None:
+            self.prior.read(ids)
+        self._advance_hash(ids)
 
     def _advance_hash(self, ids: torch.Tensor) -> None:
         self.state_hash = chain_hash(self.state_hash, ids.reshape(-1).cpu().numpy())
@@ -230,8 +256,7 @@ class SessionMemory:
             except BaseException:
                 self._frame.abort()
                 raise
-            self._frame.commit()
-        self._advance_hash(ids)
+            self._commit(ids)
         self._last_logits = logits
         return logits, encoding
 
@@ -255,8 +280,7 @@ class SessionMemory:
             except BaseException:
                 self._frame.abort()
                 raise
-            self._frame.commit()
-        self._advance_hash(torch.as_tensor(np.asarray(encoding.token_ids, dtype=np.int64)))
+            self._commit(torch.as_tensor(np.asarray(encoding.token_ids, dtype=np.int64)))
         self._last_logits = None
 
     def fork(self) -> SessionMemory:
@@ -288,9 +312,10 @@ class SessionMemory:
 
     def nbytes(self) -> int:
         """Bytes of keys, values, summaries and indices this session holds."""
-        return self._frame.nbytes()
+        return self._frame.nbytes() + (self.prior.nbytes() if self.prior is not None else 0)
 
     def pop_retrieval_seconds(self) -> float:
         """Seconds spent selecting memory since the last call."""
         seconds, self._frame.retrieval_seconds = self._frame.retrieval_seconds, 0.0
-        return seconds + self._selector.pop_seconds()
+        prior = self.prior.pop_seconds() if self.prior is not None else 0.0
+        return seconds + self._selector.pop_seconds() + prior

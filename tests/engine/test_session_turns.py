@@ -167,7 +167,9 @@ async def test_a_session_between_requests_holds_no_decode_caches(engine, small_m
         frame = memory._frame
         assert frame.memory_used  # the steps ran on the decode-step path
         assert frame.step_cache.window is None and not frame.step_cache.retrieved
-    assert memory.nbytes() == sum(s.nbytes() for s in frame.layers) + frame.selector.nbytes()
+    prior = memory.prior.nbytes() if memory.prior is not None else 0
+    held = sum(s.nbytes() for s in frame.layers) + frame.selector.nbytes() + prior
+    assert memory.nbytes() == held
 
 
 # -- idle sessions move to host memory ---------------------------------------------------------

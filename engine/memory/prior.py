@@ -1,0 +1,131 @@
+"""The text prior: Decoupled Context Processing's EmbQ(x) . EmbD(c) over a session's memory.
+
+Attention scores alone pick the blocks a question retrieves, and on prose they miss about half
+of the facts asked for (docs/decisions/020-recall-diagnosis.md). The prior adds what the DCP
+seed retrieves by: every memory block c gets EmbD(c), the sentence encoder's embedding of its
+text (decoded from the token ids read), computed once, the first time a question needs it; a
+request that names its question x pins the `prior_k` blocks nearest EmbQ(x), each with
+`prior_u` neighbouring blocks on either side, into the retrieval of every layer for the
+forwards that retrieve (a question's tail, decode steps), next to what the strategy picks by
+attention. Reading a document pins nothing and embeds nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from engine.memory.frame import FrameState
+    from memory_store.client import TextEncoder
+
+
+class TextPrior:
+    """One session's token ids, the EmbD of its memory blocks, and the request's EmbQ."""
+
+    def __init__(
+        self,
+        encoder: TextEncoder,
+        decode: Callable[[Sequence[int]], str],
+        k: int,
+        u: int,
+        block: int,
+    ) -> None:
+        self.encoder, self.decode = encoder, decode
+        self.k, self.u, self.block = k, u, block
+        self._ids: list[np.ndarray] = []  # every token read, in order (joined lazily)
+        self._num_ids = 0
+        self._emb = np.zeros((0, 0), dtype=np.float32)  # EmbD of blocks 0, 1, ... (lazily)
+        self._query: np.ndarray | None = None
+        self._rows: tuple[tuple[int, int], torch.Tensor] | None = None  # memory state -> rows
+        self.seconds = 0.0
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TextPrior:
+        """A fork's prior shares the encoder and decoder, and copies the rest."""
+        twin = copy.copy(self)
+        twin._ids = list(self._ids)
+        twin._emb = self._emb.copy()
+        return twin
+
+    def read(self, ids: torch.Tensor) -> None:
+        """Tokens appended to the session, in order."""
+        piece = ids.reshape(-1).cpu().numpy().astype(np.int64)
+        self._ids.append(piece)
+        self._num_ids += piece.size
+
+    def set_query(self, text: str | None) -> None:
+        """EmbQ(text) for the forwards of the request under way; None clears it."""
+        self._rows = None
+        if not text or not text.strip():
+            self._query = None
+            return
+        import time
+
+        started = time.perf_counter()
+        self._query = self.encoder.embed([text])[0]
+        self.seconds += time.perf_counter() - started
+
+    def rows(self, frame: FrameState) -> torch.Tensor | None:
+        """Memory rows (R,) ascending that the request's question pins, or None."""
+        if self._query is None or not frame.n_memory or not self.k:
+            return None
+        dropped = frame.num_tokens - frame.n_sinks - frame.n_local - frame.n_memory
+        key = (dropped, frame.n_memory)
+        if self._rows is not None and self._rows[0] == key:
+            return self._rows[1]
+        first, count = dropped // self.block, frame.n_memory // self.block
+        emb = self._embedded(frame.n_sinks, first + count)[first:]  # (count, dim)
+        scores = emb @ self._query
+        top = np.argsort(-scores, kind="stable")[: self.k]
+        lines = (top[:, None] + np.arange(-self.u, self.u + 1)[None]).clip(0, count - 1)
+        blocks = np.unique(lines)
+        rows = (blocks[:, None] * self.block + np.arange(self.block)[None]).reshape(-1)
+        pinned = torch.from_numpy(rows).to(frame.device)
+        self._rows = (key, pinned)
+        return pinned
+
+    def _embedded(self, sinks: int, blocks: int) -> np.ndarray:
+        """EmbD of memory blocks 0..blocks-1 (block b: tokens sinks + b*block onwards)."""
+        have = self._emb.shape[0]
+        if have < blocks:
+            import time
+
+            started = time.perf_counter()
+            ids = np.concatenate(self._ids) if len(self._ids) > 1 else self._ids[0]
+            self._ids = [ids]
+            texts = [
+                self.decode(ids[sinks + b * self.block : sinks + (b + 1) * self.block].tolist())
+                for b in range(have, blocks)
+            ]
+            new = np.asarray(self.encoder.embed(texts), dtype=np.float32)
+            self._emb = np.concatenate((self._emb, new)) if have else new
+            self.seconds += time.perf_counter() - started
+        return self._emb[:blocks]
+
+    def nbytes(self) -> int:
+        return self._num_ids * 8 + self._emb.nbytes
+
+    def pop_seconds(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def merge_rows(idx: torch.Tensor | None, pinned: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The union of a strategy's rows idx (kv_heads, R), ascending, -1 padded (or None) and
+    pinned rows (P,): (kv_heads, R') ascending per head, each row once, -1 padded at the end."""
+    pinned = pinned[None].expand(kv_heads, -1)
+    if idx is None or not idx.shape[1]:
+        return pinned.contiguous()
+    both = torch.cat((idx, pinned), dim=1)
+    big = torch.iinfo(both.dtype).max
+    both = torch.where(both < 0, big, both).sort(dim=1).values
+    repeat = torch.zeros_like(both, dtype=torch.bool)
+    repeat[:, 1:] = both[:, 1:] == both[:, :-1]
+    both = torch.where(repeat, big, both).sort(dim=1).values
+    width = int((both < big).sum(dim=1).max())
+    both = both[:, :width]
+    return torch.where(both == big, -1, both)
