@@ -140,3 +140,31 @@ def haystack(
         start = cut
     parts.append(prose(sentences[start:]))
     return "\n\n".join(p for p in parts if p)
+
+
+def reference_manual(
+    count_tokens: Callable[[str], int],
+    n_tokens: int,
+    facts: Sequence[tuple[float, str]],
+) -> str:
+    """About n_tokens of real prose: sections of Python's language reference (pydoc_data,
+    shipped with CPython), with each (depth, sentence) fact a paragraph of its own at that
+    depth (0..1)."""
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    paragraphs = [
+        " ".join(p.split())
+        for name in sorted(topics)
+        for p in topics[name].split("\n\n")
+        if len(p.split()) > 8
+    ]
+    body, total = [], 0
+    for paragraph in paragraphs:
+        if total >= n_tokens:
+            break
+        body.append(paragraph)
+        total += count_tokens(paragraph) + 1
+    for depth, fact in sorted(facts, reverse=True):
+        body.insert(int(depth * len(body)), fact)
+    return "\n\n".join(body)
