@@ -13,6 +13,7 @@ attention. Reading a document pins nothing and embeds nothing.
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -63,8 +64,6 @@ class TextPrior:
         if not text or not text.strip():
             self._query = None
             return
-        import time
-
         started = time.perf_counter()
         self._query = self.encoder.embed([text])[0]
         self.seconds += time.perf_counter() - started
@@ -92,8 +91,6 @@ class TextPrior:
         """EmbD of memory blocks 0..blocks-1 (block b: tokens sinks + b*block onwards)."""
         have = self._emb.shape[0]
         if have < blocks:
-            import time
-
             started = time.perf_counter()
             ids = np.concatenate(self._ids) if len(self._ids) > 1 else self._ids[0]
             self._ids = [ids]
