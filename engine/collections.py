@@ -150,6 +150,7 @@ class SessionCollections:
             for chunk in chunks:
                 session.memory.import_chunk(chunk)
             session.collections[name] = Collection(attached, order)
+            session.read_document(None)
 
         await on_device(self._worker, load)
         return attached
@@ -224,7 +225,9 @@ class SessionCollections:
         session = self._sessions.sessions.get(session_id)
         if session is None:
             raise SessionNotFound(f"session {session_id!r} has no memory")
-        prompt_ids, new = self._sessions.turn_prompt(session, prompt, prompt_ids)
+        prompt_ids, new, restart = self._sessions.turn_prompt(session, prompt, prompt_ids)
+        if restart:
+            session.restart()
         fork = session.memory.fork()
         fork.set_query(prior_query(prompt, session.turns))
         for chunk in chunks:

@@ -111,11 +111,18 @@ def decode_batch(
 
 
 class MemoryState:
-    """A session's memory: every token appended (prompt and generated) joins its context."""
+    """A session's memory: every token appended (prompt and generated) joins its context.
 
-    def __init__(self, memory: Any, strategy: str | None) -> None:
+    document_end: the prompt's first document_end tokens are a document (an inline prompt's
+    body, everything before its question's tail): once read they move to memory
+    (SessionMemory.end_document), so the question reaches them through retrieval, as a
+    session's questions reach its documents."""
+
+    def __init__(self, memory: Any, strategy: str | None, document_end: int | None = None) -> None:
         self.memory = memory  # engine.memory.session.SessionMemory
         self.strategy = strategy
+        self._document_end = document_end
+        self._read = 0
 
     @property
     def num_tokens(self) -> int:
@@ -123,7 +130,15 @@ class MemoryState:
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.memory.append(input_ids.to(torch.long).view(-1))  # (T,) -> (vocab,)
+        ids = input_ids.to(torch.long).view(-1)  # (T,) -> (vocab,)
+        end, start = self._document_end, self._read
+        self._read += ids.numel()
+        if end is not None and start < end <= self._read:
+            self._document_end = None
+            self.memory.append(ids[: end - start], document=True)
+            self.memory.end_document()
+            ids = ids[end - start :]
+        return self.memory.append(ids)
 
     def step(self, token_id: int) -> torch.Tensor:
         return self.prefill(torch.tensor([token_id], dtype=torch.long))

@@ -21,7 +21,7 @@ from engine.chat_template import Turn, encode_chat, encode_document, message_tur
 from engine.collections import Collection, SessionCollections
 from engine.config import EngineConfig
 from engine.generate import Generation, MemoryState
-from engine.memory.session import STRATEGIES, SessionMemory
+from engine.memory.session import STRATEGIES, MemoryMark, SessionMemory
 from engine.prior_query import prior_encoder, prior_query
 from engine.protocol import (
     CollectionAttachment,
@@ -113,11 +113,52 @@ class MemorySession:
     rendered: list[Turn] = dataclasses.field(default_factory=list)
     last_used: float = dataclasses.field(default_factory=time.monotonic)
     collections: dict[str, Collection] = dataclasses.field(default_factory=dict)
+    # The memory right after its last document (or collection), and what was rendered by then:
+    # where a chat that does not continue the conversation held starts (`start_chat`).
+    documents_end: MemoryMark | None = None
+    documents_rendered: list[Turn] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.documents_end = self.memory.mark()
 
     def add_turns(self, new: list[Turn], answer: str) -> None:
         """A chat request's messages and its answer joined the memory."""
         self.turns = [*self.turns, *new, ("assistant", answer)]
         self.rendered = [*self.rendered, *new, ("assistant", answer)]
+
+    def read_document(self, rendered: Turn | None) -> None:
+        """A document or collection was read whole: it closes the conversation held, moves to
+        memory (SessionMemory.end_document) and is where later new chats start."""
+        if rendered is not None:
+            self.rendered = [*self.rendered, rendered]
+        self.memory.end_document()
+        self.turns = []
+        self.documents_end, self.documents_rendered = self.memory.mark(), list(self.rendered)
+
+    def plan_chat(self, sent: list[Turn]) -> tuple[list[Turn], bool]:
+        """The messages of a chat request that the memory must read, and whether it must
+        first go back to the end of its documents (`restart`): the messages past the
+        conversation held when `sent` continues it; else all of them after the documents
+        (the conversation held is forgotten), as OpenAI's stateless chat API reads them. A
+        conversation too long to forget (some of it has reached memory) is kept and the new
+        chat follows it."""
+        held = self.turns
+        if sent[: len(held)] == held:
+            return sent[len(held) :], False
+        if self.documents_end is not None and self.memory.can_rewind(self.documents_end):
+            return sent, True
+        logger.info("a new chat follows the conversation held: part of it reached memory")
+        return sent, False
+
+    @property
+    def restart_tokens(self) -> int:
+        """Tokens the memory holds at the end of its documents."""
+        return self.documents_end.frame.num_tokens if self.documents_end else 0
+
+    def restart(self) -> None:
+        """Go back to the end of the documents (after `plan_chat` said so)."""
+        assert self.documents_end is not None and self.memory.rewind(self.documents_end)
+        self.turns, self.rendered = [], list(self.documents_rendered)
 
     @property
     def selected(self) -> list[Collection]:
@@ -263,7 +304,9 @@ class MemorySessions:
     ) -> Generator[GenerationDelta | None, None, None]:
         memory = self.new_memory(spec)
         memory.set_query(prior_query(prompt))
-        state = MemoryState(memory, spec.strategy)
+        body = memory.config.tail_start(len(prompt_ids))  # the document, before the question
+        document_end = body if 0 < body < len(prompt_ids) else None
+        state = MemoryState(memory, spec.strategy, document_end=document_end)
         yield from Generation(
             state,
             prompt_ids,
@@ -284,18 +327,22 @@ class MemorySessions:
         """One request on a session's memory. Runs when the session's previous request has
         finished (the worker runs a session's jobs one at a time), so it sees its last turn.
 
-        Chat messages: when they start with exactly the turns the memory already holds (role
-        and content compared message by message; a client resending the whole conversation),
-        only the messages after those are appended; otherwise (a client sending only its new
-        question, or an edited history) all of them are, as sent. Either way they are rendered
-        as the continuation of the conversation held, and the answer is closed with the
-        template's end of turn. A completion prompt is appended as it is.
+        Chat messages are the whole conversation, as in OpenAI's API: when they start with
+        exactly the turns the memory already holds (role and content compared message by
+        message; a client resending the whole conversation), only the messages after those
+        are appended; otherwise (a new chat, or an edited history) the memory first goes back
+        to the end of its documents and all of them are read (MemorySession.plan_chat). The
+        answer is closed with the template's end of turn. A completion prompt is appended as
+        it is, after whatever the memory holds.
         """
         session = self.sessions.get(session_id)
         if session is None:
             raise SessionNotFound(f"session {session_id!r} has no memory")
-        prompt_ids, new = self.turn_prompt(session, prompt, prompt_ids)
-        self.check_memory_cap(session.memory.num_tokens + len(prompt_ids) + sampling.max_tokens)
+        prompt_ids, new, restart = self.turn_prompt(session, prompt, prompt_ids)
+        held = session.restart_tokens if restart else session.memory.num_tokens
+        self.check_memory_cap(held + len(prompt_ids) + sampling.max_tokens)
+        if restart:
+            session.restart()
         tokens_before = session.memory.num_tokens
         session.memory.set_query(prior_query(prompt, session.turns))
         generation = Generation(
@@ -319,19 +366,20 @@ class MemorySessions:
 
     def turn_prompt(
         self, session: MemorySession, prompt: Prompt, prompt_ids: torch.Tensor
-    ) -> tuple[torch.Tensor, list[Turn] | None]:
+    ) -> tuple[torch.Tensor, list[Turn] | None, bool]:
         """What a request appends to a session (device thread): a completion prompt as it is;
-        chat messages past the turns the session holds when they start with exactly those,
-        else all of them, rendered as the conversation's continuation. Returns the ids (T,)
-        and the chat messages appended (None for a completion)."""
+        chat messages as MemorySession.plan_chat says, rendered after what the memory will
+        hold. Returns the ids (T,), the chat messages appended (None for a completion) and
+        whether the session must `restart` from its documents first (not done here, so a
+        refused request changes nothing)."""
         if isinstance(prompt, str):
-            return prompt_ids, None
+            return prompt_ids, None, False
         sent = message_turns(prompt)
-        held = session.turns
-        new = sent[len(held) :] if sent[: len(held)] == held else sent
+        new, restart = session.plan_chat(sent)
         messages = prompt[len(sent) - len(new) :]
-        ids = encode_chat(self.decoding.tokenizer, messages, session.rendered)
-        return torch.tensor(ids, dtype=torch.long), new
+        history = session.documents_rendered if restart else session.rendered
+        ids = encode_chat(self.decoding.tokenizer, messages, history)
+        return torch.tensor(ids, dtype=torch.long), new, restart
 
     def _end_turn(
         self,
@@ -403,7 +451,7 @@ class MemorySessions:
     @staticmethod
     def _read_document(session: MemorySession, text: str) -> None:
         """A document was read whole: later turns continue after it."""
-        session.rendered = [*session.rendered, ("user", text)]
+        session.read_document(("user", text))
 
     def offload_idle(self) -> None:
         """Worker housekeeping (device thread): move sessions idle for session_offload_after_s

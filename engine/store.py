@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
+from engine.memory.frame import FRAME_LAYOUT
 from engine.protocol import IngestProgress, StoreUnavailableError
 from memory_store.client import ChunkEncoding, DocumentManifest, MemoryStoreClient, chain_hash
 from memory_store.errors import InvalidStoreRequest, NotFound, StoreError
@@ -178,7 +179,12 @@ def model_fingerprint(model_id: str, model: torch.nn.Module) -> str:
 def session_fingerprint(model_fp: str, memory: SessionMemory) -> str:
     """Fingerprint of (model, the session's memory strategy and configuration)."""
     config = dataclasses.asdict(memory.config)
-    record = {"model": model_fp, "strategy": memory.strategy, "config": config}
+    record = {
+        "model": model_fp,
+        "strategy": memory.strategy,
+        "config": config,
+        "frame_layout": FRAME_LAYOUT,  # encodings depend on the frame a chunk attended
+    }
     return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()
 
 

@@ -70,6 +70,10 @@ class GrowingBuffer:
         self.start += n
         self.size -= n
 
+    def drop_back(self, n: int) -> None:
+        """Forget the n newest rows (a rewind)."""
+        self.size -= min(n, self.size)
+
     def view(self) -> torch.Tensor:
         return self.data[:, self.start : self.start + self.size]
 

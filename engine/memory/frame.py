@@ -16,10 +16,15 @@ and a band of at least `read_window` tokens before each of its tokens, not the w
 
 Positions. While nothing has reached memory, the frame is the plain context and every token
 sits at its document position: the forward is then the model's own attention. Once memory is
-in use, positions are budgets: sinks at 0..S-1, the local window right-aligned to end at
-S+R+W-1 (so its distances to the current tokens are the true ones), the retrieved tokens in
-document order right before it, ending at S+R-1, and current token t at S+R+W+t. Unused
-budget is a gap after the sinks.
+in use, positions are budgets: sinks at 0..S-1, the retrieved tokens in document order ending
+at S+R-1, the n tokens the local window holds right after them at S+R..S+R+n-1 (so their
+distances to the current tokens are the true ones), and current token t at S+R+n+t. Unused
+retrieval budget is a gap after the sinks; retrieved text runs straight into the window, which
+after a document ends (`flush_window`) holds only the conversation: evidence right before the
+question, as RAG places it (docs/decisions/023-documents-in-memory.md).
+
+`mark` and `rewind` take the frame back to an earlier point (a session's end of documents) as
+long as nothing has moved to memory since: the window and sinks forget their newest tokens.
 
 A reading chunk's band is band.py; a decode step (one token, memory in use) does not rebuild
 the frame but runs the decode-step path of step_cache.py. Stores are buffers.py; what a
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +47,21 @@ from engine.memory.prior import merge_rows
 from engine.memory.rotary import Angles, RotaryTable
 from engine.memory.selector import Selector
 from engine.memory.step_cache import StepCache
+
+# Bumped whenever a chunk's keys and values come out differently for the same tokens (the
+# layout of the frame it attends changed): stored encodings of another layout are not reused.
+FRAME_LAYOUT = 2
+
+
+@dataclass(frozen=True)
+class FrameMark:
+    """Where a frame stood (FrameState.mark): what `rewind` takes it back to."""
+
+    num_tokens: int
+    n_sinks: int
+    n_local: int
+    moved: int  # tokens ever moved to memory
+    selector: Any  # Selector.mark_state()
 
 
 @dataclass
@@ -84,6 +105,7 @@ class FrameState:
         self.n_sinks = 0
         self.n_local = 0
         self.n_memory = 0  # tokens in memory now
+        self.moved = 0  # tokens ever moved from the window to memory
         self.memory_used = False  # memory has ever held a token: positions are budgets from now
         self.num_tokens = 0
         self.retrieval_seconds = 0.0
@@ -124,11 +146,7 @@ class FrameState:
 
     def begin(self, num_new: int) -> torch.Tensor:
         """Fix the frame positions of the next chunk of num_new tokens, (num_new,)."""
-        c = self.config
-        if self.memory_used:
-            first = c.sinks + c.retrieval_budget + c.local_window
-        else:
-            first = self.n_sinks + self.n_local
+        first = self._window_end()
         self._positions = torch.arange(first, first + num_new, device=self._device)
         self._pending = _Pending()
         if num_new > 1:
@@ -155,13 +173,14 @@ class FrameState:
         distance = (self._positions[rows] - middle).clamp(min=0)
         return self.rotary.rotate(q_pre, distance)
 
-    def _local_positions(self) -> torch.Tensor:
+    def _window_end(self) -> int:
+        """The frame position right after the local window: where the next chunk starts."""
         c = self.config
-        end = (
-            c.sinks + c.retrieval_budget + c.local_window
-            if self.memory_used
-            else (self.n_sinks + self.n_local)
-        )
+        before = c.sinks + c.retrieval_budget if self.memory_used else self.n_sinks
+        return before + self.n_local
+
+    def _local_positions(self) -> torch.Tensor:
+        end = self._window_end()
         return torch.arange(end - self.n_local, end, device=self._device)
 
     def rotated_sinks(self, layer: int) -> torch.Tensor:
@@ -365,20 +384,36 @@ class FrameState:
         self.num_tokens += num_new
         if self.n_local > c.local_window:
             # the oldest whole blocks that take the window back to at most W tokens, moved at once
-            move = -(-(self.n_local - c.local_window) // c.block) * c.block
-            for layer, store in enumerate(self.layers):
-                blk_k, blk_v = store.local_k[:, :move], store.local_v[:, :move]
-                store.mem_k.append(blk_k)
-                store.mem_v.append(blk_v)
-                # views of the window's rows, valid until the window's next append: selectors
-                # copy what they keep
-                self.selector.on_memory_added(layer, blk_k, blk_v)
-                store.window_k.drop_front(move)
-                store.window_v.drop_front(move)
-                self.step_cache.drop_window_front(layer, move)
-            self.n_local -= move
-            self.n_memory += move
-            self.memory_used = True
+            self._move_to_memory(-(-(self.n_local - c.local_window) // c.block) * c.block)
+        self._pending = _Pending()
+        self._positions = None
+        self._chunk_angles = self._window_angles = self.step_cache.angles = None
+
+    def flush_window(self) -> None:
+        """A document ended: once memory is in use, the window's whole blocks move to memory,
+        so what follows (the conversation) attends the document only through retrieval, and
+        retrieved text sits right before it. A session that still fits its frame keeps it."""
+        if self.memory_used and self.n_local >= self.config.block:
+            self._move_to_memory(self.n_local // self.config.block * self.config.block)
+
+    def _move_to_memory(self, move: int) -> None:
+        """The window's `move` oldest tokens (whole blocks) join the end of memory; then the
+        oldest memory blocks past the capacity m are dropped."""
+        c = self.config
+        for layer, store in enumerate(self.layers):
+            blk_k, blk_v = store.local_k[:, :move], store.local_v[:, :move]
+            store.mem_k.append(blk_k)
+            store.mem_v.append(blk_v)
+            # views of the window's rows, valid until the window's next append: selectors
+            # copy what they keep
+            self.selector.on_memory_added(layer, blk_k, blk_v)
+            store.window_k.drop_front(move)
+            store.window_v.drop_front(move)
+            self.step_cache.drop_window_front(layer, move)
+        self.n_local -= move
+        self.n_memory += move
+        self.moved += move
+        self.memory_used = True
         while c.m and self.n_memory > c.m:
             self.step_cache.retrieved.clear()
             for layer, store in enumerate(self.layers):
@@ -386,9 +421,32 @@ class FrameState:
                 store.mem_v.drop_front(c.block)
                 self.selector.on_memory_dropped(layer, c.block)
             self.n_memory -= c.block
-        self._pending = _Pending()
-        self._positions = None
-        self._chunk_angles = self._window_angles = self.step_cache.angles = None
+
+    def mark(self) -> FrameMark:
+        """Where the frame stands now, for a later `rewind`."""
+        state = self.selector.mark_state()
+        return FrameMark(self.num_tokens, self.n_sinks, self.n_local, self.moved, state)
+
+    def can_rewind(self, mark: FrameMark) -> bool:
+        """Whether everything committed since `mark` still sits in the sinks and window."""
+        return self.moved == mark.moved and self.n_local >= mark.n_local
+
+    def rewind(self, mark: FrameMark) -> bool:
+        """Forget every token committed after `mark`, when they all still sit in the sinks and
+        the window (nothing has moved to memory since); False, changing nothing, otherwise."""
+        if not self.can_rewind(mark):
+            return False
+        drop_local = self.n_local - mark.n_local
+        for store in self.layers:
+            store.sink_k = store.sink_k[:, : mark.n_sinks]
+            store.sink_v = store.sink_v[:, : mark.n_sinks]
+            store.window_k.drop_back(drop_local)
+            store.window_v.drop_back(drop_local)
+        self.selector.on_rewind(mark.n_local, mark.selector)
+        self.step_cache.release()
+        self._sinks_rotated = {}
+        self.n_sinks, self.n_local, self.num_tokens = mark.n_sinks, mark.n_local, mark.num_tokens
+        return True
 
     def release_step_caches(self) -> None:
         """Drop what decode steps keep between steps (the window's rotated keys, the last

@@ -169,6 +169,14 @@ class NeurocacheSelector(Selector):
         self._window_h = torch.cat((self._window_h, self._chunk_h[to_sinks:]))
         self._chunk_h = None
 
+    def mark_state(self) -> Any:
+        return list(self._previous)
+
+    def on_rewind(self, n_local: int, state: Any) -> None:
+        self._window_h = self._window_h[:n_local]
+        self._previous.clear()
+        self._previous.extend(state)
+
     def export_chunk_state(self) -> dict[str, Any]:
         """The forwarded chunk's layer-r states (fp16) and its own retrieval window: what
         rebuilding the cache and the extended cache attention needs without the model."""

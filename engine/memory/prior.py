@@ -58,6 +58,13 @@ class TextPrior:
         self._ids.append(piece)
         self._num_ids += piece.size
 
+    def truncate(self, num_tokens: int) -> None:
+        """Forget the token ids read after the first num_tokens (a rewind; memory blocks, and
+        so their EmbD, are unchanged)."""
+        if num_tokens < self._num_ids:
+            ids = np.concatenate(self._ids) if self._ids else np.zeros(0, dtype=np.int64)
+            self._ids, self._num_ids = [ids[:num_tokens]], num_tokens
+
     def set_query(self, text: str | None) -> None:
         """EmbQ(text) for the forwards of the request under way; None clears it."""
         self._rows = None

@@ -30,6 +30,8 @@ local window 1024, chunk 512, tail 32.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from engine.memory.buffers import GrowingBuffer, LayerStore
@@ -149,6 +151,12 @@ class SegmentSelector(Selector):
         """The finished (aborted) voting pass's sum over every layer decides, for every layer,
         the next forward's blocks."""
         self._vote = self._last_sum
+
+    def mark_state(self) -> Any:
+        return self._last_sum
+
+    def on_rewind(self, n_local: int, state: Any) -> None:
+        self._last_sum = state
 
     def on_commit(self, num_new: int, to_sinks: int) -> None:
         self._finish()

@@ -37,6 +37,14 @@ class Selector:
     def on_memory_dropped(self, layer: int, n: int) -> None:
         """The n oldest memory tokens of this layer were dropped (FIFO)."""
 
+    def mark_state(self) -> Any:
+        """What `on_rewind` needs to restore the selector's state beside memory (FrameState.mark)."""
+        return None
+
+    def on_rewind(self, n_local: int, state: Any) -> None:
+        """The frame forgot its newest tokens (FrameState.rewind): memory is as it was, the
+        window holds its n_local oldest tokens; `state` is what mark_state gave then."""
+
     def on_commit(self, num_new: int, to_sinks: int) -> None:
         """A forwarded chunk of num_new tokens (the first to_sinks of them sinks) is about to
         join the frame."""

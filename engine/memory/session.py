@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ from engine.memory.config import (
     TokensConfig,
     parse_memory_spec,
 )
-from engine.memory.frame import FrameState
+from engine.memory.frame import FrameMark, FrameState
 from engine.memory.prior import TextPrior
 from engine.memory.rotary import RotaryTable
 from engine.memory.selector import Selector
@@ -36,6 +37,15 @@ from engine.protocol import InvalidRequest, MemorySpec
 from memory_store.client import ChunkEncoding, TextEncoder, chain_hash
 
 STRATEGIES: tuple[str, ...] = ("segments", "tokens", "neurocache")
+
+
+@dataclass(frozen=True)
+class MemoryMark:
+    """Where a memory stood (SessionMemory.mark): what `rewind` takes it back to."""
+
+    frame: FrameMark
+    state_hash: str | None
+    last_logits: torch.Tensor | None
 
 
 class SessionMemory:
@@ -111,6 +121,37 @@ class SessionMemory:
         question is forgotten."""
         self._frame.release_step_caches()
         self.set_query(None)
+
+    def end_document(self) -> None:
+        """A document (or a collection) was read whole: once memory is in use, the window's
+        whole blocks move to memory, so the conversation after it reaches the document through
+        retrieval, evidence right before the question (FrameState.flush_window)."""
+        self.reload()
+        with torch.inference_mode():
+            self._frame.flush_window()
+
+    def mark(self) -> MemoryMark:
+        """Where this memory stands now, for a later `rewind`."""
+        return MemoryMark(self._frame.mark(), self.state_hash, self._last_logits)
+
+    def can_rewind(self, mark: MemoryMark) -> bool:
+        """Whether `rewind(mark)` would succeed."""
+        return self._frame.can_rewind(mark.frame)
+
+    def rewind(self, mark: MemoryMark) -> bool:
+        """Forget every token read after `mark` (a conversation after the documents), when
+        none of them has reached memory yet; False, changing nothing, otherwise."""
+        self.reload()
+        with torch.inference_mode():
+            if not self._frame.rewind(mark.frame):
+                return False
+        if self.prior is not None:
+            self.prior.truncate(mark.frame.num_tokens)
+        logits = mark.last_logits
+        device = next(self.model.parameters()).device
+        self.state_hash = mark.state_hash
+        self._last_logits = None if logits is None else logits.to(device)
+        return True
 
     # -- tiers: an idle session leaves the device ------------------------------------------
 

@@ -150,17 +150,17 @@ async def test_large_collection_loads_the_chunks_the_query_selects(collection, e
             {"role": "user", "content": question},
         ]
         prompt_tokens = len(engine.encode_prompt(messages))
-        before = engine.stats().memory_tokens
         deltas = [d async for d in engine.generate("g", messages, GREEDY, session_id="s")]
         assert deltas[-1].finish_reason == "length"
         assert len(selections[-1]) == 1 and word in selections[-1][0], selections[-1]
         # The session keeps the turn (closed with the template's end of turn), never the
-        # selected chunks. Each request sends a new conversation: appended as sent.
+        # selected chunks. Each request sends a new conversation: the memory forgets the one
+        # before (it holds no documents) and reads it as sent.
         assert deltas[-1].prompt_tokens == prompt_tokens
         closing = assistant_turn_end(engine._tokenizer)
         ended = deltas[-1].token_ids[-1:] == closing[:1]
         assert engine.stats().memory_tokens == (
-            before + prompt_tokens + GREEDY.max_tokens + len(closing) - ended
+            prompt_tokens + GREEDY.max_tokens + len(closing) - ended
         )
     # Only the prompts and generated tokens ran through the model (chunks were imported).
     assert forwards

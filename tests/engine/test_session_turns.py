@@ -81,43 +81,69 @@ async def test_a_conversation_resent_in_full_is_appended_once(engine, small_memo
         assert engine._memory_sessions.sessions["s"].turns == history
 
 
-async def test_a_client_sending_only_new_questions(engine, small_memory_spec):
+async def test_a_new_chat_starts_again_after_the_documents(engine, small_memory_spec):
+    """Chat messages are the whole conversation, as in OpenAI's API: a chat that does not
+    continue the one held forgets it (the memory goes back to the end of its documents)."""
     await engine.create_session("s", small_memory_spec)
     tokenizer = engine._tokenizer
-    first, last1, _ = await ask(engine, "a", [{"role": "user", "content": "Hello?"}])
-    held = [("user", "Hello?"), ("assistant", first)]
+    session = engine._memory_sessions.sessions["s"]
+    doc = "The access code is 4721. " * 20
+    await collect(engine.ingest("i", "s", doc))
+    read = session.memory.num_tokens
+    assert session.rendered == [("user", doc)] and session.turns == []
+    first, _, _ = await ask(engine, "a", [{"role": "user", "content": "Hello?"}])
+    assert session.turns == [("user", "Hello?"), ("assistant", first)]
     second_q = [{"role": "user", "content": "And then?"}]
-    second, last2, added = await ask(engine, "b", second_q)
-    assert last2.prompt_tokens == len(encode_chat(tokenizer, second_q, held))
-    assert DEFAULT_SYSTEM not in tokenizer.decode(encode_chat(tokenizer, second_q, held))
-    assert added == last2.prompt_tokens + last2.completion_tokens + closing_tokens(engine, last2)
-    held += [("user", "And then?"), ("assistant", second)]
-    assert engine._memory_sessions.sessions["s"].turns == held
-    # the same client switching to resending everything: only the new question goes in
+    second, last2, _ = await ask(engine, "b", second_q)
+    assert last2.prompt_tokens == len(encode_chat(tokenizer, second_q, [("user", doc)]))
+    closing = closing_tokens(engine, last2)
+    assert (
+        session.memory.num_tokens == read + last2.prompt_tokens + last2.completion_tokens + closing
+    )
+    held = [("user", "And then?"), ("assistant", second)]
+    assert session.turns == held and session.rendered == [("user", doc), *held]
+    # resending the conversation continues it: only the new question goes in
     everything = [{"role": r, "content": c} for r, c in held] + [{"role": "user", "content": "Ok"}]
     _, last3, _ = await ask(engine, "c", everything)
-    assert last3.prompt_tokens == len(encode_chat(tokenizer, everything[-1:], held))
+    assert last3.prompt_tokens == len(
+        encode_chat(tokenizer, everything[-1:], session.rendered[:-2])
+    )
+    assert len(session.turns) == 4
 
 
-async def test_an_edited_history_is_appended_as_sent(engine, small_memory_spec):
+async def test_an_edited_history_is_read_after_the_documents(engine, small_memory_spec):
     await engine.create_session("s", small_memory_spec)
-    first, _, _ = await ask(engine, "a", [{"role": "user", "content": "Hello?"}])
-    held = [("user", "Hello?"), ("assistant", first)]
+    session = engine._memory_sessions.sessions["s"]
+    await ask(engine, "a", [{"role": "user", "content": "Hello?"}])
     edited = [
         {"role": "user", "content": "Hello?"},
         {"role": "assistant", "content": "edited"},
         {"role": "user", "content": "Next?"},
     ]
-    _, last, _ = await ask(engine, "b", edited)
-    assert last.prompt_tokens == len(encode_chat(engine._tokenizer, edited, held))
-    assert engine._memory_sessions.sessions["s"].turns[:2] == held
-    assert [role for role, _ in engine._memory_sessions.sessions["s"].turns] == [
-        "user",
-        "assistant",
-        "user",
-        "assistant",
-        "user",
-        "assistant",
+    answer, last, _ = await ask(engine, "b", edited)
+    assert last.prompt_tokens == len(encode_chat(engine._tokenizer, edited))
+    assert session.turns == [("user", "Hello?"), ("assistant", "edited"), ("user", "Next?")] + [
+        ("assistant", answer)
+    ]
+
+
+async def test_a_conversation_that_reached_memory_is_kept(engine, small_memory_spec):
+    """A new chat cannot forget a conversation whose oldest tokens have reached memory: it
+    follows it, as every chat did before rewinds existed."""
+    await engine.create_session("s", small_memory_spec)
+    session = engine._memory_sessions.sessions["s"]
+    long_question = [{"role": "user", "content": "Tell me everything about " + "x " * 60}]
+    first, _, _ = await ask(engine, "a", long_question)
+    assert session.memory.memory_tokens > 0
+    before = session.memory.num_tokens
+    _, last, added = await ask(engine, "b", [{"role": "user", "content": "Hi"}])
+    assert session.memory.num_tokens == before + added
+    assert session.turns[:2] == [
+        (long_question[0]["role"], long_question[0]["content"]),
+        (
+            "assistant",
+            first,
+        ),
     ]
 
 
