@@ -121,10 +121,11 @@ def ask_all(asker: Asker, trial: Trial, context_for, extra_body: dict) -> list[A
     return out
 
 
-def upload(http: httpx.Client, strategy: str, text: str, timeout: float) -> tuple[str, int, float]:
-    """A session of `strategy` holding `text`, read: (id, the server's token count, seconds)."""
+def upload(http: httpx.Client, memory: dict, text: str, timeout: float) -> tuple[str, int, float]:
+    """A session of `memory` (strategy and knobs) holding `text`, read: (id, the server's token
+    count, seconds)."""
     started = time.perf_counter()
-    session = http.post("/sessions", json={"memory": {"strategy": strategy}}).json()
+    session = http.post("/sessions", json={"memory": memory}).json()
     response = http.post(
         f"/sessions/{session['id']}/documents", json={"name": "document.txt", "text": text}
     )
@@ -175,10 +176,10 @@ class Run:
                 lambda _turn, q, prev: retrieve(doc, f"{prev}\n{q}".strip(), budget, embed),
                 {},
             )
-        memory = {"memory": {"strategy": strategy}}
+        memory = {"strategy": strategy, **self.args.knobs}
         if mode == "inline":
-            return ask_all(self.asker, trial, first(doc.text, doc.tokens), memory)
-        session_id, tokens, seconds = upload(self.http, str(strategy), doc.text, 3600)
+            return ask_all(self.asker, trial, first(doc.text, doc.tokens), {"memory": memory})
+        session_id, tokens, seconds = upload(self.http, memory, doc.text, 3600)
         try:
             answers = ask_all(self.asker, trial, lambda *_: None, {"session_id": session_id})
         finally:
@@ -350,6 +351,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--rag-tokens", type=int, default=3072, help="retrieved, per turn")
     parser.add_argument("--rag-chunk-tokens", type=int, default=256)
+    parser.add_argument(
+        "--knobs",
+        type=json.loads,
+        default={},
+        help="memory knobs (JSON) for inline and session, e.g. '{\"prior_k\": 4}'",
+    )
     parser.add_argument("--base-url", help="a running server on loopback (default: start one)")
     parser.add_argument("--api-key", default="bench")
     parser.add_argument("--model", help="--model of the started server (default: embedded)")

@@ -58,6 +58,10 @@ class FrameConfig:
         prior_k is 8, or fewer when the frame would not fit the model's window. It needs the
         engine's sentence encoder; without one the budget stays unused
         (docs/decisions/022-text-prior.md).
+    prior_order: where the prior's blocks sit among the retrieved rows. "document": every
+        retrieved row in document order. "relevance": the strategy's own rows in document
+        order, then the prior's blocks from the least to the most relevant, so the block
+        nearest EmbQ sits right before the window and the question.
     tier: where memory blocks live. "device" (default) keeps them beside the model; "host"
         keeps them in (page-locked) host memory and copies only the rows a forward retrieves
         to the device, so a GPU holds sinks, window, summaries and indices while the bulk of
@@ -77,6 +81,7 @@ class FrameConfig:
     tier: str = "device"
     prior_k: int = 8
     prior_u: int = 1
+    prior_order: str = "document"
 
     def tail_start(self, total: int) -> int:
         """Where the last `tail` tokens of an append of `total` tokens begin (they are
@@ -192,6 +197,7 @@ _CHOICES = {
     "index": ("auto", "torch", "faiss-flat", "faiss-hnsw", "faiss-ivf"),
     "tier": ("device", "host"),
     "read_dtype": ("auto", "model", "bfloat16"),
+    "prior_order": ("document", "relevance"),
 }
 _MAY_BE_ZERO = {
     "m",

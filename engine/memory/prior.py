@@ -35,9 +35,11 @@ class TextPrior:
         k: int,
         u: int,
         block: int,
+        by_relevance: bool = False,
     ) -> None:
         self.encoder, self.decode = encoder, decode
         self.k, self.u, self.block = k, u, block
+        self.by_relevance = by_relevance  # rows least relevant first, else ascending
         self._ids: list[np.ndarray] = []  # every token read, in order (joined lazily)
         self._num_ids = 0
         self._emb = np.zeros((0, 0), dtype=np.float32)  # EmbD of blocks 0, 1, ... (lazily)
@@ -76,7 +78,9 @@ class TextPrior:
         self.seconds += time.perf_counter() - started
 
     def rows(self, frame: FrameState) -> torch.Tensor | None:
-        """Memory rows (R,) ascending that the request's question pins, or None."""
+        """Memory rows (R,) that the request's question pins, or None: ascending, or (by
+        relevance) block by block from the least to the most relevant line (a top block with
+        its neighbours, ascending; a block shared by two lines goes with the better one)."""
         if self._query is None or not frame.n_memory or not self.k:
             return None
         dropped = frame.num_tokens - frame.n_sinks - frame.n_local - frame.n_memory
@@ -88,7 +92,14 @@ class TextPrior:
         scores = emb @ self._query
         top = np.argsort(-scores, kind="stable")[: self.k]
         lines = (top[:, None] + np.arange(-self.u, self.u + 1)[None]).clip(0, count - 1)
-        blocks = np.unique(lines)
+        if self.by_relevance:
+            best: dict[int, int] = {}  # block -> the best rank of a line holding it
+            for rank, line in enumerate(lines.tolist()):
+                for b in line:
+                    best.setdefault(b, rank)
+            blocks = np.array(sorted(best, key=lambda b: (-best[b], b)), dtype=np.int64)
+        else:
+            blocks = np.unique(lines)
         rows = (blocks[:, None] * self.block + np.arange(self.block)[None]).reshape(-1)
         pinned = torch.from_numpy(rows).to(frame.device)
         self._rows = (key, pinned)
@@ -118,12 +129,23 @@ class TextPrior:
         return seconds
 
 
-def merge_rows(idx: torch.Tensor | None, pinned: torch.Tensor, kv_heads: int) -> torch.Tensor:
+def merge_rows(
+    idx: torch.Tensor | None, pinned: torch.Tensor, kv_heads: int, keep_order: bool = False
+) -> torch.Tensor:
     """The union of a strategy's rows idx (kv_heads, R), ascending, -1 padded (or None) and
-    pinned rows (P,): (kv_heads, R') ascending per head, each row once, -1 padded at the end."""
+    pinned rows (P,): (kv_heads, R') ascending per head, each row once, -1 padded at the end.
+    keep_order: the strategy's rows not pinned (ascending, -1 padded at the end), then the
+    pinned rows in their own order."""
     pinned = pinned[None].expand(kv_heads, -1)
     if idx is None or not idx.shape[1]:
         return pinned.contiguous()
+    if keep_order:
+        rest = torch.where(torch.isin(idx, pinned[0]), -1, idx)
+        big = torch.iinfo(rest.dtype).max
+        rest = torch.where(rest < 0, big, rest).sort(dim=1).values
+        width = int((rest < big).sum(dim=1).max())
+        rest = torch.where(rest[:, :width] == big, -1, rest[:, :width])
+        return torch.cat((rest, pinned), dim=1)
     both = torch.cat((idx, pinned), dim=1)
     big = torch.iinfo(both.dtype).max
     both = torch.where(both < 0, big, both).sort(dim=1).values

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.chat_template import encode_chat
-from engine.memory.prior import merge_rows
+from engine.memory.prior import TextPrior, merge_rows
 from engine.memory.session import SessionMemory
 from engine.prior_query import prior_query
 from engine.protocol import MemorySpec, SamplingParams
@@ -48,6 +48,37 @@ def test_merge_rows_is_a_sorted_union_per_head():
     assert merge_rows(None, torch.tensor([4, 7]), kv_heads=2).tolist() == [[4, 7], [4, 7]]
     uneven = merge_rows(torch.tensor([[0, 9], [0, 1]]), torch.tensor([9]), kv_heads=2)
     assert uneven.tolist() == [[0, 9, -1], [0, 1, 9]]
+
+
+def test_merge_rows_can_keep_the_pinned_order_last():
+    idx = torch.tensor([[0, 1, 5, -1], [2, 3, -1, -1]])
+    merged = merge_rows(idx, torch.tensor([8, 1]), kv_heads=2, keep_order=True)
+    assert merged.tolist() == [[0, 5, 8, 1], [2, 3, 8, 1]]
+    uneven = merge_rows(
+        torch.tensor([[0, 9], [0, 1]]), torch.tensor([9]), kv_heads=2, keep_order=True
+    )
+    assert uneven.tolist() == [[0, -1, 9], [0, 1, 9]]
+
+
+class FakeFrame:
+    """What TextPrior.rows reads of a frame."""
+
+    def __init__(self, n_memory: int) -> None:
+        self.num_tokens, self.n_sinks, self.n_local, self.n_memory = n_memory, 0, 0, n_memory
+        self.device = torch.device("cpu")
+
+
+def test_by_relevance_the_best_line_comes_last():
+    block, blocks = 2, 10
+    ids = torch.arange(block * blocks)
+    for by_relevance, expected in ((False, [2, 3, 4, 6, 7, 8]), (True, [6, 7, 8, 2, 3, 4])):
+        prior = TextPrior(WordEncoder(), words, k=2, u=1, block=block, by_relevance=by_relevance)
+        prior.read(ids)
+        # block 3 holds t6 t7, block 7 holds t14 t15: the query names block 3 twice
+        prior.set_query("t6 t7 t14")
+        rows = prior.rows(FakeFrame(block * blocks))
+        assert rows is not None
+        assert (rows.view(-1, block)[:, 0] // block).tolist() == expected
 
 
 def test_a_question_brings_in_the_block_nearest_its_embedding(tiny_loaded):
