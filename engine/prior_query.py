@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 
 from engine.chat_template import Turn, message_text
@@ -15,6 +16,7 @@ logger = logging.getLogger(__name__)
 # the encoder reads ~256 word pieces: the end of a long question, then the start of the answer
 QUESTION_CHARS = 1000
 ANSWER_CHARS = 300
+_BLANK_LINE = re.compile(r"\n[ \t]*\n")
 
 
 def prior_encoder(config: EngineConfig) -> TextEncoder | None:
@@ -30,15 +32,23 @@ def prior_encoder(config: EngineConfig) -> TextEncoder | None:
     return default_embedder()
 
 
+def question_text(text: str) -> str:
+    """The question of a message or prompt: its last paragraph (text after the last blank
+    line), at most QUESTION_CHARS from its end. A message that is a document followed by its
+    question ("<document>\n\n<question>") gives the question, not the document's end; a
+    question written before its document gives the document's last paragraph."""
+    paragraphs = [p for p in _BLANK_LINE.split(text) if p.strip()]
+    return (paragraphs[-1] if paragraphs else text).strip()[-QUESTION_CHARS:]
+
+
 def prior_query(prompt: Prompt, held: Sequence[Turn] = ()) -> str:
-    """EmbQ's input x for a request: the last user message of a chat, followed by the
-    assistant message before it (sent, or the last one the session holds), which a follow-up
-    question may refer to; a completion prompt's text. The question comes first, so that the
-    encoder, which reads the start of a long text, reads it; a user message longer than the
-    encoder reads (an inline document followed by its question) is cut to its end by the
-    prior (engine/memory/prior.py QUERY_CHARS)."""
+    """EmbQ's input x for a request: the question (question_text) of the last user message
+    of a chat, followed by the assistant message before it (sent, or the last one the session
+    holds), which a follow-up question may refer to; a completion prompt's question. The
+    question comes first, so that the encoder, which reads the start of a long text, reads
+    it."""
     if isinstance(prompt, str):
-        return prompt
+        return question_text(prompt)
     turns = [message_text(message, i) for i, message in enumerate(prompt)]
     users = [i for i, (role, _) in enumerate(turns) if role == "user"]
     if not users:
@@ -46,5 +56,5 @@ def prior_query(prompt: Prompt, held: Sequence[Turn] = ()) -> str:
     last = users[-1]
     before = [text for role, text in turns[:last] if role == "assistant"]
     before = before or [text for role, text in held if role == "assistant"]
-    question = turns[last][1][-QUESTION_CHARS:]
+    question = question_text(turns[last][1])
     return f"{question}\n{before[-1][:ANSWER_CHARS]}" if before else question

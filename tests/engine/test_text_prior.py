@@ -136,6 +136,10 @@ def test_the_query_is_the_question_then_the_answer_before_it():
     inline = [{"role": "user", "content": "x " * 5000 + "What is the code?"}]
     assert prior_query(inline).endswith("What is the code?") and len(prior_query(inline)) <= 1000
     assert prior_query("Question: the code? Answer:") == "Question: the code? Answer:"
+    # a document, then its question: the question, in a chat message and in a completion
+    pasted = "The ship sails at dawn.\n\nThe vault code is 4817.\n \nWhat is the vault code?"
+    assert prior_query([{"role": "user", "content": pasted}]) == "What is the vault code?"
+    assert prior_query(pasted + "\nAnswer:") == "What is the vault code?\nAnswer:"
 
 
 async def test_a_document_is_read_as_a_user_turn_the_question_continues(engine, tokenizer):
