@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.chat_template import message_text
 from engine.generate import Generation, MemoryState
 from engine.prior_query import prior_query
 from engine.protocol import (
@@ -45,18 +44,6 @@ class Collection:
 
     attachment: CollectionAttachment
     order: dict[str, int]
-
-
-def query_text(prompt: Prompt) -> str:
-    """EmbQ's input x: the last user message of a chat (what the question is), or a
-    completion prompt's text."""
-    if isinstance(prompt, str):
-        return prompt
-    for i in range(len(prompt) - 1, -1, -1):
-        role, text = message_text(prompt[i], i)
-        if role == "user":
-            return text
-    return message_text(prompt[-1], len(prompt) - 1)[1]
 
 
 class SessionCollections:
@@ -159,7 +146,8 @@ class SessionCollections:
         """EmbQ(x) . EmbD(c) top-k of each selected collection, in document order."""
         bridge = self._bridge()
         encoder = self.query_encoder or default_embedder()
-        query = await asyncio.to_thread(encoder.embed, [query_text(prompt)])  # (1, d)
+        # the text prior's EmbQ input: the question, then the answer before it
+        query = await asyncio.to_thread(encoder.embed, [prior_query(prompt)])  # (1, d)
         picked: list[tuple[int, int, ChunkRef]] = []
         for rank, collection in enumerate(session.selected):
             name = collection.attachment.name

@@ -15,10 +15,10 @@ import memory_store.embedder
 from engine import ingest_cli
 from engine.chat_template import assistant_turn_end
 from engine.client import LocalEngine
-from engine.collections import query_text
 from engine.config import EngineConfig
 from engine.loader import load_model
 from engine.memory.session import STRATEGIES, SessionMemory
+from engine.prior_query import prior_query
 from engine.protocol import (
     CollectionIncompatible,
     CollectionNotFound,
@@ -181,15 +181,15 @@ async def test_attach_errors_change_nothing(collection, engines):
     assert engine._memory_sessions.sessions["other"].collections == {}
 
 
-def test_query_text_is_the_last_user_message():
+def test_the_collection_query_is_the_last_question_then_the_answer_before_it():
     messages = [
         {"role": "user", "content": "first"},
         {"role": "assistant", "content": "a"},
         {"role": "user", "content": [{"type": "text", "text": "second"}]},
         {"role": "assistant", "content": "b"},
     ]
-    assert query_text(messages) == "second"
-    assert query_text("a completion prompt") == "a completion prompt"
+    assert prior_query(messages) == "second\na"
+    assert prior_query("a completion prompt") == "a completion prompt"
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
