@@ -58,10 +58,11 @@ class FrameConfig:
         prior_k is 8, or fewer when the frame would not fit the model's window. It needs the
         engine's sentence encoder; without one the budget stays unused
         (docs/decisions/022-text-prior.md).
-    prior_order: where the prior's blocks sit among the retrieved rows. "document": every
-        retrieved row in document order. "relevance": the strategy's own rows in document
-        order, then the prior's blocks from the least to the most relevant, so the block
-        nearest EmbQ sits right before the window and the question.
+    prior_order: where the prior's blocks sit among the retrieved rows. "relevance"
+        (default): the strategy's own rows in document order, then the prior's blocks from the
+        least to the most relevant, so the block nearest EmbQ sits right before the window and
+        the question (docs/decisions/024-prior-order-relevance.md). "document": every
+        retrieved row in document order.
     tier: where memory blocks live. "device" (default) keeps them beside the model; "host"
         keeps them in (page-locked) host memory and copies only the rows a forward retrieves
         to the device, so a GPU holds sinks, window, summaries and indices while the bulk of
@@ -81,7 +82,7 @@ class FrameConfig:
     tier: str = "device"
     prior_k: int = 8
     prior_u: int = 1
-    prior_order: str = "document"
+    prior_order: str = "relevance"
 
     def tail_start(self, total: int) -> int:
         """Where the last `tail` tokens of an append of `total` tokens begin (they are
