@@ -63,10 +63,6 @@ class FrameConfig:
         least to the most relevant, so the block nearest EmbQ sits right before the window and
         the question (docs/decisions/024-prior-order-relevance.md). "document": every
         retrieved row in document order.
-    prior_rank: how the prior ranks memory blocks. "dense" (default): by EmbQ . EmbD alone.
-        "hybrid": EmbQ . EmbD fused with BM25 over the blocks' words by reciprocal rank
-        fusion, so the names a question asks about pick the block that holds them
-        (lexical.py, docs/decisions/025-hybrid-prior.md).
     tier: where memory blocks live. "device" (default) keeps them beside the model; "host"
         keeps them in (page-locked) host memory and copies only the rows a forward retrieves
         to the device, so a GPU holds sinks, window, summaries and indices while the bulk of
@@ -87,7 +83,6 @@ class FrameConfig:
     prior_k: int = 8
     prior_u: int = 1
     prior_order: str = "relevance"
-    prior_rank: str = "dense"
 
     def tail_start(self, total: int) -> int:
         """Where the last `tail` tokens of an append of `total` tokens begin (they are
@@ -204,7 +199,6 @@ _CHOICES = {
     "tier": ("device", "host"),
     "read_dtype": ("auto", "model", "bfloat16"),
     "prior_order": ("document", "relevance"),
-    "prior_rank": ("dense", "hybrid"),
 }
 _MAY_BE_ZERO = {
     "m",

@@ -7,8 +7,7 @@ text (decoded from the token ids read), computed once, the first time a question
 request that names its question x pins the `prior_k` blocks nearest EmbQ(x), each with
 `prior_u` neighbouring blocks on either side, into the retrieval of every layer for the
 forwards that retrieve (a question's tail, decode steps), next to what the strategy picks by
-attention. Reading a document pins nothing and embeds nothing. Hybrid ranking fuses EmbQ .
-EmbD with BM25 over the blocks' words (lexical.py), so a question's names pick their block.
+attention. Reading a document pins nothing and embeds nothing.
 """
 
 from __future__ import annotations
@@ -20,8 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-
-from engine.memory.lexical import BlockTerms, fuse, words
 
 if TYPE_CHECKING:
     from engine.memory.frame import FrameState
@@ -39,14 +36,10 @@ class TextPrior:
         u: int,
         block: int,
         by_relevance: bool = False,
-        hybrid: bool = False,
     ) -> None:
         self.encoder, self.decode = encoder, decode
         self.k, self.u, self.block = k, u, block
         self.by_relevance = by_relevance  # rows least relevant first, else ascending
-        self.hybrid = hybrid  # rank blocks by EmbQ . EmbD fused with BM25 (lexical.py)
-        self._terms = BlockTerms()  # the words of blocks 0, 1, ... (as EmbD, lazily)
-        self._words: list[str] = []  # the question's words
         self._ids: list[np.ndarray] = []  # every token read, in order (joined lazily)
         self._num_ids = 0
         self._emb = np.zeros((0, 0), dtype=np.float32)  # EmbD of blocks 0, 1, ... (lazily)
@@ -59,7 +52,6 @@ class TextPrior:
         twin = copy.copy(self)
         twin._ids = list(self._ids)
         twin._emb = self._emb.copy()
-        twin._terms = copy.deepcopy(self._terms)
         return twin
 
     def read(self, ids: torch.Tensor) -> None:
@@ -79,9 +71,8 @@ class TextPrior:
         """EmbQ(text) for the forwards of the request under way; None clears it."""
         self._rows = None
         if not text or not text.strip():
-            self._query, self._words = None, []
+            self._query = None
             return
-        self._words = words(text)
         started = time.perf_counter()
         self._query = self.encoder.embed([text])[0]
         self.seconds += time.perf_counter() - started
@@ -99,8 +90,6 @@ class TextPrior:
         first, count = dropped // self.block, frame.n_memory // self.block
         emb = self._embedded(frame.n_sinks, first + count)[first:]  # (count, dim)
         scores = emb @ self._query
-        if self.hybrid and self._words:
-            scores = fuse(scores, self._terms.scores(self._words, first, count))
         top = np.argsort(-scores, kind="stable")[: self.k]
         lines = (top[:, None] + np.arange(-self.u, self.u + 1)[None]).clip(0, count - 1)
         if self.by_relevance:
@@ -128,7 +117,6 @@ class TextPrior:
                 for b in range(have, blocks)
             ]
             new = np.asarray(self.encoder.embed(texts), dtype=np.float32)
-            self._terms.add(texts)
             self._emb = np.concatenate((self._emb, new)) if have else new
             self.seconds += time.perf_counter() - started
         return self._emb[:blocks]

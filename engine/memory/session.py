@@ -107,15 +107,8 @@ class SessionMemory:
         read after this call."""
         c = self.config
         if c.prior_k and self.prior is None and self.num_tokens == 0:
-            self.prior = TextPrior(
-                encoder,
-                decode,
-                c.prior_k,
-                c.prior_u,
-                c.block,
-                by_relevance=c.prior_order == "relevance",
-                hybrid=c.prior_rank == "hybrid",
-            )
+            by_relevance = c.prior_order == "relevance"
+            self.prior = TextPrior(encoder, decode, c.prior_k, c.prior_u, c.block, by_relevance)
 
     def set_query(self, text: str | None) -> None:
         """The question x of the request under way (EmbQ(x) for the text prior), or None."""

@@ -7,7 +7,6 @@ the prior helps the real model is `longserve bench recall`'s business
 
 from __future__ import annotations
 
-import copy
 import zlib
 
 import numpy as np
@@ -15,8 +14,6 @@ import pytest
 import torch
 
 from engine.chat_template import encode_chat
-from engine.memory.lexical import BlockTerms, fuse
-from engine.memory.lexical import words as lexical_words
 from engine.memory.prior import TextPrior, merge_rows
 from engine.memory.session import SessionMemory
 from engine.prior_query import prior_query
@@ -82,39 +79,6 @@ def test_by_relevance_the_best_line_comes_last():
         rows = prior.rows(FakeFrame(block * blocks))
         assert rows is not None
         assert (rows.view(-1, block)[:, 0] // block).tolist() == expected
-
-
-class SameEncoder:
-    """Every text gets the same embedding: the dense rank is a tie broken by position."""
-
-    def embed(self, texts):
-        return np.ones((len(texts), 4), dtype=np.float32) / 2
-
-
-def test_bm25_scores_rare_words_higher_and_fusion_adds_ranks():
-    terms = BlockTerms()
-    terms.add(["the vault Velmibra code", "the vault Velmivim code", "the the the", "nothing"])
-    scores = terms.scores(lexical_words("What is the code of the Velmibra vault?"), 0, 4)
-    assert scores.argmax() == 0 and scores[3] == 0.0
-    assert scores[0] > scores[1] > scores[2] > 0  # "the" counts, a rarer word counts more
-    assert terms.scores(lexical_words("absent words"), 0, 4).tolist() == [0.0] * 4
-    assert terms.scores(lexical_words("Velmivim"), 1, 2).tolist()[1] == 0.0  # a slice of the blocks
-    fused = fuse(np.array([0.9, 0.8, 0.1]), np.array([0.0, 2.0, 0.0]))
-    assert fused.argmax() == 1  # dense second and lexical first beats dense first alone
-    assert fused[0] == pytest.approx(1 / 61) and fused[2] == pytest.approx(1 / 63)
-
-
-def test_hybrid_rank_picks_the_block_that_names_the_question():
-    block, blocks = 2, 10
-    ids = torch.arange(block * blocks)
-    for hybrid, expected in ((False, [0, 1]), (True, [10, 11])):
-        prior = TextPrior(SameEncoder(), words, k=1, u=0, block=block, hybrid=hybrid)
-        prior.read(ids)
-        prior.set_query("which block holds t11?")
-        rows = prior.rows(FakeFrame(block * blocks))
-        assert rows is not None and rows.tolist() == expected
-        twin = copy.deepcopy(prior)  # a fork keeps the words it has counted
-        assert len(twin._terms) == blocks
 
 
 def test_a_question_brings_in_the_block_nearest_its_embedding(tiny_loaded):
