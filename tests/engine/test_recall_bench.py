@@ -194,3 +194,19 @@ def test_rag_keeps_the_nearest_chunks_in_document_order_within_budget():
     assert retrieve(doc, "q", 350, embed) == ("C\n\nD", 350)
     assert retrieve(doc, "q", 300, embed) == ("C", 250)
     assert retrieve(doc, "q", 200, embed) == ("B\n\nD", 200)  # C is nearest but too large
+
+
+def test_prior_rank_finds_the_best_ranked_block_that_holds_the_value():
+    from bench.prior_rank import rank
+
+    blocks = ["filler one", "code 12345 here", "filler two", "also 12345"]
+    table = {"filler one": [1, 0], "code 12345 here": [0, 1], "filler two": [0.9, 0.1]}
+    table["also 12345"] = [0.5, 0.5]
+    table["which code?"] = [1, 0]  # nearest the fillers: the value's blocks rank 2 and 3
+
+    def embed(texts):
+        return np.array([table[t] for t in texts], dtype=np.float32)
+
+    vectors = embed(blocks)
+    assert rank(embed, blocks, vectors, "which code?", ("12345",)) == 2
+    assert rank(embed, blocks, vectors, "which code?", ("999",)) == -1
