@@ -56,7 +56,7 @@ class FrameConfig:
         the question's EmbQ, each with prior_u neighbouring blocks on either side (the
         Decoupled Context Processing seed's k-argmax); prior_k 0 turns it off. Left unset,
         prior_k is 8, or fewer when the frame would not fit the model's window. It needs the
-        engine's sentence encoder; without one the budget stays unused
+        engine's sentence encoder; a memory without one reserves no frame positions for it
         (docs/decisions/022-text-prior.md).
     prior_order: where the prior's blocks sit among the retrieved rows. "relevance"
         (default): the strategy's own rows in document order, then the prior's blocks from the
