@@ -164,6 +164,7 @@ class LocalEngine:
         *,
         session_id: str | None = None,
         memory: MemorySpec | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         self._worker.check_alive()
         _validate_sampling(sampling)
@@ -178,7 +179,7 @@ class LocalEngine:
         self._memory_sessions.check_memory_cap(total)
         spec = memory or MemorySpec(strategy=self.config.memory_strategy)
         return self._kind_for(spec).generate_ephemeral(
-            request_id, prompt, prompt_ids, sampling, spec, queued_at
+            request_id, prompt, prompt_ids, sampling, spec, queued_at, scope=tenant
         )
 
     async def count_tokens(self, prompt: Prompt) -> int:
@@ -217,12 +218,19 @@ class LocalEngine:
 
     def stats(self) -> EngineStats:
         sessions = list(self._memory_sessions.sessions.values())
+        prefixes = self._memory_sessions.prefixes.stats()
         return EngineStats(
             num_requests_running=self._worker.num_running,
             num_requests_waiting=self._worker.num_waiting,
             sessions_active=len(sessions),
             memory_tokens=sum(int(s.memory.num_tokens) for s in sessions),
             sessions_offloaded=sum(1 for s in sessions if s.memory.offloaded),
+            prefix_cache_hits=prefixes.hits,
+            prefix_cache_misses=prefixes.misses,
+            prefix_cache_tokens_reused=prefixes.tokens_reused,
+            prefix_cache_evictions=prefixes.evictions,
+            prefix_cache_entries=prefixes.entries,
+            prefix_cache_bytes=prefixes.bytes,
         )
 
     async def shutdown(self) -> None:

@@ -33,6 +33,8 @@ class EngineConfig:
     text_prior: give every memory session the text prior (engine/memory/prior.py: the
     sentence encoder's EmbQ(question) . EmbD(block) picks blocks next to attention); False,
     or no encoder installed, leaves the memory knobs prior_k/prior_u without effect.
+    prefix_cache_bytes: memories kept for long prompts' reuse (engine/prefix_cache.py), an LRU
+    by bytes in host memory; 0 keeps none.
     """
 
     model: str | None = None
@@ -52,6 +54,7 @@ class EngineConfig:
     collection_max_chunks: int = 64
     collection_top_k: int = 16
     text_prior: bool = True
+    prefix_cache_bytes: int = 8 * 1024**3
 
     def __post_init__(self) -> None:
         if self.model is not None and not self.model.strip():
@@ -97,5 +100,9 @@ class EngineConfig:
             raise ValueError("data_dir must be a non-empty path when given")
         if not self.memory_store_timeout_s > 0:
             raise ValueError("memory_store_timeout_s must be positive")
+        if not isinstance(self.prefix_cache_bytes, int) or self.prefix_cache_bytes < 0:
+            raise ValueError(
+                f"prefix_cache_bytes must be an integer >= 0, got {self.prefix_cache_bytes!r}"
+            )
         if not self.session_offload_after_s >= 0:
             raise ValueError("session_offload_after_s must be >= 0 (0 never offloads)")

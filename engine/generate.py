@@ -13,7 +13,7 @@ the weights), so batching raises throughput with concurrency. Memory-path reques
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -114,15 +114,26 @@ class MemoryState:
     """A session's memory: every token appended (prompt and generated) joins its context.
 
     document_end: the prompt's first document_end tokens are a document (an inline prompt's
-    body, everything before its question's tail): once read they move to memory
-    (SessionMemory.end_document), so the question reaches them through retrieval, as a
-    session's questions reach its documents."""
+    body, everything before its question's tail): it is read in whole chunks, as a session
+    reads an uploaded document, and once read it moves to memory (SessionMemory.end_document),
+    so the question reaches it through retrieval. read: tokens of the prompt the memory holds
+    already (a reused prefix; engine/prefix_cache.py); prefill gets the rest. keep: (point,
+    callback) calls callback(memory) once the document has been read up to point."""
 
-    def __init__(self, memory: Any, strategy: str | None, document_end: int | None = None) -> None:
+    def __init__(
+        self,
+        memory: Any,
+        strategy: str | None,
+        document_end: int | None = None,
+        *,
+        read: int = 0,
+        keep: tuple[int, Callable[[Any], None]] | None = None,
+    ) -> None:
         self.memory = memory  # engine.memory.session.SessionMemory
         self.strategy = strategy
         self._document_end = document_end
-        self._read = 0
+        self._read = read
+        self._keep = keep
 
     @property
     def num_tokens(self) -> int:
@@ -133,12 +144,21 @@ class MemoryState:
         ids = input_ids.to(torch.long).view(-1)  # (T,) -> (vocab,)
         end, start = self._document_end, self._read
         self._read += ids.numel()
-        if end is not None and start < end <= self._read:
-            self._document_end = None
-            self.memory.append(ids[: end - start], document=True)
-            self.memory.end_document()
-            ids = ids[end - start :]
-        return self.memory.append(ids)
+        if end is None or start >= end:
+            return self.memory.append(ids)
+        document, rest = ids[: end - start], ids[end - start :]
+        if self._keep is not None and start < self._keep[0] <= start + document.numel():
+            (point, callback), self._keep = self._keep, None
+            logits = self.memory.append(document[: point - start], document=True)
+            callback(self.memory)
+            document = document[point - start :]
+        if document.numel():
+            logits = self.memory.append(document, document=True)
+        if self._read < end:
+            return logits
+        self._document_end = None
+        self.memory.end_document()
+        return self.memory.append(rest) if rest.numel() else logits
 
     def step(self, token_id: int) -> torch.Tensor:
         return self.prefill(torch.tensor([token_id], dtype=torch.long))
@@ -148,14 +168,20 @@ class MemoryState:
 
 
 def prefill_chunks(
-    state: DecodeState, input_ids: torch.Tensor, chunk_tokens: int
+    state: DecodeState, input_ids: torch.Tensor, chunk_tokens: int, cuts: Sequence[int] = ()
 ) -> Generator[torch.Tensor | None, None, None]:
-    """Prefill input_ids (T,) in chunks: yields None after each chunk but the last, then the
-    logits (vocab,) at the last position."""
+    """Prefill input_ids (T,) in chunks of at most chunk_tokens that never straddle a position
+    in cuts: yields None after each chunk but the last, then the logits (vocab,) at the last
+    position."""
     total = int(input_ids.shape[0])
-    for start in range(0, total, chunk_tokens):
-        logits = state.prefill(input_ids[start : start + chunk_tokens])
-        if start + chunk_tokens < total:
+    bounds, start = [], 0
+    for stop in [*sorted(c for c in cuts if 0 < c < total), total]:
+        while start < stop:
+            bounds.append((start, min(start + chunk_tokens, stop)))
+            start = bounds[-1][1]
+    for i, (start, end) in enumerate(bounds):
+        logits = state.prefill(input_ids[start:end])
+        if i + 1 < len(bounds):
             yield None
     yield logits
 
@@ -188,6 +214,10 @@ class Generation:
     `next_token` to `state` together with other requests' (`step_batch`) and hands this
     request's logits to `accept`, which samples with the request's own generator, penalties and
     stop strings.
+
+    prefilled: the state holds the prompt's first `prefilled` tokens already (a reused prefix,
+    reported as cached_tokens); prefill reads the rest. prefill_cuts: prompt positions no
+    prefill chunk straddles (a document's end, so the question after it is read whole).
     """
 
     def __init__(
@@ -202,12 +232,16 @@ class Generation:
         vocab_size: int | None = None,
         queued_at: float | None = None,
         append_final_token: bool = False,
+        prefilled: int = 0,
+        prefill_cuts: Sequence[int] = (),
     ) -> None:
         self.state = state
         self.sampling = sampling
         self._tokenizer = tokenizer
         self._prompt_ids = prompt_ids
         self._prompt_tokens = int(prompt_ids.shape[0])
+        self._prefilled = prefilled  # the prompt's first tokens, already in state (a reused prefix)
+        self._cuts = [c - prefilled for c in prefill_cuts if c > prefilled]
         self._chunk_tokens = prefill_chunk_tokens
         self._stop_ids = frozenset() if sampling.ignore_eos else frozenset(stop_token_ids)
         self._vocab_size = vocab_size
@@ -269,7 +303,8 @@ class Generation:
                 self._queue_seconds = max(0.0, self._started - self._queued_at)
             self.state.pop_retrieval_seconds()  # time spent before this request is not ours
             self._detok = Detokenizer(self._tokenizer, self.sampling.stop)
-            self._prefill = prefill_chunks(self.state, self._prompt_ids, self._chunk_tokens)
+            rest = self._prompt_ids[self._prefilled :]
+            self._prefill = prefill_chunks(self.state, rest, self._chunk_tokens, self._cuts)
         logits = next(self._prefill)
         if logits is None:
             return None
@@ -327,6 +362,7 @@ class Generation:
             text=text,
             token_ids=self._pending_ids,
             prompt_tokens=self._prompt_tokens,
+            cached_tokens=self._prefilled,
             completion_tokens=self.completion_tokens,
             logprobs=self._pending_logprobs if sampling.logprobs else None,
             finish_reason=finish,

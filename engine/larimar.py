@@ -310,6 +310,7 @@ class LarimarSessions:
         sampling: SamplingParams,
         spec: MemorySpec,
         queued_at: float,
+        scope: str | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         return self._generate(request_id, prompt, sampling, None, spec)
 

@@ -156,6 +156,7 @@ class GenerationDelta:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
     stats: RequestStats | None = None
+    cached_tokens: int = 0  # of prompt_tokens, those not read again (a reused prefix)
 
 
 @dataclass(frozen=True)
@@ -199,6 +200,14 @@ class EngineStats:
     sessions_active: int = 0
     memory_tokens: int = 0
     sessions_offloaded: int = 0  # of sessions_active, those moved to host memory while idle
+    # long prompts' prefix reuse (engine/prefix_cache.py): counters since start, and what the
+    # cache holds now
+    prefix_cache_hits: int = 0
+    prefix_cache_misses: int = 0
+    prefix_cache_tokens_reused: int = 0
+    prefix_cache_evictions: int = 0
+    prefix_cache_entries: int = 0
+    prefix_cache_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -239,8 +248,10 @@ class EngineClient(Protocol):
         *,
         session_id: str | None = None,
         memory: MemorySpec | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[GenerationDelta]:
-        """Queue a generation and stream its deltas. Raises EngineOverloaded when the waiting
+        """Queue a generation and stream its deltas. tenant: whose request it is; long prompts
+        reuse cached prefixes of their own tenant's earlier prompts only. Raises EngineOverloaded when the waiting
         queue is full (before anything is yielded), PromptTooLong / InvalidRequest on bad input.
         Closing the iterator early aborts the request in the worker."""
         ...

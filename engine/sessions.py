@@ -22,6 +22,7 @@ from engine.collections import Collection, SessionCollections
 from engine.config import EngineConfig
 from engine.generate import Generation, MemoryState
 from engine.memory.session import STRATEGIES, MemoryMark, SessionMemory
+from engine.prefix_cache import PrefixCache, reading_units
 from engine.prior_query import prior_encoder, prior_query
 from engine.protocol import (
     CollectionAttachment,
@@ -69,8 +70,10 @@ class SessionKind(Protocol):
         sampling: SamplingParams,
         spec: MemorySpec,
         queued_at: float,
+        scope: str | None = None,
     ) -> AsyncIterator[GenerationDelta]:
-        """A prompt too long for the window, read into a memory that ends with the request."""
+        """A prompt too long for the window, read into a memory that ends with the request;
+        it may start from a memory kept for an earlier prompt of the same scope (tenant)."""
         ...
 
     def ingest(
@@ -192,6 +195,7 @@ class MemorySessions:
         self.sessions: dict[str, MemorySession] = {}  # written on the device thread only
         self._ingest_ids: set[str] = set()  # running ingestions (drop fails them)
         self.collections = SessionCollections(self, worker, store, model_fingerprint)
+        self.prefixes = PrefixCache(config.prefix_cache_bytes)  # long prompts' reused memories
 
     def __contains__(self, session_id: object) -> bool:
         return session_id in self.sessions
@@ -258,9 +262,10 @@ class MemorySessions:
         sampling: SamplingParams,
         spec: MemorySpec,
         queued_at: float,
+        scope: str | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         self._check_strategy(spec)
-        steps = self._ephemeral_steps(spec, prompt, prompt_ids, sampling, queued_at)
+        steps = self._ephemeral_steps(spec, prompt, prompt_ids, sampling, queued_at, scope)
         return submit(self._worker, request_id, steps, None, aborted_delta(len(prompt_ids)))
 
     def ingest(self, request_id: str, session_id: str, text: str) -> AsyncIterator[IngestProgress]:
@@ -301,19 +306,32 @@ class MemorySessions:
         prompt_ids: torch.Tensor,
         sampling: SamplingParams,
         queued_at: float,
+        scope: str | None,
     ) -> Generator[GenerationDelta | None, None, None]:
+        """A long prompt: its body (before the question's tail) is a document, read in whole
+        chunks, from a memory kept for an earlier prompt of `scope` that started with the same
+        chunks when there is one (engine/prefix_cache.py)."""
         memory = self.new_memory(spec)
-        memory.set_query(prior_query(prompt))
         body = memory.config.tail_start(len(prompt_ids))  # the document, before the question
         document_end = body if 0 < body < len(prompt_ids) else None
-        state = MemoryState(memory, spec.strategy, document_end=document_end)
+        step, unit = reading_units(memory.config.chunk_size, self.decoding.prefill_chunk_tokens)
+        reused, keep = 0, None
+        if document_end is not None:
+            memory, reused = self.prefixes.start(scope, memory, prompt_ids, document_end, unit)
+            point = self.prefixes.keep_point(memory, document_end, unit)
+            if point is not None and point > reused:
+                keep = (point, lambda read: self.prefixes.put(scope, read))
+        memory.set_query(prior_query(prompt))
+        state = MemoryState(memory, spec.strategy, document_end, read=reused, keep=keep)
         yield from Generation(
             state,
             prompt_ids,
             sampling,
             self.decoding.tokenizer,
             queued_at=queued_at,
-            **self.decoding.kwargs(),
+            prefilled=reused,
+            prefill_cuts=() if document_end is None else (document_end,),
+            **{**self.decoding.kwargs(), "prefill_chunk_tokens": step},
         )
 
     def _session_steps(

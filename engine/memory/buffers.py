@@ -65,6 +65,15 @@ class GrowingBuffer:
         self.data = data.pin_memory() if self.pin else data.clone()
         self.start = 0
 
+    def __deepcopy__(self, memo: dict[int, object]) -> GrowingBuffer:
+        """A copy of the held rows only (SessionMemory.fork): spare capacity is not copied."""
+        copy = GrowingBuffer.__new__(GrowingBuffer)
+        copy.pin, copy.start, copy.size = self.pin, 0, self.size
+        data = self.view().clone(memory_format=torch.contiguous_format)
+        copy.data = data.pin_memory() if self.pin else data
+        memo[id(self)] = copy
+        return copy
+
     def drop_front(self, n: int) -> None:
         n = min(n, self.size)
         self.start += n

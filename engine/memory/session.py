@@ -116,6 +116,11 @@ class SessionMemory:
             by_relevance = c.prior_order == "relevance"
             self.prior = TextPrior(encoder, decode, c.prior_k, c.prior_u, c.block, by_relevance)
 
+    def reads_by_question(self, num_tokens: int) -> bool:
+        """Whether forwards of num_tokens retrieve with the question's text prior, so what
+        the memory keeps of a document read in them depends on the question asked."""
+        return self.prior is not None and self.config.retrieves(num_tokens)
+
     def set_query(self, text: str | None) -> None:
         """The question x of the request under way (EmbQ(x) for the text prior), or None."""
         if self.prior is not None:
