@@ -128,6 +128,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "collection_max_chunks": settings.collection_max_chunks,
         "collection_top_k": settings.collection_top_k,
         "text_prior": settings.text_prior,
+        "prefix_cache_bytes": settings.prefix_cache_bytes,
         # One store for the engine's encodings and the server's session records: the memory
         # service, or the embedded store under --data-dir.
         "memory_store_url": settings.memory_store_url,
@@ -183,6 +184,7 @@ BENCHMARKS = (
     "larimar_passkey",
     "store_rebuild",
     "recall",
+    "prefix",
 )
 
 

@@ -19,7 +19,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.protocol import EngineStats, RequestStats
@@ -100,7 +100,7 @@ class _EngineStatsCollector(Collector):
     def __init__(self, read_stats: Callable[[], EngineStats]) -> None:
         self._read_stats = read_stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         try:
             stats = self._read_stats()
         except Exception:  # a dead engine must not break the scrape
@@ -125,6 +125,26 @@ class _EngineStatsCollector(Collector):
             f"{PREFIX}sessions_offloaded",
             "Sessions whose memory was moved to host memory while idle.",
             value=stats.sessions_offloaded,
+        )
+        counters = (
+            ("prefix_cache_hits", "Long prompts that started from a kept memory.", "hits"),
+            ("prefix_cache_misses", "Long prompts that found no kept memory.", "misses"),
+            ("prefix_cache_tokens_reused", "Prompt tokens not read again.", "tokens_reused"),
+            ("prefix_cache_evictions", "Kept memories evicted (LRU by bytes).", "evictions"),
+        )
+        for name, doc, field in counters:
+            yield CounterMetricFamily(
+                f"{PREFIX}{name}", doc, value=getattr(stats, f"prefix_cache_{field}")
+            )
+        yield GaugeMetricFamily(
+            f"{PREFIX}prefix_cache_entries",
+            "Memories kept for long prompts' prefix reuse.",
+            value=stats.prefix_cache_entries,
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}prefix_cache_bytes",
+            "Bytes of the memories kept for prefix reuse.",
+            value=stats.prefix_cache_bytes,
         )
 
 

@@ -125,10 +125,15 @@ class CompletionRequest(OpenAIModel):
 # ---------------------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(OpenAIModel):
+    cached_tokens: int = 0  # of prompt_tokens, read from a reused prefix (engine/prefix_cache.py)
+
+
 class UsageInfo(OpenAIModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(OpenAIModel):

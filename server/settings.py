@@ -79,6 +79,10 @@ class ServerSettings(BaseSettings):
     # Memory sessions retrieve, next to attention, the blocks whose sentence embedding is
     # nearest the question's (the text prior; memory knobs prior_k, prior_u).
     text_prior: bool = True
+    # Long prompts (inline documents) keep a copy of their memory near the document's end; a
+    # later prompt of the same tenant starting with the same tokens reads only the rest. An LRU
+    # by bytes, in host memory; 0 keeps none.
+    prefix_cache_bytes: int = Field(default=8 * 1024**3, ge=0)
 
     memory_store_url: str | None = None
     data_dir: str = "./data"

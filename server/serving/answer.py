@@ -36,7 +36,7 @@ async def answer_choices(
     if request.session_id:
         await ctx.sessions.before_generate(tenant, request.session_id, raw_request)
     session_id, memory = engine_memory(tenant, request.session_id, request.memory)
-    streams = await ChoiceStreams.start(ctx, jobs, session_id, memory)
+    streams = await ChoiceStreams.start(ctx, jobs, session_id, memory, tenant)
 
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     return await answer(

@@ -25,7 +25,7 @@ from engine.protocol import (
     TokenLogprob,
 )
 from server.auth import tenant_session_id
-from server.protocol import MemoryRequest, UsageInfo
+from server.protocol import MemoryRequest, PromptTokensDetails, UsageInfo
 from server.serving.context import ServingContext
 
 logger = logging.getLogger(__name__)
@@ -99,6 +99,7 @@ class ChoiceStreams:
     jobs: list[ChoiceRequest]
     session_id: str | None
     memory: MemorySpec | None
+    tenant: str | None = None
     _queue: asyncio.Queue[tuple[int, Any]] = field(default_factory=asyncio.Queue)
     _buffer: deque[tuple[int, Any]] = field(default_factory=deque)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -111,8 +112,9 @@ class ChoiceStreams:
         jobs: list[ChoiceRequest],
         session_id: str | None,
         memory: MemorySpec | None,
+        tenant: str | None = None,
     ) -> ChoiceStreams:
-        streams = cls(ctx, jobs, session_id, memory)
+        streams = cls(ctx, jobs, session_id, memory, tenant)
         started = time.perf_counter()
         iterators: list[AsyncIterator[GenerationDelta]] = []
         try:
@@ -124,6 +126,7 @@ class ChoiceStreams:
                         job.sampling,
                         session_id=session_id,
                         memory=memory,
+                        tenant=tenant,
                     )
                 )
         except BaseException:
@@ -250,17 +253,24 @@ class UsageCounter:
     """prompt tokens once per prompt (from the deltas), completion tokens summed over choices."""
 
     prompt_tokens: dict[int, int] = field(default_factory=dict)
+    cached_tokens: dict[int, int] = field(default_factory=dict)
     completion_tokens: dict[int, int] = field(default_factory=dict)
 
     def add(self, job: ChoiceRequest, delta: GenerationDelta) -> None:
         self.prompt_tokens[job.prompt_index] = delta.prompt_tokens
+        self.cached_tokens[job.prompt_index] = delta.cached_tokens
         self.completion_tokens[job.index] = delta.completion_tokens
 
     def usage(self) -> UsageInfo:
         prompt = sum(self.prompt_tokens.values())
         completion = sum(self.completion_tokens.values())
         return UsageInfo(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=sum(self.cached_tokens.values())
+            ),
         )
 
 

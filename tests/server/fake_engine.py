@@ -64,6 +64,7 @@ class Call:
     sampling: SamplingParams
     session_id: str | None
     memory: MemorySpec | None
+    tenant: str | None = None
 
 
 def prompt_words(prompt: Prompt) -> list[str]:
@@ -116,6 +117,7 @@ class FakeEngine:
         self.dropped: list[str] = []
         self.encodings = encodings  # chain hash -> tokens of the chunk
         self.forwards = 0
+        self.cached_tokens = 0  # what every delta reports as read from a reused prefix
         # Set: ingestion reads everything into memory, then ends with StoreUnavailableError
         # (the real engine's answer when the store failed under it).
         self.store_unavailable = False
@@ -137,6 +139,7 @@ class FakeEngine:
         *,
         session_id: str | None = None,
         memory: MemorySpec | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         if self.dead:
             raise EngineDead("fake engine is dead")
@@ -146,7 +149,7 @@ class FakeEngine:
             raise InvalidRequest(f"unknown strategy {memory.strategy!r}", param="memory.strategy")
         if session_id is not None and session_id not in self.sessions:
             raise SessionNotFound(f"no session {session_id!r}")
-        self.calls.append(Call(request_id, prompt, sampling, session_id, memory))
+        self.calls.append(Call(request_id, prompt, sampling, session_id, memory, tenant))
         return self._run(request_id, prompt, sampling, memory)
 
     def _words(self, prompt: Prompt, sampling: SamplingParams) -> tuple[list[str], bool]:
@@ -219,6 +222,7 @@ class FakeEngine:
                     logprobs=logprobs,
                     finish_reason=finish,
                     stats=stats,
+                    cached_tokens=self.cached_tokens,
                 )
                 if done:
                     return
@@ -358,6 +362,10 @@ class FakeEngine:
             sessions_active=len(self.sessions),
             memory_tokens=123,
             sessions_offloaded=len(self.offloaded & self.sessions),
+            prefix_cache_hits=2,
+            prefix_cache_tokens_reused=4096,
+            prefix_cache_entries=1,
+            prefix_cache_bytes=1 << 20,
         )
 
     async def shutdown(self) -> None:

@@ -27,6 +27,12 @@ async def test_metrics_move(client: httpx.AsyncClient, engine: FakeEngine) -> No
     assert ("longserve:num_requests_waiting", ()) in before
     assert ("longserve:sessions_active", ()) in before
     assert ("longserve:sessions_offloaded", ()) in before
+    assert before[("longserve:prefix_cache_hits_total", ())] == 2  # engine.stats() too
+    assert before[("longserve:prefix_cache_misses_total", ())] == 0
+    assert before[("longserve:prefix_cache_tokens_reused_total", ())] == 4096
+    assert before[("longserve:prefix_cache_evictions_total", ())] == 0
+    assert before[("longserve:prefix_cache_entries", ())] == 1
+    assert before[("longserve:prefix_cache_bytes", ())] == 1 << 20
 
     body = {
         "model": MODEL,

@@ -254,3 +254,24 @@ async def test_overloaded_is_rate_limit(oai: openai.AsyncOpenAI, engine: FakeEng
     with pytest.raises(openai.RateLimitError) as info:
         await oai.chat.completions.create(model=MODEL, messages=MESSAGES)
     assert info.value.response.headers["retry-after"] == "3"
+
+
+async def test_usage_reports_cached_tokens_and_the_engine_gets_the_tenant(
+    oai: openai.AsyncOpenAI, engine: FakeEngine
+) -> None:
+    out = await oai.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0)
+    assert out.usage is not None and out.usage.prompt_tokens_details is not None
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
+    engine.cached_tokens = 4  # a long prompt that started from a reused prefix
+    stream = await oai.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [chunk async for chunk in stream]
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert (usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens) == (6, 4)
+    assert {call.tenant for call in engine.calls} == {tenant_of(API_KEY)}
