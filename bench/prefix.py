@@ -1,0 +1,132 @@
+"""Prefix reuse: a chat that resends a long document every turn, as chat clients do.
+
+A document of real text (bench/recall_corpus.py) with facts planted in it is sent inline with
+a first question; each later turn resends the whole conversation (document, earlier questions
+and answers) with the next question, through the openai SDK. One JSON line per turn: seconds,
+prompt tokens, `usage.prompt_tokens_details.cached_tokens`, the answer and whether it holds the
+planted value. Then, unless --no-verify, the same turns (the same messages, answers included)
+go to a second server with the prefix cache off (LONGSERVE_PREFIX_CACHE_BYTES=0), and the last
+line gives each turn's time relative to turn 1 and whether every answer matched.
+
+    longserve bench prefix --length 32768 --turns 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from bench.recall_corpus import build_document, load_token_counter
+from bench.recall_tasks import is_correct, make_trial
+from bench.server_process import model_args, served
+
+
+def conversation(args: argparse.Namespace) -> tuple[str, list]:
+    """The document (with the trial's facts planted) and one question per turn."""
+    count = load_token_counter(args.model)
+    trial = make_trial(args.seed, tasks=("multikey",), keys=args.turns)
+    doc = build_document(trial, args.kind, str(args.seed), args.length, 4096, count)
+    return doc.text, list(trial.questions[: args.turns])
+
+
+def chat(base: str, model: str, document: str, questions: list, answers: list[str] | None,
+         max_tokens: int) -> list[dict]:  # fmt: skip
+    """Ask the questions turn by turn, resending everything; with `answers` (a verification
+    run) the conversation carries those answers instead of this server's own."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="bench", timeout=3600, max_retries=0)
+    messages: list[dict] = []
+    out = []
+    for turn, question in enumerate(questions):
+        text = question.turns[0]
+        messages.append({"role": "user", "content": f"{document}\n\n{text}" if turn == 0 else text})
+        started = time.perf_counter()
+        reply = client.chat.completions.create(
+            model=model, messages=messages, temperature=0, max_tokens=max_tokens
+        )
+        seconds = time.perf_counter() - started
+        answer = reply.choices[0].message.content or ""
+        usage = reply.usage
+        details = usage.prompt_tokens_details if usage is not None else None
+        out.append(
+            {
+                "turn": turn + 1,
+                "seconds": round(seconds, 2),
+                "prompt_tokens": usage.prompt_tokens if usage is not None else 0,
+                "cached_tokens": details.cached_tokens if details is not None else 0,
+                "answer": answer,
+                "correct": is_correct(answer, question.expected),
+            }
+        )
+        said = answer if answers is None else answers[turn]
+        messages.append({"role": "assistant", "content": said})
+    return out
+
+
+def model_id(base: str) -> str:
+    import httpx
+
+    return httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def run(args: argparse.Namespace) -> None:
+    document, questions = conversation(args)
+    runs = {}
+    settings = [("cache", {})]
+    if not args.no_verify:
+        settings.append(("no_cache", {"LONGSERVE_PREFIX_CACHE_BYTES": "0"}))
+    answers: list[str] | None = None
+    for name, env in settings:
+        base_url = args.base_url if name == "cache" else None
+        with served(base_url, serve_args=model_args(args), env=env) as base:
+            turns = chat(base, model_id(base), document, questions, answers, args.max_tokens)
+        answers = [t["answer"] for t in turns]
+        runs[name] = turns
+        for turn in turns:
+            print(json.dumps({"bench": "prefix", "server": name, **turn}), flush=True)
+    cached = runs["cache"]
+    first = cached[0]["seconds"]
+    summary = {
+        "bench": "prefix",
+        "summary": True,
+        "length": args.length,
+        "kind": args.kind,
+        "turn_seconds": [t["seconds"] for t in cached],
+        "vs_turn1": [round(t["seconds"] / first, 3) for t in cached],
+        "cached_tokens": [t["cached_tokens"] for t in cached],
+    }
+    if "no_cache" in runs:
+        plain = runs["no_cache"]
+        summary["no_cache_turn_seconds"] = [t["seconds"] for t in plain]
+        summary["same_answers"] = [
+            a["answer"] == b["answer"] for a, b in zip(cached, plain, strict=True)
+        ]
+    print(json.dumps(summary), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="longserve bench prefix",
+        description="A chat resending a long document each turn: time per turn with the prefix "
+        "cache, and the same turns without it.",
+    )
+    parser.add_argument("--length", type=int, default=32768, help="document tokens")
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--kind", default="docs", choices=("docs", "manpages", "docstrings"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--no-verify", action="store_true", help="skip the no-cache server")
+    parser.add_argument("--base-url", help="a running server on loopback (with the cache)")
+    parser.add_argument("--model")
+    parser.add_argument("--device")
+    args = parser.parse_args(argv)
+    if args.turns < 1:
+        raise SystemExit("--turns must be at least 1")
+    run(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
