@@ -14,12 +14,13 @@ import copy
 import threading
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import torch
 
 from engine.chat_template import assistant_turn_end, encode_chat, end_token_ids
 from engine.config import EngineConfig
-from engine.generate import Generation, KVCacheState, step_batch
+from engine.generate import Generation, KVCacheState, load_batch, running_generation
 from engine.larimar import LarimarSessions
 from engine.loader import LoadedModel, load_model
 from engine.protocol import (
@@ -101,6 +102,7 @@ class LocalEngine:
             self.config.max_waiting_requests,
             self.config.max_running_requests,
             run_batch=self._step_batch,
+            can_batch=_can_batch,
             housekeeping=self._offload_idle_sessions if offload_after > 0 else None,
             housekeeping_interval_s=min(max(offload_after / 4, 0.01), 10.0),
         )
@@ -255,10 +257,24 @@ class LocalEngine:
             **self._decoding.kwargs(),
         )
 
-    def _step_batch(
-        self, generations: list[Generation]
-    ) -> list[GenerationDelta | None | Exception]:
-        return step_batch(self.loaded.model, generations)
+    def _step_batch(self, steps: list[Any]) -> list[GenerationDelta | None | Exception]:
+        """One decode forward for the jobs' generations (whatever their path), then each job's
+        own step, which samples its row (and, for a session, keeps the turn's text)."""
+        generations = [running_generation(s) for s in steps]
+        load_batch(self.loaded.model, [g for g in generations if g is not None])
+        outputs: list[GenerationDelta | None | Exception] = []
+        for job_steps in steps:
+            try:
+                outputs.append(next(job_steps))
+            except Exception as e:  # StopIteration included: the worker ends the job
+                outputs.append(e)
+        return outputs
 
     def _offload_idle_sessions(self) -> None:
         self._memory_sessions.offload_idle()
+
+
+def _can_batch(steps: Any) -> bool:
+    """Whether a job's steps are at a decode step of a Generation (any path)."""
+    generation = running_generation(steps)
+    return generation is not None and generation.batch_ready

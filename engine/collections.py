@@ -220,26 +220,21 @@ class SessionCollections:
         fork.set_query(prior_query(prompt, session.turns))
         for chunk in chunks:
             fork.import_chunk(chunk)
-        generated: list[int] = []
-        answer: list[str] = []
-        state = MemoryState(fork, session.strategy)
-        for delta in Generation(
-            state,
+        generation = Generation(
+            MemoryState(fork, session.strategy),
             prompt_ids,
             sampling,
             self._sessions.decoding.tokenizer,
             queued_at=queued_at,
             **self._sessions.decoding.kwargs(),
-        ):
-            if delta is not None:
-                generated += delta.token_ids
-                answer.append(delta.text)
-            yield delta
-        del fork, state
+        )
+        yield from generation  # delegated: its decode steps join the worker's batches
+        generated, answer = list(generation.output_ids), generation.text
+        del fork, generation
         if new is not None:
             closing = self._sessions.decoding.turn_end
             generated += closing[1:] if generated and generated[-1:] == closing[:1] else closing
-            session.add_turns(new, "".join(answer))
+            session.add_turns(new, answer)
         turn = torch.cat((prompt_ids, torch.tensor(generated, dtype=torch.long)))
         with torch.inference_mode():
             session.memory.append(turn)

@@ -7,7 +7,8 @@ request as an iterator: each `next()` does one unit of device work (one prefill 
 decode token) and returns a `GenerationDelta` or None, so the worker can interleave requests
 between steps. `step_batch` runs the next decode token of many KV-path generations in one
 forward: a decode forward costs about as much for 16 rows as for one (it is dominated by reading
-the weights), so batching raises throughput with concurrency. Memory-path requests decode alone.
+the weights), so batching raises throughput with concurrency. That holds for every path: a
+memory-path row attends to its own frame inside the same forward (engine/rows.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from engine.protocol import (
     TokenLogprob,
     TopLogprob,
 )
+from engine.rows import DecodeRow, KVRow, decode_rows
 from engine.sampling import make_generator, sample_token, token_logprobs
 
 
@@ -49,6 +51,10 @@ class DecodeState(Protocol):
     def num_tokens(self) -> int: ...
 
     def pop_retrieval_seconds(self) -> float: ...
+
+    def decode_row(self, token_id: int) -> DecodeRow:
+        """Appending token_id as a row of a batched decode forward (engine/rows.py)."""
+        ...
 
 
 class KVCacheState:
@@ -79,6 +85,9 @@ class KVCacheState:
     def pop_retrieval_seconds(self) -> float:
         return 0.0
 
+    def decode_row(self, token_id: int) -> DecodeRow:
+        return KVRow(self.cache)
+
 
 @torch.inference_mode()
 def forward_kv(model: Any, states: Sequence[KVCacheState], ids: torch.Tensor) -> torch.Tensor:
@@ -102,12 +111,12 @@ def forward_kv(model: Any, states: Sequence[KVCacheState], ids: torch.Tensor) ->
 
 
 def decode_batch(
-    model: Any, states: Sequence[KVCacheState], token_ids: Sequence[int]
+    model: Any, states: Sequence[DecodeState], token_ids: Sequence[int]
 ) -> torch.Tensor:
-    """Append token_ids[b] to states[b] for every b in one forward; logits (B, vocab)."""
-    device = next(model.parameters()).device
-    ids = torch.tensor(list(token_ids), dtype=torch.long, device=device).view(-1, 1)  # (B, 1)
-    return forward_kv(model, states, ids)
+    """Append token_ids[b] to states[b] for every b in one forward, whatever each state's
+    path; logits (B, vocab). On failure no state has changed."""
+    rows = [state.decode_row(t) for state, t in zip(states, token_ids, strict=True)]
+    return decode_rows(model, rows, token_ids)
 
 
 class MemoryState:
@@ -166,6 +175,10 @@ class MemoryState:
     def pop_retrieval_seconds(self) -> float:
         return float(self.memory.pop_retrieval_seconds())
 
+    def decode_row(self, token_id: int) -> DecodeRow:
+        assert self._document_end is None, "the prompt is still being read"
+        return self.memory.decode_row(token_id)
+
 
 def prefill_chunks(
     state: DecodeState, input_ids: torch.Tensor, chunk_tokens: int, cuts: Sequence[int] = ()
@@ -210,10 +223,11 @@ class Generation:
     the next delta. With append_final_token (sessions), the last generated token is fed to the
     state after the final delta, so the session's context holds the whole answer.
 
-    Decode steps on the KV path can also run batched: while `batch_ready`, the worker feeds
-    `next_token` to `state` together with other requests' (`step_batch`) and hands this
-    request's logits to `accept`, which samples with the request's own generator, penalties and
-    stop strings.
+    Decode steps can also run batched, whatever the state's path: while `batch_ready`, the
+    worker feeds `next_token` to `state` together with other requests' in one forward
+    (`load_batch`), which leaves this request's logits for its next step; that step samples
+    them (`accept`) with the request's own generator, penalties and stop strings. `text` and
+    `output_ids` hold everything generated so far.
 
     prefilled: the state holds the prompt's first `prefilled` tokens already (a reused prefix,
     reported as cached_tokens); prefill reads the rest. prefill_cuts: prompt positions no
@@ -258,19 +272,29 @@ class Generation:
         self._generator: torch.Generator | None = None
         self._pending_ids: list[int] = []
         self._pending_logprobs: list[TokenLogprob] = []
+        self._loaded: torch.Tensor | None = None  # logits of a batched forward (load_batch)
         self.completion_tokens = 0
+        self.output_ids: list[int] = []
+        self._text: list[str] = []
         self.next_token: int | None = None  # sampled, not yet fed to the state
         self.finished = False  # the final delta was produced
         self.done = False  # nothing left to do (the final token is fed too, with sessions)
 
     @property
     def batch_ready(self) -> bool:
-        """The next step is a decode token that may join a batch (KV path only)."""
-        return (
-            self.next_token is not None
-            and not self.finished
-            and isinstance(self.state, KVCacheState)
-        )
+        """The next step is a decode token that may join a batch."""
+        return self.next_token is not None and not self.finished and self._loaded is None
+
+    @property
+    def text(self) -> str:
+        """The text generated so far."""
+        return "".join(self._text)
+
+    def load(self, logits: torch.Tensor) -> None:
+        """The logits (vocab,) a batched forward computed for next_token: the next step
+        samples them instead of running its own forward."""
+        assert self.batch_ready
+        self._loaded = logits
 
     def __iter__(self) -> Generation:
         return self
@@ -286,8 +310,10 @@ class Generation:
             raise StopIteration
         if self.next_token is None:
             return self._prefill_step()
-        with torch.inference_mode():
-            logits = self.state.step(self.next_token)
+        logits, self._loaded = self._loaded, None
+        if logits is None:
+            with torch.inference_mode():
+                logits = self.state.step(self.next_token)
         return self.accept(logits)
 
     def close(self) -> None:
@@ -334,6 +360,7 @@ class Generation:
         self.next_token = token_id
         self.completion_tokens += 1
         self._pending_ids.append(token_id)
+        self.output_ids.append(token_id)
 
         finish: FinishReason | None = None
         if token_id in self._stop_ids:
@@ -356,7 +383,8 @@ class Generation:
                 strategy=self.state.strategy,
                 memory_tokens=self.state.num_tokens if self.state.strategy is not None else 0,
             )
-        elif not text and not sampling.logprobs:
+        self._text.append(text)
+        if finish is None and not text and not sampling.logprobs:
             return None
         delta = GenerationDelta(
             text=text,
@@ -372,24 +400,35 @@ class Generation:
         return delta
 
 
+def load_batch(model: Any, generations: Sequence[Generation]) -> None:
+    """The forward of one decode step of every generation (each `batch_ready`, on any path):
+    each one's next step samples the logits it left (Generation.load). Raises when the forward
+    fails; then no state has changed, and the requests can run their step one by one."""
+    assert all(g.batch_ready for g in generations), "a generation is not at a decode step"
+    tokens = [g.next_token for g in generations if g.next_token is not None]
+    logits = decode_batch(model, [g.state for g in generations], tokens)  # (B, vocab)
+    for row, generation in enumerate(generations):
+        generation.load(logits[row])
+
+
 def step_batch(
     model: Any, generations: Sequence[Generation]
 ) -> list[GenerationDelta | None | Exception]:
-    """One decode step of every generation (each `batch_ready`, on the KV path) in one forward.
-
-    Returns each request's delta (or None), or the exception its sampling raised: one request's
-    failure is its own. Raises when the forward itself fails; then no cache has changed, and the
-    requests can run their step one by one.
-    """
-    states = [g.state for g in generations if isinstance(g.state, KVCacheState)]
-    assert len(states) == len(generations), "only the KV path batches"
-    tokens = [g.next_token for g in generations if g.next_token is not None]
-    assert len(tokens) == len(generations), "a generation is still prefilling"
-    logits = decode_batch(model, states, tokens)  # (B, vocab)
+    """One decode step of every generation in one forward (`load_batch`, then each one's step):
+    each request's delta (or None), or the exception its own step raised."""
+    load_batch(model, generations)
     results: list[GenerationDelta | None | Exception] = []
-    for row, generation in enumerate(generations):
+    for generation in generations:
         try:
-            results.append(generation.accept(logits[row]))
+            results.append(next(generation))
         except Exception as e:
             results.append(e)
     return results
+
+
+def running_generation(steps: Any) -> Generation | None:
+    """The Generation a job's steps are at: the steps themselves, or the one a generator
+    delegates to (`yield from`, through nested generators)."""
+    while steps is not None and not isinstance(steps, Generation):
+        steps = getattr(steps, "gi_yieldfrom", None)
+    return steps

@@ -130,12 +130,12 @@ class KVBatch:
         rows = []
         for row, cache in enumerate(self.caches):
             keys, values = cache.write(layer, key[row], value[row])  # (kv_heads, S, d)
-            rows.append(_attend(query[row : row + 1], keys[None], values[None], scaling))
+            rows.append(attend_cache(query[row : row + 1], keys[None], values[None], scaling))
         out = rows[0] if len(rows) == 1 else torch.cat(rows)  # (B, H, T, d)
         return out.transpose(1, 2).contiguous()
 
 
-def _attend(
+def attend_cache(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
 ) -> torch.Tensor:
     """query (1, H, T, d) over keys/values (1, kv_heads, S, d), the last T keys being the

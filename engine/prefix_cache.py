@@ -136,6 +136,7 @@ class PrefixCache:
         if key in self._entries:
             self._entries.move_to_end(key)
             return
+        memory.embed_prior()  # EmbD of the blocks read: the question would embed them anyway
         nbytes = memory.nbytes()
         if nbytes > self.capacity_bytes:
             return

@@ -371,15 +371,11 @@ class MemorySessions:
             queued_at=queued_at,
             **self.decoding.kwargs(),
         )
-        answer: list[str] = []
         try:
-            for delta in generation:
-                if delta is not None:
-                    answer.append(delta.text)
-                yield delta
+            yield from generation  # delegated: its decode steps join the worker's batches
         finally:  # finished, failed or aborted: the memory keeps what it read, turn closed
             if self.sessions.get(session_id) is session:
-                self._end_turn(session, generation, tokens_before, new, "".join(answer))
+                self._end_turn(session, generation, tokens_before, new, generation.text)
                 session.memory.end_request()
 
     def turn_prompt(

@@ -4,8 +4,8 @@ Jobs are iterators: each `next()` is one unit of device work (a prefill or inges
 decode token). The thread admits up to max_running_requests jobs from a bounded waiting queue.
 Each iteration of its loop (vLLM-style) runs one step of one job that cannot batch (a prefill or
 ingest chunk, or a memory-session token; the least recently stepped first, so a long ingestion
-never starves a chat) and then ONE batched step of every job whose steps are `batch_ready` (a
-decode token on the KV path), through the engine's `run_batch`. Jobs that use the same session
+never starves a chat) and then ONE batched step of every job whose next step can batch (a
+decode token, on any path: the engine's `can_batch`), through the engine's `run_batch`. Jobs that use the same session
 run one at a time, in arrival order. A job's outputs go to its `Collector`, which hands them to
 the asyncio loop with `call_soon_threadsafe`; no torch runs in async code.
 
@@ -115,12 +115,15 @@ class Worker:
         max_running: int,
         name: str = "longserve-engine",
         run_batch: RunBatch | None = None,
+        can_batch: Callable[[Any], bool] | None = None,
         housekeeping: Callable[[], None] | None = None,
         housekeeping_interval_s: float = 1.0,
     ) -> None:
         self.max_waiting = max_waiting
         self.max_running = max_running
         self._run_batch = run_batch
+        # whether a job's steps are at a step that may join a batch
+        self._can_batch = can_batch or (lambda steps: bool(getattr(steps, "batch_ready", False)))
         self._housekeeping = housekeeping
         self._housekeeping_interval_s = housekeeping_interval_s
         self._next_housekeeping = time.monotonic() + housekeeping_interval_s
@@ -352,11 +355,7 @@ class Worker:
                 self._abort_job(job)
             else:
                 live.append(job)
-        batch = [
-            job
-            for job in live
-            if self._run_batch is not None and getattr(job.steps, "batch_ready", False)
-        ]
+        batch = [job for job in live if self._run_batch is not None and self._can_batch(job.steps)]
         alone = [job for job in live if job not in batch]
         if alone:
             job = min(alone, key=lambda j: j.last_turn)

@@ -43,13 +43,14 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from engine.attention import FRAME_KWARG
+from engine.attention import FRAME_KWARG, KV_KWARG
 from engine.memory.buffers import LayerStore
 from engine.memory.config import NeurocacheConfig
 from engine.memory.index import VectorIndex
 from engine.memory.selector import Selector
 from engine.memory.tokens import fair_union, query_rows
 from engine.protocol import InvalidRequest
+from engine.rows import RowBatch
 
 
 class NeurocacheSelector(Selector):
@@ -78,6 +79,7 @@ class NeurocacheSelector(Selector):
         self.frame = None  # set by the session; the hook acts for it only
         self.seconds = 0.0
         self._chunk_h: torch.Tensor | None = None  # (T, hidden) layer-r output of the chunk
+        self._retrieved_window: torch.Tensor | None = None  # the chunk's own, until commit
         self._window_h = torch.empty(0, self.hidden, device=self.device)
         self._previous: deque[torch.Tensor] = deque(maxlen=max(config.c - 1, 1))
         self._current: torch.Tensor | None = None  # memory indices retrieved for this chunk
@@ -125,9 +127,10 @@ class NeurocacheSelector(Selector):
     # -- the one retrieval, after layer r ---------------------------------------------------
 
     def _after_layer_r(self, module, args, kwargs, output):
-        if self.frame is None or kwargs.get(FRAME_KWARG) is not self.frame:
+        row = self._row(kwargs)
+        if row is None:
             return None
-        h = (output[0] if isinstance(output, tuple) else output)[0]  # (T, hidden)
+        h = (output[0] if isinstance(output, tuple) else output)[row]  # (T, hidden)
         self._chunk_h = h.float()
         self._current = None
         self._window = None
@@ -136,6 +139,16 @@ class NeurocacheSelector(Selector):
             self._current = self._retrieve(self._chunk_h)
             self.seconds += time.perf_counter() - start
         return None
+
+    def _row(self, kwargs: dict[str, Any]) -> int | None:
+        """The row of the forward that reads this selector's frame: 0 for the frame's own
+        forward, the frame's row in a batched decode forward (engine/rows.py), else None."""
+        if self.frame is None:
+            return None
+        if kwargs.get(FRAME_KWARG) is self.frame:
+            return 0
+        batch = kwargs.get(KV_KWARG)
+        return batch.row_of(self.frame) if isinstance(batch, RowBatch) else None
 
     def _compress(self, h: torch.Tensor) -> torch.Tensor:
         if self.weight is None or self.mean is None:  # set together
@@ -152,7 +165,7 @@ class NeurocacheSelector(Selector):
         self._window = window
         retrieved = torch.cat([window, *self._previous]) if c.c > 1 else window
         if c.c > 1:
-            self._previous.appendleft(window)
+            self._retrieved_window = window  # joins the history once the forward commits
         return retrieved.unique()  # ascending: document order
 
     def select(
@@ -168,6 +181,9 @@ class NeurocacheSelector(Selector):
         assert self._chunk_h is not None
         self._window_h = torch.cat((self._window_h, self._chunk_h[to_sinks:]))
         self._chunk_h = None
+        if self._retrieved_window is not None:
+            self._previous.appendleft(self._retrieved_window)
+            self._retrieved_window = None
 
     def mark_state(self) -> Any:
         return list(self._previous)
@@ -201,6 +217,7 @@ class NeurocacheSelector(Selector):
     def on_abort(self) -> None:
         self._chunk_h = None
         self._current = None
+        self._retrieved_window = None
 
     def on_memory_added(self, layer: int, k_pre: torch.Tensor, v: torch.Tensor) -> None:
         if layer != 0:

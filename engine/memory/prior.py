@@ -77,6 +77,13 @@ class TextPrior:
         self._query = self.encoder.embed([text])[0]
         self.seconds += time.perf_counter() - started
 
+    def embed(self, frame: FrameState) -> None:
+        """EmbD of every block the frame's memory holds now (otherwise computed the first time
+        a question needs it)."""
+        if frame.n_memory:
+            dropped = frame.num_tokens - frame.n_sinks - frame.n_local - frame.n_memory
+            self._embedded(frame.n_sinks, (dropped + frame.n_memory) // self.block)
+
     def rows(self, frame: FrameState) -> torch.Tensor | None:
         """Memory rows (R,) that the request's question pins, or None: ascending, or (by
         relevance) block by block from the least to the most relevant line (a top block with

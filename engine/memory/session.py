@@ -116,6 +116,12 @@ class SessionMemory:
             by_relevance = c.prior_order == "relevance"
             self.prior = TextPrior(encoder, decode, c.prior_k, c.prior_u, c.block, by_relevance)
 
+    def embed_prior(self) -> None:
+        """Compute the text prior's EmbD of every memory block now, not at the first question
+        that needs it (a copy kept for later prompts then carries them)."""
+        if self.prior is not None:
+            self.prior.embed(self._frame)
+
     def reads_by_question(self, num_tokens: int) -> bool:
         """Whether forwards of num_tokens retrieve with the question's text prior, so what
         the memory keeps of a document read in them depends on the question asked."""
@@ -248,11 +254,15 @@ class SessionMemory:
             self._selector.hold_vote()
         return self._forward_once(ids)
 
-    def _forward_once(self, ids: torch.Tensor) -> torch.Tensor:
-        retrieves = self._frame.n_memory and self.config.retrieves(ids.numel())
+    def _begin_forward(self, num_tokens: int) -> torch.Tensor:
+        """Fix the frame (the text prior's rows, positions (num_tokens,)) for a forward."""
+        retrieves = self._frame.n_memory and self.config.retrieves(num_tokens)
         prior = self.prior
         self._frame.pinned = prior.rows(self._frame) if prior is not None and retrieves else None
-        positions = self._frame.begin(ids.numel())
+        return self._frame.begin(num_tokens)
+
+    def _forward_once(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = self._begin_forward(ids.numel())
         try:
             out = self.model(
                 input_ids=ids[None],
@@ -265,6 +275,11 @@ class SessionMemory:
             self._frame.abort()
             raise
         return out.logits[0, -1]
+
+    def decode_row(self, token_id: int) -> MemoryRow:
+        """This memory's row in a batched decode forward (engine/rows.py): reading token_id
+        there does what `append` of that one token does."""
+        return MemoryRow(self, token_id)
 
     def _commit(self, ids: torch.Tensor) -> None:
         """The pending chunk of ids joins the frame (and the prior's token ids)."""
@@ -372,3 +387,38 @@ class SessionMemory:
         seconds, self._frame.retrieval_seconds = self._frame.retrieval_seconds, 0.0
         prior = self.prior.pop_seconds() if self.prior is not None else 0.0
         return seconds + self._selector.pop_seconds() + prior
+
+
+class MemoryRow:
+    """A memory's one-token append, as a row of a batched decode forward (engine/rows.py)."""
+
+    def __init__(self, memory: SessionMemory, token_id: int) -> None:
+        self._memory = memory
+        self._ids = torch.tensor([token_id], dtype=torch.long)
+
+    @property
+    def frame(self) -> FrameState:
+        return self._memory._frame
+
+    def begin(self) -> int:
+        memory = self._memory
+        memory.reload()
+        assert not memory._selector.wants_vote(1), "a decode step never votes"
+        return int(memory._begin_forward(1)[0])
+
+    def attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+    ) -> torch.Tensor:
+        return self._memory._frame.attend(layer, query, key, value, scaling)
+
+    def commit(self, logits: torch.Tensor) -> None:
+        self._memory._commit(self._ids)
+        self._memory._last_logits = logits
+
+    def abort(self) -> None:
+        self._memory._frame.abort()

@@ -1,0 +1,162 @@
+"""Batched decode on memory (engine/rows.py): plain KV rows and memory-frame rows of every
+strategy share one forward, each row attending to its own context, and decode the same greedy
+tokens as each request alone (logprobs within 1e-4: rows of a batched matmul are reduced in
+another order, so bit equality is not expected). On the tiny random Llama."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from engine.generate import Generation, KVCacheState, MemoryState, decode_batch, step_batch
+from engine.memory.session import SessionMemory
+from engine.protocol import MemorySpec, SamplingParams
+
+FRAME = {"sinks": 8, "local_window": 32, "chunk_size": 32, "block": 16}
+SPECS = {
+    "segments": MemorySpec("segments", {**FRAME, "k": 2, "u": 1}),
+    "tokens": MemorySpec("tokens", {**FRAME, "k": 16, "index": "torch"}),
+    "neurocache": MemorySpec(
+        "neurocache", {**FRAME, "k": 4, "w": 2, "c": 2, "r": 0, "fit_tokens": 32, "d": 8}
+    ),
+}
+ROWS = ["plain", *SPECS]  # one row of every path
+LOGPROB_ATOL = 1e-4
+
+
+def sampling(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=True)
+
+
+def prompt(seed: int, tokens: int) -> torch.Tensor:
+    rng = random.Random(seed)
+    return torch.tensor([rng.randrange(3, 200) for _ in range(tokens)], dtype=torch.long)
+
+
+def new_generation(loaded, kind: str, seed: int, max_tokens: int) -> Generation:
+    """A plain request on a short prompt, or a memory request whose prompt has moved to memory."""
+    if kind == "plain":
+        ids = prompt(seed, 40)
+        state = KVCacheState(loaded.model, max_tokens=len(ids) + max_tokens)
+    else:
+        ids = prompt(seed, 300)
+        state = MemoryState(SessionMemory(loaded.model, SPECS[kind]), kind)
+    return Generation(state, ids, sampling(max_tokens), loaded.tokenizer, prefill_chunk_tokens=64)
+
+
+def run_alone(generation: Generation) -> tuple[list[int], list[float]]:
+    deltas = [d for d in generation if d is not None]
+    return [t for d in deltas for t in d.token_ids], [
+        lp.logprob for d in deltas for lp in d.logprobs
+    ]
+
+
+def run_batched(model, generations: list[Generation]) -> tuple[list, list[int]]:
+    """Prefill each alone, then decode every ready one in one forward until all finish."""
+    out = [([], []) for _ in generations]
+
+    def take(i, delta):
+        assert not isinstance(delta, Exception), delta
+        if delta is not None:
+            out[i][0].extend(delta.token_ids)
+            out[i][1].extend(lp.logprob for lp in delta.logprobs)
+
+    for i, generation in enumerate(generations):
+        while not generation.batch_ready and not generation.done:
+            take(i, next(generation))
+    sizes = []
+    while live := [i for i, g in enumerate(generations) if g.batch_ready]:
+        sizes.append(len(live))
+        deltas = step_batch(model, [generations[i] for i in live])
+        for i, delta in zip(live, deltas, strict=True):
+            take(i, delta)
+    return out, sizes
+
+
+def generations(loaded) -> list[Generation]:
+    """One request of every path, with different max_tokens so rows leave as they finish."""
+    lengths = (9, 12, 7, 10)
+    return [
+        new_generation(loaded, kind, seed, n)
+        for seed, (kind, n) in enumerate(zip(ROWS, lengths, strict=True))
+    ]
+
+
+def test_a_mixed_batch_decodes_as_each_request_alone(tiny_loaded):
+    alone = [run_alone(g) for g in generations(tiny_loaded)]
+    batch = generations(tiny_loaded)
+    batched, sizes = run_batched(tiny_loaded.model, batch)
+    for kind, want, got in zip(ROWS, alone, batched, strict=True):
+        assert got[0] == want[0], kind
+        assert got[1] == pytest.approx(want[1], abs=LOGPROB_ATOL), kind
+    assert max(sizes) == len(ROWS) and min(sizes) < len(ROWS)
+    # the memory rows decoded with retrieval: their prompts had moved past the frame
+    assert all(g.state.memory.memory_tokens > 0 for g in batch[1:])
+
+
+def test_a_failed_mixed_forward_changes_no_row(tiny_loaded, monkeypatch):
+    model = tiny_loaded.model
+    made = [new_generation(tiny_loaded, kind, seed, 4) for seed, kind in enumerate(ROWS)]
+    for g in made:
+        while not g.batch_ready:
+            next(g)
+    before = [g.state.num_tokens for g in made]
+
+    def explode(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(model.lm_head, "forward", explode)
+        with pytest.raises(RuntimeError):
+            decode_batch(model, [g.state for g in made], [g.next_token for g in made])
+    assert [g.state.num_tokens for g in made] == before
+    # each request then runs its step alone, as if the batch had never been tried
+    fresh = [new_generation(tiny_loaded, kind, seed, 4) for seed, kind in enumerate(ROWS)]
+    for kind, g, f in zip(ROWS, made, fresh, strict=True):
+        tokens, logprobs = run_alone(f)
+        assert run_alone(g) == (tokens[1:], logprobs[1:]), kind  # the first: with the prefill
+
+
+# -- through the engine ----------------------------------------------------------------------------
+
+
+async def collect(stream):
+    return [delta async for delta in stream]
+
+
+def token_ids(deltas):
+    return [t for d in deltas for t in d.token_ids]
+
+
+async def test_sessions_and_plain_requests_decode_in_one_batch(make_engine):
+    engine = make_engine(max_running_requests=8)
+    for kind, spec in SPECS.items():
+        await engine.create_session(kind, spec)
+        await collect(engine.ingest(f"i-{kind}", kind, " ".join(["orchard lantern copper"] * 60)))
+    ask = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    question = [{"role": "user", "content": "Which word comes after lantern?"}]
+
+    def request(tag, kind):
+        if kind == "plain":
+            return engine.generate(f"{tag}-plain", "Once upon a time,", ask)
+        return engine.generate(f"{tag}-{kind}", question, ask, session_id=kind)
+
+    # alone, one at a time; the same new chat again later starts again after the documents
+    alone = [token_ids(await collect(request("alone", kind))) for kind in ROWS]
+    sizes = []
+    run = engine._worker._run_batch
+
+    def recording(steps):
+        sizes.append(len(steps))
+        return run(steps)
+
+    engine._worker._run_batch = recording
+    together = await asyncio.gather(*(collect(request("together", kind)) for kind in ROWS))
+    assert [token_ids(d) for d in together] == alone
+    assert max(sizes) == len(ROWS)
+    for kind in SPECS:  # the answer joined each session's turns as when decoded alone
+        session = engine._memory_sessions.sessions[kind]
+        assert session.turns[-1][1] == "".join(d.text for d in together[ROWS.index(kind)])
