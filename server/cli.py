@@ -185,6 +185,7 @@ BENCHMARKS = (
     "store_rebuild",
     "recall",
     "prefix",
+    "memory_load",
 )
 
 

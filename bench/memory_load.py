@@ -1,0 +1,219 @@
+"""Memory under load: concurrent questions on sessions, and decoding while a long prompt is read.
+
+Two workloads through the HTTP API and the async openai SDK, on one server started here (or a
+running one on loopback, --base-url):
+
+1. `sessions`: --sessions sessions, each holding its own document of real text (--doc-tokens,
+   longer than the frame's local window, so decode steps retrieve from memory). For each
+   concurrency N, N clients each ask their own session a question (a new chat each time),
+   streaming exactly --max-tokens tokens, --requests-per-client times. One JSON line per level
+   (output tokens/s, TTFT, ITL as bench/load.py reports them), then each level's output
+   throughput relative to N = 1.
+2. `reading`: a streaming plain request's inter-token latency alone, then while another
+   request sends a --read-tokens document inline (read through memory): ITL mean/median/p99,
+   and the reader's own time, alone and with the stream beside it.
+
+    longserve bench memory_load --concurrency 1 4 8 16 --read-tokens 32768
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+
+import httpx
+
+from bench.load import RequestResult, stats_ms
+from bench.recall import upload
+from bench.recall_corpus import filler, load_token_counter
+from bench.server_process import model_args, served
+
+QUESTIONS = [
+    "What is this document about?",
+    "Summarize the first part of the document.",
+    "Which options or functions does the document describe?",
+    "What does the document say about errors?",
+]
+STORY = "Write a long story about a lighthouse keeper and the ships she watched."
+
+
+def documents(args: argparse.Namespace, count: int, tokens: int) -> list[str]:
+    """count documents of real text, about `tokens` tokens each, none sharing a source order."""
+    counter = load_token_counter(args.model)
+    return [
+        "\n\n".join(p for p, _ in filler(args.kind, f"load-{i}", tokens, counter))
+        for i in range(count)
+    ]
+
+
+async def stream(client, model: str, messages: list, max_tokens: int, **extra) -> RequestResult:
+    """One streaming chat request of exactly max_tokens tokens (ignore_eos)."""
+    result = RequestResult()
+    started = time.perf_counter()
+    last = None
+    try:
+        response = await client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True, **extra},
+        )
+        async for chunk in response:
+            if chunk.choices and chunk.choices[0].delta.content:
+                now = time.perf_counter()
+                if last is None:
+                    result.ttft = now - started
+                else:
+                    result.itl.append(now - last)
+                last = now
+            if chunk.usage is not None:
+                result.output_tokens = chunk.usage.completion_tokens
+    except Exception as e:  # an error is a measurement too
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    result.latency = time.perf_counter() - started
+    result.ok = result.output_tokens == max_tokens
+    if not result.ok:
+        result.error = f"expected {max_tokens} tokens, got {result.output_tokens}"
+    return result
+
+
+def summary(results: list[RequestResult], seconds: float, **fields) -> dict:
+    done = [r for r in results if r.ok]
+    errors = [r.error for r in results if not r.ok]
+    tokens = sum(r.output_tokens for r in done)
+    return {
+        **fields,
+        "completed": len(done),
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+        "duration_s": round(seconds, 2),
+        "output_token_throughput": round(tokens / seconds, 2) if seconds else None,
+        **stats_ms("ttft", [r.ttft for r in done]),
+        **stats_ms("itl", [gap for r in done for gap in r.itl]),
+    }
+
+
+async def sessions_level(client, model, session_ids, concurrency, args) -> dict:
+    async def user(index: int) -> list[RequestResult]:
+        out = []
+        for turn in range(args.requests_per_client):
+            question = QUESTIONS[(index + turn) % len(QUESTIONS)]
+            messages = [{"role": "user", "content": question}]
+            out.append(
+                await stream(
+                    client, model, messages, args.max_tokens, session_id=session_ids[index]
+                )
+            )
+        return out
+
+    started = time.perf_counter()
+    per_user = await asyncio.gather(*(user(i) for i in range(concurrency)))
+    seconds = time.perf_counter() - started
+    results = [r for rs in per_user for r in rs]
+    return summary(
+        results, seconds, bench="memory_load", workload="sessions", concurrency=concurrency
+    )
+
+
+async def reading(client, model, document: str, args) -> list[dict]:
+    """ITL of a streaming plain request alone, then beside a long prompt being read."""
+    story = [{"role": "user", "content": STORY}]
+    long_prompt = [{"role": "user", "content": f"{document}\n\nWhat is this document about?"}]
+    lines = []
+    started = time.perf_counter()
+    alone = await stream(client, model, story, args.stream_tokens)
+    lines.append(
+        summary([alone], time.perf_counter() - started, workload="reading", case="stream alone")
+    )
+
+    started = time.perf_counter()
+    reader = await stream(client, model, long_prompt, 8)
+    read_alone = time.perf_counter() - started
+    lines.append(summary([reader], read_alone, workload="reading", case="read alone"))
+
+    async def delayed_stream() -> RequestResult:
+        await asyncio.sleep(args.stream_delay)  # the reader is under way
+        return await stream(client, model, story, args.stream_tokens)
+
+    started = time.perf_counter()
+    reader_task = asyncio.create_task(stream(client, model, long_prompt, 8))
+    beside = await delayed_stream()
+    beside_seconds = time.perf_counter() - started
+    reader = await reader_task
+    read_beside = time.perf_counter() - started
+    lines.append(summary([beside], beside_seconds, workload="reading", case="stream while reading"))
+    lines.append(summary([reader], read_beside, workload="reading", case="read beside a stream"))
+    return [{"bench": "memory_load", "read_tokens": args.read_tokens, **line} for line in lines]
+
+
+async def run(args: argparse.Namespace) -> None:
+    import openai
+
+    most = max(args.concurrency)
+    serve_args = ["--max-running-requests", str(max(most, 2) + 1), *model_args(args)]
+    docs = documents(args, args.sessions, args.doc_tokens)
+    long_doc = documents(args, 1, args.read_tokens)[0] if args.read_tokens else ""
+    with served(args.base_url, serve_args=serve_args, ready_timeout=args.ready_timeout) as base:
+        client = openai.AsyncOpenAI(
+            base_url=f"{base}/v1", api_key=args.api_key, timeout=3600, max_retries=0
+        )
+        model = (await client.models.list()).data[0].id
+        http = httpx.Client(base_url=f"{base}/v1", timeout=600)
+        lines = []
+        if args.sessions:
+            ids = []
+            for text in docs:
+                session_id, tokens, seconds = upload(http, {"strategy": args.strategy}, text, 3600)
+                ids.append(session_id)
+            print(json.dumps({"bench": "memory_load", "sessions": len(ids), "doc_tokens": tokens}))
+            await stream(client, model, [{"role": "user", "content": "Hi"}], 4, session_id=ids[0])
+            for concurrency in args.concurrency:
+                line = await sessions_level(client, model, ids, concurrency, args)
+                print(json.dumps(line), flush=True)
+                lines.append(line)
+            first = lines[0]["output_token_throughput"]
+            ratios = {
+                str(line["concurrency"]): round(line["output_token_throughput"] / first, 2)
+                for line in lines
+            }
+            print(json.dumps({"bench": "memory_load", "workload": "sessions", "vs_first": ratios}))
+        if args.read_tokens:
+            for line in await reading(client, model, long_doc, args):
+                print(json.dumps(line), flush=True)
+        await client.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--sessions", type=int, help="default: the highest concurrency")
+    parser.add_argument("--doc-tokens", type=int, default=3072)
+    parser.add_argument("--strategy", default="segments")
+    parser.add_argument("--kind", default="docs", choices=["manpages", "docs", "docstrings"])
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--read-tokens", type=int, default=32768, help="0: skip `reading`")
+    parser.add_argument("--stream-tokens", type=int, default=64)
+    parser.add_argument("--stream-delay", type=float, default=5.0)
+    parser.add_argument("--base-url", help="a running server on loopback (default: start one)")
+    parser.add_argument("--api-key", default="bench")
+    parser.add_argument("--model", help="--model of the started server (default: embedded)")
+    parser.add_argument("--device", help="--device of the started server")
+    parser.add_argument("--ready-timeout", type=float, default=300.0)
+    args = parser.parse_args(argv)
+    if args.sessions is None:
+        args.sessions = max(args.concurrency)
+    if args.sessions and args.sessions < max(args.concurrency):
+        parser.error("--sessions must be at least the highest concurrency (or 0: skip)")
+    asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
