@@ -125,7 +125,11 @@ async def sessions_level(client, model, session_ids, concurrency, args) -> dict:
 async def reading(client, model, document: str, args) -> list[dict]:
     """ITL of a streaming plain request alone, then beside a long prompt being read."""
     story = [{"role": "user", "content": STORY}]
-    long_prompt = [{"role": "user", "content": f"{document}\n\nWhat is this document about?"}]
+
+    def long_prompt(name: str) -> list[dict]:  # another first chunk: nothing reused
+        text = f"Document {name}.\n\n{document}\n\nWhat is this document about?"
+        return [{"role": "user", "content": text}]
+
     lines = []
     started = time.perf_counter()
     alone = await stream(client, model, story, args.stream_tokens)
@@ -134,7 +138,7 @@ async def reading(client, model, document: str, args) -> list[dict]:
     )
 
     started = time.perf_counter()
-    reader = await stream(client, model, long_prompt, 8)
+    reader = await stream(client, model, long_prompt("A"), 8)
     read_alone = time.perf_counter() - started
     lines.append(summary([reader], read_alone, workload="reading", case="read alone"))
 
@@ -143,7 +147,7 @@ async def reading(client, model, document: str, args) -> list[dict]:
         return await stream(client, model, story, args.stream_tokens)
 
     started = time.perf_counter()
-    reader_task = asyncio.create_task(stream(client, model, long_prompt, 8))
+    reader_task = asyncio.create_task(stream(client, model, long_prompt("B"), 8))
     beside = await delayed_stream()
     beside_seconds = time.perf_counter() - started
     reader = await reader_task
