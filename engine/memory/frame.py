@@ -237,7 +237,10 @@ class FrameState:
             idx = self.selector.select(layer, q_pre, store, scaling)
             if self.pinned is not None:  # the text prior's rows (prior.py), every layer
                 by_relevance = self.config.prior_order == "relevance"
-                idx = merge_rows(idx, self.pinned, kvh, keep_order=by_relevance)
+                if T == 1:
+                    idx = self.step_cache.merge(layer, idx, self.pinned, kvh, by_relevance)
+                else:
+                    idx = merge_rows(idx, self.pinned, kvh, keep_order=by_relevance)
             self.retrieval_seconds += time.perf_counter() - start
             if idx is not None and idx.shape[1]:
                 self.last_selected[layer] = idx

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.memory.buffers import GrowingBuffer
+from engine.memory.prior import merge_rows
 from engine.memory.rotary import Angles
 
 if TYPE_CHECKING:
@@ -37,6 +38,9 @@ class StepCache:
         # retrieves the same rows (segments: most steps of most layers); dropped by any longer
         # forward, a FIFO drop (rows shift) and a move
         self.retrieved: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # per layer, the last step's union of the strategy's rows and the text prior's pinned
+        # rows: (strategy rows, pinned, union), reused while both are the same
+        self.merged: dict[int, tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]] = {}
         self.angles: Angles | None = None  # the step's query, in the window's frame (begin)
 
     def begin(self, frame: FrameState) -> None:
@@ -86,6 +90,24 @@ class StepCache:
         """Drop the window's rotated keys and the last retrieval: the next step rebuilds them."""
         self.window = None
         self.retrieved.clear()
+        self.merged.clear()
+
+    def merge(
+        self,
+        layer: int,
+        idx: torch.Tensor | None,
+        pinned: torch.Tensor,
+        kv_heads: int,
+        keep_order: bool,
+    ) -> torch.Tensor:
+        """merge_rows(idx, pinned) for a decode step of `layer`, the last step's union when the
+        strategy's rows and the pinned tensor are the ones it had."""
+        cached = self.merged.get(layer)
+        if cached is not None and cached[1] is pinned and _same_rows(cached[0], idx):
+            return cached[2]
+        union = merge_rows(idx, pinned, kv_heads, keep_order=keep_order)
+        self.merged[layer] = (idx, pinned, union)
+        return union
 
     def nbytes(self) -> int:
         return sum(b.nbytes() for b in self.window or ()) + sum(
@@ -132,3 +154,9 @@ class StepCache:
         out = sum(w @ v for w, v in zip(weights, pieces_v, strict=True))
         assert isinstance(out, torch.Tensor)
         return out.reshape(1, 1, kvh * group, d)
+
+
+def _same_rows(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.shape == b.shape and bool(torch.equal(a, b))
