@@ -20,7 +20,7 @@ import torch
 
 from engine.chat_template import assistant_turn_end, encode_chat, end_token_ids
 from engine.config import EngineConfig
-from engine.generate import Generation, KVCacheState, load_batch, running_generation
+from engine.generate import Generation, KVCacheState, running_generation, step_batch
 from engine.larimar import LarimarSessions
 from engine.loader import LoadedModel, load_model
 from engine.protocol import (
@@ -258,17 +258,7 @@ class LocalEngine:
         )
 
     def _step_batch(self, steps: list[Any]) -> list[GenerationDelta | None | Exception]:
-        """One decode forward for the jobs' generations (whatever their path), then each job's
-        own step, which samples its row (and, for a session, keeps the turn's text)."""
-        generations = [running_generation(s) for s in steps]
-        load_batch(self.loaded.model, [g for g in generations if g is not None])
-        outputs: list[GenerationDelta | None | Exception] = []
-        for job_steps in steps:
-            try:
-                outputs.append(next(job_steps))
-            except Exception as e:  # StopIteration included: the worker ends the job
-                outputs.append(e)
-        return outputs
+        return step_batch(self.loaded.model, steps)
 
     def _offload_idle_sessions(self) -> None:
         self._memory_sessions.offload_idle()

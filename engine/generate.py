@@ -411,17 +411,17 @@ def load_batch(model: Any, generations: Sequence[Generation]) -> None:
         generation.load(logits[row])
 
 
-def step_batch(
-    model: Any, generations: Sequence[Generation]
-) -> list[GenerationDelta | None | Exception]:
-    """One decode step of every generation in one forward (`load_batch`, then each one's step):
-    each request's delta (or None), or the exception its own step raised."""
-    load_batch(model, generations)
+def step_batch(model: Any, steps: Sequence[Any]) -> list[GenerationDelta | None | Exception]:
+    """One decode step of several requests in one forward: `load_batch` over the Generation
+    each request's steps are at (`running_generation`), then each one's own next step. Each
+    request's output (a delta or None), or the exception its own step raised."""
+    generations = [running_generation(s) for s in steps]
+    load_batch(model, [g for g in generations if g is not None])
     results: list[GenerationDelta | None | Exception] = []
-    for generation in generations:
+    for request in steps:
         try:
-            results.append(next(generation))
-        except Exception as e:
+            results.append(next(request))
+        except Exception as e:  # StopIteration included: the worker ends the job
             results.append(e)
     return results
 
