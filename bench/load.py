@@ -49,19 +49,24 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
 
 
-async def one_request(client, model: str, prompt: str, max_tokens: int) -> RequestResult:
+async def one_request(
+    client, model: str, prompt: str | list[dict], max_tokens: int, **extra
+) -> RequestResult:
+    """One streaming chat request of exactly max_tokens tokens (ignore_eos): a prompt (one user
+    message) or messages; extra goes to the request body (e.g. session_id)."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     result = RequestResult()
     started = time.perf_counter()
     last = None
     try:
         stream = await client.chat.completions.create(
             model=model,
-            messages=[{"role": "user", "content": prompt}],
+            messages=messages,
             max_tokens=max_tokens,
             temperature=0,
             stream=True,
             stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
+            extra_body={"ignore_eos": True, **extra},
         )
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:

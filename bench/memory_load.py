@@ -29,6 +29,7 @@ import time
 import httpx
 
 from bench.load import RequestResult, stats_ms
+from bench.load import one_request as stream
 from bench.recall import upload
 from bench.recall_corpus import filler, load_token_counter
 from bench.server_process import model_args, served
@@ -49,41 +50,6 @@ def documents(args: argparse.Namespace, count: int, tokens: int) -> list[str]:
         "\n\n".join(p for p, _ in filler(args.kind, f"load-{i}", tokens, counter))
         for i in range(count)
     ]
-
-
-async def stream(client, model: str, messages: list, max_tokens: int, **extra) -> RequestResult:
-    """One streaming chat request of exactly max_tokens tokens (ignore_eos)."""
-    result = RequestResult()
-    started = time.perf_counter()
-    last = None
-    try:
-        response = await client.chat.completions.create(
-            model=model,
-            messages=messages,
-            max_tokens=max_tokens,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True, **extra},
-        )
-        async for chunk in response:
-            if chunk.choices and chunk.choices[0].delta.content:
-                now = time.perf_counter()
-                if last is None:
-                    result.ttft = now - started
-                else:
-                    result.itl.append(now - last)
-                last = now
-            if chunk.usage is not None:
-                result.output_tokens = chunk.usage.completion_tokens
-    except Exception as e:  # an error is a measurement too
-        result.error = f"{type(e).__name__}: {e}"
-        return result
-    result.latency = time.perf_counter() - started
-    result.ok = result.output_tokens == max_tokens
-    if not result.ok:
-        result.error = f"expected {max_tokens} tokens, got {result.output_tokens}"
-    return result
 
 
 def summary(results: list[RequestResult], seconds: float, **fields) -> dict:
