@@ -137,7 +137,8 @@ async def run(args: argparse.Namespace) -> None:
             base_url=f"{base}/v1", api_key=args.api_key, timeout=3600, max_retries=0
         )
         model = (await client.models.list()).data[0].id
-        http = httpx.Client(base_url=f"{base}/v1", timeout=600)
+        headers = {"Authorization": f"Bearer {args.api_key}"}
+        http = httpx.Client(base_url=f"{base}/v1", headers=headers, timeout=600)
         lines = []
         if args.sessions:
             ids = []

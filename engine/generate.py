@@ -220,8 +220,11 @@ class Generation:
     decode token) and returns None when that step produced nothing to send, else a
     GenerationDelta; the last one carries finish_reason and stats. A delta is sent when its text
     is non-empty, when logprobs were asked for, or at the end; token ids of quiet steps ride on
-    the next delta. With append_final_token (sessions), the last generated token is fed to the
-    state after the final delta, so the session's context holds the whole answer.
+    the next delta. With `after` (sessions), once the final delta is out the last generated
+    token and then the `after` tokens (the chat template's end of turn; its first is skipped
+    when the answer ended with it) are fed to the state one per step, so the session's context
+    holds the whole turn; those steps batch like decode steps (`unread_tail` is what is left
+    when a request stops early).
 
     Decode steps can also run batched, whatever the state's path: while `batch_ready`, the
     worker feeds `next_token` to `state` together with other requests' in one forward
@@ -245,7 +248,7 @@ class Generation:
         prefill_chunk_tokens: int = 512,
         vocab_size: int | None = None,
         queued_at: float | None = None,
-        append_final_token: bool = False,
+        after: Sequence[int] | None = None,
         prefilled: int = 0,
         prefill_cuts: Sequence[int] = (),
     ) -> None:
@@ -260,7 +263,8 @@ class Generation:
         self._stop_ids = frozenset() if sampling.ignore_eos else frozenset(stop_token_ids)
         self._vocab_size = vocab_size
         self._queued_at = queued_at
-        self._append_final_token = append_final_token
+        self._after = None if after is None else list(after)
+        self._feed: list[int] = []  # after the final delta: tokens still to feed to the state
         self._prefill: Generator[torch.Tensor | None, None, None] | None = (
             None  # started by the first step
         )
@@ -278,12 +282,36 @@ class Generation:
         self._text: list[str] = []
         self.next_token: int | None = None  # sampled, not yet fed to the state
         self.finished = False  # the final delta was produced
-        self.done = False  # nothing left to do (the final token is fed too, with sessions)
+        self.done = False  # nothing left to do (the tokens `after` are fed too, with sessions)
 
     @property
     def batch_ready(self) -> bool:
-        """The next step is a decode token that may join a batch."""
-        return self.next_token is not None and not self.finished and self._loaded is None
+        """The next step feeds one token (`batch_token`) and may join a batch: a decode token,
+        or one of the tokens fed after the end."""
+        if self._loaded is not None or self.done:
+            return False
+        return bool(self._feed) if self.finished else self.next_token is not None
+
+    @property
+    def batch_token(self) -> int:
+        """The token the next (batch_ready) step feeds to the state."""
+        token = self._feed[0] if self.finished else self.next_token
+        assert token is not None
+        return token
+
+    def unread_tail(self) -> list[int]:
+        """What the state has not read of what it should hold at the end (with `after`): the
+        tokens still to feed; for a request stopped before its end, its last sampled token and
+        the `after` tokens."""
+        if self._after is None:
+            return []
+        if self.finished:
+            return [] if self.done else list(self._feed)
+        return self._tail([self.next_token] if self.next_token is not None else [])
+
+    def _tail(self, sampled: list[int]) -> list[int]:
+        after = self._after or []
+        return sampled + (after[1:] if sampled and after and sampled[-1] == after[0] else after)
 
     @property
     def text(self) -> str:
@@ -291,8 +319,8 @@ class Generation:
         return "".join(self._text)
 
     def load(self, logits: torch.Tensor) -> None:
-        """The logits (vocab,) a batched forward computed for next_token: the next step
-        samples them instead of running its own forward."""
+        """The logits (vocab,) a batched forward computed for batch_token: the next step
+        samples them instead of running its own forward (after the end, it only moves on)."""
         assert self.batch_ready
         self._loaded = logits
 
@@ -302,11 +330,15 @@ class Generation:
     def __next__(self) -> GenerationDelta | None:
         if self.done:
             raise StopIteration
-        if self.finished:  # append_final_token: the answer's last token joins the context
-            assert self.next_token is not None
+        if self.finished:  # `after`: the answer's last token and the end of turn join the context
+            token = self._feed.pop(0)
+            logits, self._loaded = self._loaded, None
+            if logits is None:  # else a batched forward read it already
+                with torch.inference_mode():
+                    self.state.step(token)
+            if self._feed:
+                return None
             self.done = True
-            with torch.inference_mode():
-                self.state.step(self.next_token)
             raise StopIteration
         if self.next_token is None:
             return self._prefill_step()
@@ -375,7 +407,8 @@ class Generation:
         stats = None
         if finish is not None:
             self.finished = True
-            self.done = not self._append_final_token
+            self._feed = self._tail([token_id]) if self._after is not None else []
+            self.done = not self._feed
             stats = RequestStats(
                 queue_seconds=self._queue_seconds,
                 prefill_seconds=self._prefill_seconds,
@@ -405,7 +438,7 @@ def load_batch(model: Any, generations: Sequence[Generation]) -> None:
     each one's next step samples the logits it left (Generation.load). Raises when the forward
     fails; then no state has changed, and the requests can run their step one by one."""
     assert all(g.batch_ready for g in generations), "a generation is not at a decode step"
-    tokens = [g.next_token for g in generations if g.next_token is not None]
+    tokens = [g.batch_token for g in generations]
     logits = decode_batch(model, [g.state for g in generations], tokens)  # (B, vocab)
     for row, generation in enumerate(generations):
         generation.load(logits[row])

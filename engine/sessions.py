@@ -369,6 +369,7 @@ class MemorySessions:
             sampling,
             self.decoding.tokenizer,
             queued_at=queued_at,
+            after=self.decoding.turn_end if new is not None else (),
             **self.decoding.kwargs(),
         )
         try:
@@ -403,16 +404,15 @@ class MemorySessions:
         new: list[Turn] | None,
         answer: str,
     ) -> None:
-        """After a request on a session: read the last sampled token (not yet read) and, for
-        chat, the template's end of turn into the memory, and remember the turns it holds."""
+        """After a request on a session: remember the turns the memory holds and, when the
+        request stopped early, read what its generation left unread (the last sampled token
+        and, for chat, the template's end of turn; a finished one fed them already)."""
         session.last_used = time.monotonic()
         if session.memory.num_tokens == tokens_before:
             return  # stopped before reading anything
-        tail = [generation.next_token] if generation.next_token is not None else []
         if new is not None:
-            closing = self.decoding.turn_end
-            tail += closing[1:] if tail and closing and tail[-1] == closing[0] else closing
             session.add_turns(new, answer)
+        tail = generation.unread_tail()
         if not tail:
             return
         try:

@@ -3,11 +3,11 @@
 Attention scores alone pick the blocks a question retrieves, and on prose they miss about half
 of the facts asked for (docs/decisions/020-recall-diagnosis.md). The prior adds what the DCP
 seed retrieves by: every memory block c gets EmbD(c), the sentence encoder's embedding of its
-text (decoded from the token ids read), computed once, the first time a question needs it; a
+text (decoded from the token ids read), computed once, as the block moves to memory; a
 request that names its question x pins the `prior_k` blocks nearest EmbQ(x), each with
 `prior_u` neighbouring blocks on either side, into the retrieval of every layer for the
 forwards that retrieve (a question's tail, decode steps), next to what the strategy picks by
-attention. Reading a document pins nothing and embeds nothing.
+attention. Reading a document pins nothing.
 """
 
 from __future__ import annotations
@@ -78,8 +78,7 @@ class TextPrior:
         self.seconds += time.perf_counter() - started
 
     def embed(self, frame: FrameState) -> None:
-        """EmbD of every block the frame's memory holds now (otherwise computed the first time
-        a question needs it)."""
+        """EmbD of every block the frame's memory holds now (those not embedded yet)."""
         if frame.n_memory:
             dropped = frame.num_tokens - frame.n_sinks - frame.n_local - frame.n_memory
             self._embedded(frame.n_sinks, (dropped + frame.n_memory) // self.block)

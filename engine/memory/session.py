@@ -282,10 +282,13 @@ class SessionMemory:
         return MemoryRow(self, token_id)
 
     def _commit(self, ids: torch.Tensor) -> None:
-        """The pending chunk of ids joins the frame (and the prior's token ids)."""
+        """The pending chunk of ids joins the frame (and the prior's token ids). Blocks it
+        moved to memory get their EmbD now, a chunk's worth at a time: embedding a whole
+        document at its first question stalled every other request for seconds."""
         self._frame.commit()
         if self.prior is not None:
             self.prior.read(ids)
+            self.prior.embed(self._frame)
         self._advance_hash(ids)
 
     def _advance_hash(self, ids: torch.Tensor) -> None:

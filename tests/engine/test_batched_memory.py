@@ -59,6 +59,8 @@ def run_batched(model, generations: list[Generation]) -> tuple[list, list[int]]:
     out = [([], []) for _ in generations]
 
     def take(i, delta):
+        if isinstance(delta, StopIteration):  # the last token fed after the end
+            return
         assert not isinstance(delta, Exception), delta
         if delta is not None:
             out[i][0].extend(delta.token_ids)
@@ -118,6 +120,42 @@ def test_a_failed_mixed_forward_changes_no_row(tiny_loaded, monkeypatch):
     for kind, g, f in zip(ROWS, made, fresh, strict=True):
         tokens, logprobs = run_alone(f)
         assert run_alone(g) == (tokens[1:], logprobs[1:]), kind  # the first: with the prefill
+
+
+def test_the_end_of_turn_is_fed_in_batched_steps(tiny_loaded):
+    """With `after`, the answer's last token and the end of turn join the memory one batched
+    step each; the memory ends as when fed alone."""
+
+    def turn(kind):
+        g = new_generation(tiny_loaded, kind, 7, 5)
+        g._after = [11, 12]  # what sessions pass: the template's end of turn
+        return g
+
+    alone = turn("segments")
+    run_alone(alone)
+    batch = [turn("segments"), new_generation(tiny_loaded, "plain", 1, 9)]
+    _, sizes = run_batched(tiny_loaded.model, batch)
+    memory, want = batch[0].state.memory, alone.state.memory
+    assert memory.num_tokens == want.num_tokens == 300 + 5 + 2
+    assert memory.state_hash == want.state_hash
+    assert sizes[:7] == [2] * 7  # 4 decode steps after the first token, then 3 fed tokens
+    assert batch[0].done and batch[0].unread_tail() == []
+
+
+def test_a_turn_stopped_early_leaves_its_tail_unread(tiny_loaded):
+    g = new_generation(tiny_loaded, "segments", 7, 5)
+    g._after = [11, 12]
+    while not g.finished:
+        next(g)
+    last = g.output_ids[-1]
+    assert g.unread_tail() == [last, 11, 12]
+    next(g)  # the answer's last token is read
+    assert g.unread_tail() == [11, 12] and not g.done
+    stopped = new_generation(tiny_loaded, "segments", 7, 5)
+    stopped._after = [11, 12]
+    while stopped.next_token is None:
+        next(stopped)
+    assert stopped.unread_tail() == [stopped.next_token, 11, 12]
 
 
 # -- through the engine ----------------------------------------------------------------------------

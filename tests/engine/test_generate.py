@@ -103,7 +103,7 @@ def test_memory_state_appends_every_token(tiny_loaded, small_memory_spec):
             ids,
             SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
             tiny_loaded.tokenizer,
-            append_final_token=True,
+            after=(),
         )
         if d is not None
     ]
