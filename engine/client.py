@@ -21,6 +21,7 @@ import torch
 from engine.chat_template import assistant_turn_end, encode_chat, end_token_ids
 from engine.config import EngineConfig
 from engine.generate import Generation, KVCacheState, running_generation, step_batch
+from engine.grammar import Grammars
 from engine.larimar import LarimarSessions
 from engine.loader import LoadedModel, load_model
 from engine.protocol import (
@@ -84,12 +85,15 @@ class LocalEngine:
         self._tokenizer = self.loaded.tokenizer  # asyncio side: prompts
         self._device_tokenizer = copy.deepcopy(self.loaded.tokenizer)  # device thread
         self._tokenizer_lock = threading.Lock()
+        # structured outputs: compiled on the caller's thread, enforced on the device thread
+        self._grammars = Grammars(self._tokenizer, self._tokenizer.eos_token_id)
         self._decoding = Decoding(
             self._device_tokenizer,
             end_token_ids(self._tokenizer, self.loaded.model),
             self.config.prefill_chunk_tokens,
             len(self._tokenizer),
             assistant_turn_end(self._tokenizer),  # closes an answer in a session
+            self._grammars,
         )
         # The memory service (engine/store.py): None unless `store`, memory_store_url or
         # data_dir is given.
@@ -170,6 +174,9 @@ class LocalEngine:
     ) -> AsyncIterator[GenerationDelta]:
         self._worker.check_alive()
         _validate_sampling(sampling)
+        if sampling.response_format is not None:
+            with self._tokenizer_lock:  # the llguidance tokenizer is built from this one
+                self._grammars.compile(sampling.response_format)  # InvalidRequest if it cannot
         if session_id is not None:
             return self._kind_of(session_id).generate(request_id, session_id, prompt, sampling)
         prompt_ids = self._encode(prompt)  # (T,)
@@ -233,6 +240,9 @@ class LocalEngine:
             prefix_cache_evictions=prefixes.evictions,
             prefix_cache_entries=prefixes.entries,
             prefix_cache_bytes=prefixes.bytes,
+            grammars_compiled=self._grammars.compiled,
+            grammar_cache_hits=self._grammars.cache_hits,
+            grammar_compile_seconds=self._grammars.compile_seconds_total,
         )
 
     async def shutdown(self) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from engine.attention import KV_KWARG, require_longserve_attention
 from engine.detokenize import Detokenizer, token_bytes, token_text
+from engine.grammar import Constraint, Grammars
 from engine.kv_cache import KVBatch, KVCache
 from engine.protocol import (
     FinishReason,
@@ -251,6 +252,7 @@ class Generation:
         after: Sequence[int] | None = None,
         prefilled: int = 0,
         prefill_cuts: Sequence[int] = (),
+        grammars: Grammars | None = None,
     ) -> None:
         self.state = state
         self.sampling = sampling
@@ -274,6 +276,8 @@ class Generation:
         self._detok: Detokenizer | None = None
         self._counts: torch.Tensor | None = None  # (vocab,) generated token counts, for penalties
         self._generator: torch.Generator | None = None
+        self._constraint: Constraint | None = None  # response_format's grammar state
+        self._grammars = grammars
         self._pending_ids: list[int] = []
         self._pending_logprobs: list[TokenLogprob] = []
         self._loaded: torch.Tensor | None = None  # logits of a batched forward (load_batch)
@@ -382,7 +386,13 @@ class Generation:
                 )
                 if sampling.temperature != 0.0:
                     self._generator = make_generator(sampling.seed, logits.device)
-            token_id = sample_token(logits, sampling, self._counts, self._generator)
+                if sampling.response_format is not None:
+                    assert self._grammars is not None, "response_format needs the engine's grammars"
+                    self._constraint = self._grammars.constraint(sampling.response_format)
+            allowed = logits if self._constraint is None else self._constraint.mask(logits)
+            token_id = sample_token(allowed, sampling, self._counts, self._generator)
+            if self._constraint is not None:
+                self._constraint.advance(token_id)
             if sampling.logprobs:
                 self._pending_logprobs.append(
                     _logprob_entry(self._tokenizer, logits, token_id, sampling.top_logprobs)
@@ -401,6 +411,8 @@ class Generation:
             text = detok.add(token_id)
             if detok.stopped:
                 finish = "stop"
+            elif self._constraint is not None and self._constraint.finished:
+                finish, text = "stop", text + detok.finish()  # the JSON value closed
             elif self.completion_tokens == sampling.max_tokens:
                 finish, text = "length", text + detok.finish()
 

@@ -79,6 +79,15 @@ class StoreUnavailableError(EngineError, store_errors.StoreUnavailableError):
 
 
 @dataclass(frozen=True)
+class ResponseFormat:
+    """A structured output the tokens must follow (engine/grammar.py): any JSON object
+    ("json_object"), or JSON valid against `schema` ("json_schema"; the schema as JSON text)."""
+
+    type: Literal["json_object", "json_schema"]
+    schema: str | None = None
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """OpenAI's sampling semantics, plus top_k. One choice: the server fans out n > 1 itself.
 
@@ -97,6 +106,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    response_format: ResponseFormat | None = None
 
 
 @dataclass(frozen=True)
@@ -208,6 +218,10 @@ class EngineStats:
     prefix_cache_evictions: int = 0
     prefix_cache_entries: int = 0
     prefix_cache_bytes: int = 0
+    # structured outputs (engine/grammar.py): grammars compiled and reused since start
+    grammars_compiled: int = 0
+    grammar_cache_hits: int = 0
+    grammar_compile_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from engine.chat_template import Turn, encode_chat, encode_document, message_tur
 from engine.collections import Collection, SessionCollections
 from engine.config import EngineConfig
 from engine.generate import Generation, MemoryState
+from engine.grammar import Grammars
 from engine.memory.session import STRATEGIES, MemoryMark, SessionMemory
 from engine.prefix_cache import PrefixCache, reading_units
 from engine.prior_query import prior_encoder, prior_query
@@ -92,12 +93,14 @@ class Decoding:
     prefill_chunk_tokens: int
     vocab_size: int
     turn_end: list[int]  # closes an answer in a session (chat_template.assistant_turn_end)
+    grammars: Grammars | None = None  # structured outputs (response_format)
 
     def kwargs(self) -> dict[str, Any]:
         return {
             "stop_token_ids": self.stop_token_ids,
             "prefill_chunk_tokens": self.prefill_chunk_tokens,
             "vocab_size": self.vocab_size,
+            "grammars": self.grammars,
         }
 
 

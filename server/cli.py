@@ -186,6 +186,7 @@ BENCHMARKS = (
     "recall",
     "prefix",
     "memory_load",
+    "structured",
 )
 
 

@@ -146,6 +146,17 @@ class _EngineStatsCollector(Collector):
             "Bytes of the memories kept for prefix reuse.",
             value=stats.prefix_cache_bytes,
         )
+        grammars = (
+            ("grammars_compiled", "response_format grammars compiled.", stats.grammars_compiled),
+            ("grammar_cache_hits", "response_format grammars reused.", stats.grammar_cache_hits),
+            (
+                "grammar_compile_seconds",
+                "Seconds spent compiling response_format grammars.",
+                stats.grammar_compile_seconds,
+            ),
+        )
+        for name, doc, value in grammars:
+            yield CounterMetricFamily(f"{PREFIX}{name}", doc, value=value)
 
 
 class Metrics:

@@ -55,8 +55,17 @@ class ChatMessage(OpenAIModel):
         return "".join(part.text for part in self.content)
 
 
+class JSONSchemaFormat(OpenAIModel):
+    name: str = "response"
+    description: str | None = None
+    # the wire name is "schema" (pydantic's BaseModel has a `schema` method)
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(OpenAIModel):
-    type: str = "text"
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JSONSchemaFormat | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,6 +121,7 @@ class CompletionRequest(OpenAIModel):
     temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
     user: str | None = None
+    response_format: ResponseFormat | None = None  # as vLLM accepts it on completions
 
     # --- longserve extensions -----------------------------------------------------------------
     session_id: str | None = None

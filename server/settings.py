@@ -49,6 +49,7 @@ class ServerSettings(BaseSettings):
     max_prompt_tokens: int = Field(default=2_000_000, ge=1)
     max_stop_sequences: int = Field(default=8, ge=0)
     max_top_logprobs: int = Field(default=20, ge=0, le=20)
+    max_schema_bytes: int = Field(default=64 * 1024, ge=2)  # response_format's JSON schema
 
     # Sessions and their documents (server/sessions/, server/documents.py).
     max_sessions_per_tenant: int = Field(default=32, ge=1)

@@ -65,10 +65,6 @@ def chat_logprobs(logprobs: list[TokenLogprob] | None) -> ChoiceLogprobs | None:
 def _check_unsupported(request: ChatCompletionRequest) -> None:
     if request.tools:
         raise invalid_request("Tool calling is not supported.", param="tools")
-    if request.response_format is not None and request.response_format.type != "text":
-        raise invalid_request(
-            "Only response_format type 'text' is supported.", param="response_format"
-        )
     if request.logit_bias:
         raise invalid_request("logit_bias is not supported.", param="logit_bias")
 

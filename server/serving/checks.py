@@ -3,9 +3,12 @@ the server's settings, and the sampling knobs both requests carry."""
 
 from __future__ import annotations
 
+import json
+
 from engine.protocol import EngineClient, Prompt, SamplingParams
+from engine.protocol import ResponseFormat as EngineResponseFormat
 from server.errors import APIError, invalid_request, model_not_found
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
 from server.serving.context import ServingContext
 from server.settings import ServerSettings
 
@@ -87,4 +90,27 @@ def sampling_params(
         ignore_eos=bool(request.ignore_eos),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        response_format=response_format(settings, request.response_format),
     )
+
+
+def response_format(
+    settings: ServerSettings, fmt: ResponseFormat | None
+) -> EngineResponseFormat | None:
+    """The engine's structured output for a request's response_format (None: free text). The
+    engine refuses a schema it cannot enforce; its size is bounded here."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return EngineResponseFormat("json_object")
+    if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+        raise invalid_request(
+            "response_format json_schema needs json_schema.schema.", param="response_format"
+        )
+    schema = json.dumps(fmt.json_schema.json_schema, separators=(",", ":"), sort_keys=True)
+    if len(schema.encode()) > settings.max_schema_bytes:
+        raise invalid_request(
+            f"response_format: the JSON schema is over {settings.max_schema_bytes} bytes.",
+            param="response_format",
+        )
+    return EngineResponseFormat("json_schema", schema)

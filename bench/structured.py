@@ -1,0 +1,131 @@
+"""Constrained vs free decoding: tokens/s with and without a response_format, in one run.
+
+Through the HTTP API and the async openai SDK, one streaming request at a time on one server
+started here (or a running one on loopback, --base-url). For each prompt, a free request
+(exactly --max-tokens tokens) and a json_schema request (up to --max-tokens, ending where the
+JSON closes) alternate, so both see the same machine. Decode tokens/s of a request: its
+tokens after the first over the time after the first. One JSON line per request, then the
+median decode tokens/s of each, their ratio (target: constrained >= 0.9x free), and how many
+constrained answers parsed as JSON matching the schema's required keys.
+
+    longserve bench structured --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+
+from bench.server_process import model_args, served
+
+PROMPTS = [
+    "Describe a fictional city: its name, country, population and three landmarks.",
+    "Invent a book: title, author, year and its main characters.",
+    "Describe a ship: its name, home port, length in metres and its crew.",
+    "Describe a person: name, age, job and hobbies.",
+]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 60},
+        "place": {"type": "string", "maxLength": 60},
+        "number": {"type": "integer"},
+        "items": {"type": "array", "items": {"type": "string", "maxLength": 60}, "maxItems": 6},
+    },
+    "required": ["name", "place", "number", "items"],
+    "additionalProperties": False,
+}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+
+
+async def one(client, model: str, prompt: str, max_tokens: int, constrained: bool) -> dict:
+    extra = {} if constrained else {"ignore_eos": True}
+    fmt = {"response_format": FORMAT} if constrained else {}
+    started = time.perf_counter()
+    first = last = None
+    text, tokens = [], 0
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+        **fmt,
+    )
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            last = time.perf_counter()
+            first = first or last
+            text.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    decode = (last - first) if first is not None and last is not None else 0.0
+    line = {
+        "constrained": constrained,
+        "tokens": tokens,
+        "ttft_s": round((first or started) - started, 3),
+        "decode_tok_s": round((tokens - 1) / decode, 2) if decode > 0 else None,
+    }
+    if constrained:
+        try:
+            value = json.loads("".join(text))
+            line["valid"] = isinstance(value, dict) and set(SCHEMA["required"]) <= set(value)
+        except ValueError:
+            line["valid"] = False
+    return line
+
+
+async def run(args: argparse.Namespace) -> None:
+    import openai
+
+    with served(args.base_url, serve_args=model_args(args), ready_timeout=300) as base:
+        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=args.api_key, max_retries=0)
+        model = (await client.models.list()).data[0].id
+        await one(client, model, PROMPTS[0], 8, True)  # warm-up: both paths once
+        await one(client, model, PROMPTS[0], 8, False)
+        lines = []
+        for _ in range(args.rounds):
+            for prompt in PROMPTS:
+                for constrained in (False, True):
+                    line = await one(client, model, prompt, args.max_tokens, constrained)
+                    print(json.dumps({"bench": "structured", **line}), flush=True)
+                    lines.append(line)
+        await client.close()
+
+    def median(constrained: bool) -> float:
+        rates = [x["decode_tok_s"] for x in lines if x["constrained"] == constrained]
+        return statistics.median(r for r in rates if r)
+
+    free, constrained = median(False), median(True)
+    valid = [x["valid"] for x in lines if x["constrained"]]
+    summary = {
+        "bench": "structured",
+        "n": len(valid),
+        "free_decode_tok_s": free,
+        "constrained_decode_tok_s": constrained,
+        "ratio": round(constrained / free, 3),
+        "constrained_valid": f"{sum(valid)}/{len(valid)}",
+    }
+    print(json.dumps(summary))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--base-url", help="a running server on loopback (default: start one)")
+    parser.add_argument("--api-key", default="bench")
+    parser.add_argument("--model", help="--model of the started server (default: embedded)")
+    parser.add_argument("--device", help="--device of the started server")
+    args = parser.parse_args(argv)
+    asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
