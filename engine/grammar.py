@@ -66,17 +66,21 @@ class Grammars:
         from llguidance import LLMatcher
 
         started = time.perf_counter()
-        schema = {"type": "object"} if fmt.type == "json_object" else json.loads(fmt.schema or "")
         try:
-            grammar = LLMatcher.grammar_from_json_schema(schema, overrides=OVERRIDES)
+            if fmt.type == "lark":
+                grammar = LLMatcher.grammar_from_lark(fmt.schema or "")
+            else:
+                schema = (
+                    {"type": "object"}
+                    if fmt.type == "json_object"
+                    else json.loads(fmt.schema or "")
+                )
+                grammar = LLMatcher.grammar_from_json_schema(schema, overrides=OVERRIDES)
             error = LLMatcher.validate_grammar(grammar, self.ll_tokenizer())
         except (ValueError, TypeError, RuntimeError) as e:
             error = str(e)
         if error:
-            raise InvalidRequest(
-                f"response_format: the JSON schema cannot be enforced: {error}",
-                param="response_format",
-            )
+            raise InvalidRequest(f"{fmt.param}: cannot be enforced: {error}", param=fmt.param)
         with self._lock:
             self.compile_seconds_total += time.perf_counter() - started
             self.compiled += 1

@@ -81,10 +81,12 @@ class StoreUnavailableError(EngineError, store_errors.StoreUnavailableError):
 @dataclass(frozen=True)
 class ResponseFormat:
     """A structured output the tokens must follow (engine/grammar.py): any JSON object
-    ("json_object"), or JSON valid against `schema` ("json_schema"; the schema as JSON text)."""
+    ("json_object"), JSON valid against `schema` ("json_schema"; the schema as JSON text), or
+    text of a grammar in llguidance's Lark dialect ("lark"; `schema` holds the grammar)."""
 
-    type: Literal["json_object", "json_schema"]
+    type: Literal["json_object", "json_schema", "lark"]
     schema: str | None = None
+    param: str = "response_format"  # the request field it came from, named when refused
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,7 +11,7 @@ from fastapi import Request
 from sse_starlette import EventSourceResponse
 
 from engine.protocol import ChatMessage as EngineChatMessage
-from engine.protocol import GenerationDelta, TokenLogprob
+from engine.protocol import TokenLogprob
 from server.errors import invalid_request
 from server.protocol import (
     ChatCompletion,
@@ -41,6 +42,7 @@ from server.serving.choices import (
     new_id,
 )
 from server.serving.context import ServingContext
+from server.serving.tools import ToolPlan, ToolStream, parse_calls, plan_tools, render_messages
 
 
 def chat_logprobs(logprobs: list[TokenLogprob] | None) -> ChoiceLogprobs | None:
@@ -63,13 +65,13 @@ def chat_logprobs(logprobs: list[TokenLogprob] | None) -> ChoiceLogprobs | None:
 
 
 def _check_unsupported(request: ChatCompletionRequest) -> None:
-    if request.tools:
-        raise invalid_request("Tool calling is not supported.", param="tools")
     if request.logit_bias:
         raise invalid_request("logit_bias is not supported.", param="logit_bias")
 
 
-def _jobs(ctx: ServingContext, request: ChatCompletionRequest, chat_id: str) -> list[ChoiceRequest]:
+def _jobs(
+    ctx: ServingContext, request: ChatCompletionRequest, chat_id: str, tools: ToolPlan | None
+) -> list[ChoiceRequest]:
     settings = ctx.settings
     _check_unsupported(request)
     n = check_n(settings, request.n)
@@ -93,12 +95,9 @@ def _jobs(ctx: ServingContext, request: ChatCompletionRequest, chat_id: str) -> 
         logprobs=bool(request.logprobs),
         top_logprobs=top_logprobs,
     )
-    messages: list[EngineChatMessage] = []
-    for message in request.messages:
-        rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
-        if message.name:
-            rendered["name"] = message.name
-        messages.append(rendered)
+    if tools is not None and tools.grammar is not None:
+        sampling = dataclasses.replace(sampling, response_format=tools.grammar)
+    messages: list[EngineChatMessage] = list(render_messages(request.messages, tools))
     return fan_out(chat_id, [messages], n, sampling)
 
 
@@ -107,7 +106,8 @@ async def create_chat_completion(
 ) -> ChatCompletion | EventSourceResponse:
     model = check_model(ctx.engine, request.model)
     chat_id = new_id("chatcmpl")
-    jobs = _jobs(ctx, request, chat_id)
+    tools = plan_tools(ctx.settings, request)
+    jobs = _jobs(ctx, request, chat_id, tools)
     if request.session_id and len(jobs) > 1:
         raise invalid_request(
             "n must be 1 with session_id: a session holds one conversation, and each answer "
@@ -122,29 +122,42 @@ async def create_chat_completion(
         raw_request,
         tenant,
         jobs,
-        lambda s: _gather(s, chat_id, model),
-        lambda s, include_usage: _stream_chunks(s, chat_id, model, include_usage),
+        lambda s: _gather(s, chat_id, model, tools),
+        lambda s, include_usage: _stream_chunks(s, chat_id, model, include_usage, tools),
     )
 
 
-async def _gather(streams: ChoiceStreams, chat_id: str, model: str) -> ChatCompletion:
+async def _gather(
+    streams: ChoiceStreams, chat_id: str, model: str, tools: ToolPlan | None
+) -> ChatCompletion:
     gathered, usage = await gather_choices(streams)
-    choices = [
-        ChatCompletionChoice(
-            index=i,
-            message=ChatCompletionMessage(content=gathered[i].text),
-            logprobs=chat_logprobs(gathered[i].logprobs),
-            finish_reason=gathered[i].finish_reason,
+    choices = []
+    for i in sorted(gathered):
+        text, finish = gathered[i].text, gathered[i].finish_reason
+        calls = parse_calls(text) if tools is not None and tools.mode != "none" else None
+        message = ChatCompletionMessage(content=text)
+        if calls is not None:
+            message, finish = ChatCompletionMessage(content=None, tool_calls=calls), "tool_calls"
+        choices.append(
+            ChatCompletionChoice(
+                index=i,
+                message=message,
+                logprobs=chat_logprobs(gathered[i].logprobs),
+                finish_reason=finish,
+            )
         )
-        for i in sorted(gathered)
-    ]
     return ChatCompletion(id=chat_id, model=model, choices=choices, usage=usage)
 
 
 async def _stream_chunks(
-    streams: ChoiceStreams, chat_id: str, model: str, include_usage: bool
+    streams: ChoiceStreams,
+    chat_id: str,
+    model: str,
+    include_usage: bool,
+    tools: ToolPlan | None,
 ) -> AsyncIterator[str]:
     jobs = {job.index: job for job in streams.jobs}
+    held = {i: ToolStream(tools) for i in jobs} if tools is not None else {}
     usage = UsageCounter()
     created = int(time.time())
 
@@ -174,16 +187,22 @@ async def _stream_chunks(
         yield chunk(index, ChoiceDelta(role="assistant", content=""), None, None)
     async for index, delta in streams:
         usage.add(jobs[index], delta)
-        if delta.text or delta.logprobs:
-            yield chunk(index, _content(delta), chat_logprobs(delta.logprobs), None)
-        if delta.finish_reason is not None:
-            yield chunk(index, ChoiceDelta(), None, delta.finish_reason)
+        text = held[index].feed(delta.text) if index in held else delta.text
+        if text or (delta.logprobs and index not in held):
+            yield chunk(index, ChoiceDelta(content=text), chat_logprobs(delta.logprobs), None)
+        if delta.finish_reason is None:
+            continue
+        finish: str = delta.finish_reason
+        if index in held:  # the end of a held call (or of text that only looked like one)
+            text, calls = held[index].finish()
+            if text:
+                yield chunk(index, ChoiceDelta(content=text), None, None)
+            if calls:
+                yield chunk(index, ChoiceDelta(tool_calls=calls), None, None)
+                finish = "tool_calls"
+        yield chunk(index, ChoiceDelta(), None, finish)
     if include_usage:
         final = ChatCompletionChunk(
             id=chat_id, created=created, model=model, choices=[], usage=usage.usage()
         )
         yield final.model_dump_json()
-
-
-def _content(delta: GenerationDelta) -> ChoiceDelta:
-    return ChoiceDelta(content=delta.text)

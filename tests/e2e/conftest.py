@@ -87,6 +87,19 @@ def server(tmp_path_factory) -> Iterator[ServerProcess]:
     stop_server(proc)
 
 
+@pytest.fixture(scope="session")
+def client(server):
+    """The official SDK's client for the shared server."""
+    import openai
+
+    return openai.OpenAI(base_url=server.api_base, api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def model_id(client) -> str:
+    return client.models.list().data[0].id
+
+
 def upload_and_wait(
     api_base: str, name: str, text: str, timeout_s: float, poll_s: float = 0.5
 ) -> tuple[dict, dict]:

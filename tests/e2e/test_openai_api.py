@@ -27,16 +27,6 @@ def metric_value(server, name: str, **labels: str) -> float:
     return total
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.api_base, api_key=API_KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model_id(client) -> str:
-    return client.models.list().data[0].id
-
-
 def test_models_list_names_the_embedded_model(client):
     models = client.models.list().data
     assert [m.id for m in models] == ["SmolLM2-135M-Instruct"]

@@ -31,16 +31,6 @@ PERSON_SCHEMA = {
 ASK_CITY = [{"role": "user", "content": "Describe Paris as JSON: name, country, population."}]
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.api_base, api_key=API_KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model_id(client) -> str:
-    return client.models.list().data[0].id
-
-
 def test_sdk_parse_returns_the_pydantic_model(client, model_id):
     reply = client.chat.completions.parse(
         model=model_id, messages=ASK_CITY, response_format=City, temperature=0, max_tokens=80

@@ -56,7 +56,7 @@ def sse_data(text: str) -> list[str]:
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages[0].content",
         ),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools"),  # only function tools
     ],
 )
 async def test_chat_validation_errors(

@@ -1,0 +1,247 @@
+"""Tool calls: OpenAI's `tools` / `tool_choice` rendered into the prompt, constrained while
+decoding, and parsed back into `tool_calls`.
+
+The embedded model's chat template has no tool syntax, so longserve renders tools itself, in
+the Hermes/Qwen convention small models have seen: a system message lists the functions as
+JSON inside <tools></tools> and asks for `<tool_call>{"name": ..., "arguments": {...}}
+</tool_call>` blocks; an assistant message's calls are sent back as those blocks, and a tool's
+result as a `tool` message. The answer is constrained by a grammar (engine/grammar.py):
+
+    tool_choice "required" / a named function    one or more calls (one if parallel_tool_calls
+                                                  is false), arguments valid for the function
+    tool_choice "auto" (the default with tools)   text that does not start with "<", or calls
+    tool_choice "none"                            free text; the tools are not rendered
+
+A function's parameters without `additionalProperties` get `false`: the arguments carry the
+declared parameters only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from engine.protocol import ResponseFormat as EngineResponseFormat
+from server.errors import invalid_request
+from server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+)
+from server.settings import ServerSettings
+
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+Mode = Literal["none", "auto", "required"]
+MODES: dict[Any, Mode] = {"none": "none", "auto": "auto", "required": "required"}
+_CALL = re.compile(re.escape(TOOL_OPEN) + r"(.*?)" + re.escape(TOOL_CLOSE), re.S)
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+PREAMBLE = (
+    "You can call functions. Each one is described below as JSON:\n<tools>\n{tools}\n</tools>\n"
+    "To call functions, answer only with one block per call, each holding a JSON object with "
+    "the function's name and its arguments:\n"
+    '<tool_call>{{"name": "<function name>", "arguments": {{<its arguments>}}}}</tool_call>'
+)
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a request's tools make of it: the mode, its functions, and the grammar."""
+
+    mode: Mode
+    functions: list[dict[str, Any]] = field(default_factory=list)  # name, description, parameters
+    grammar: EngineResponseFormat | None = None
+
+
+def plan_tools(settings: ServerSettings, request: ChatCompletionRequest) -> ToolPlan | None:
+    """The request's ToolPlan, or None without tools; 400s for malformed tools or choices."""
+    if not request.tools:
+        if request.tool_choice not in (None, "none"):
+            raise invalid_request("tool_choice needs tools.", param="tool_choice")
+        return None
+    functions = [_function(settings, i, tool) for i, tool in enumerate(request.tools)]
+    names = [f["name"] for f in functions]
+    if len(set(names)) != len(names):
+        raise invalid_request("tools: function names must be unique.", param="tools")
+    choice = "auto" if request.tool_choice is None else request.tool_choice
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        if choice.get("type") != "function" or name not in names:
+            raise invalid_request(
+                "tool_choice must name one of the tools' functions.", param="tool_choice"
+            )
+        functions = [f for f in functions if f["name"] == name]
+        mode: Mode = "required"
+    elif isinstance(choice, str) and choice in MODES:
+        mode = MODES[choice]
+    else:
+        raise invalid_request(
+            "tool_choice must be none, auto, required or a named function.", param="tool_choice"
+        )
+    if mode == "none":
+        return ToolPlan("none")
+    if request.response_format is not None and request.response_format.type != "text":
+        raise invalid_request(
+            "response_format with tools needs tool_choice none.", param="response_format"
+        )
+    parallel = request.parallel_tool_calls is not False
+    return ToolPlan(mode, functions, _grammar(functions, mode, parallel))
+
+
+def _function(settings: ServerSettings, index: int, tool: Any) -> dict[str, Any]:
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if (
+        not isinstance(tool, dict)
+        or tool.get("type") != "function"
+        or not isinstance(function, dict)
+    ):
+        raise invalid_request(f"tools[{index}] must be a function tool.", param="tools")
+    name, parameters = function.get("name"), function.get("parameters")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise invalid_request(
+            f"tools[{index}].function.name must be 1-64 letters, digits, _ or -.", param="tools"
+        )
+    if parameters is None:
+        parameters = {"type": "object", "properties": {}}
+    if not isinstance(parameters, dict):
+        raise invalid_request(f"tools[{index}].function.parameters must be an object.", "tools")
+    if parameters.get("type") == "object" and "additionalProperties" not in parameters:
+        # arguments carry the declared parameters only: a small model left free to add
+        # properties adds them until max_tokens
+        parameters = {**parameters, "additionalProperties": False}
+    if len(json.dumps(parameters)) > settings.max_schema_bytes:
+        raise invalid_request(
+            f"tools[{index}]: parameters are over {settings.max_schema_bytes} bytes.", "tools"
+        )
+    out = {"name": name, "parameters": parameters}
+    if isinstance(function.get("description"), str):
+        out["description"] = function["description"]
+    return out
+
+
+def _grammar(functions: list[dict], mode: str, parallel: bool) -> EngineResponseFormat:
+    """A Lark grammar (llguidance's dialect, with %json for a call's object)."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for f in functions
+    ]
+    body = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    body = {"x-guidance": {"whitespace_flexible": False}, **body}
+    lines = [
+        f"calls: {'call+' if parallel else 'call'}",
+        f'call: "{TOOL_OPEN}" body "{TOOL_CLOSE}"',
+        f"body: %json {json.dumps(body)}",
+    ]
+    if mode == "auto":
+        lines = ["start: TEXT | calls", *lines, r"TEXT: /[^<][\s\S]*/"]
+    else:
+        lines = ["start: calls", *lines]
+    return EngineResponseFormat("lark", "\n".join(lines) + "\n", param="tools")
+
+
+def render_messages(messages: list[ChatMessage], plan: ToolPlan | None) -> list[dict[str, Any]]:
+    """The engine's chat messages: tools in a system message (unless tool_choice is none),
+    calls as <tool_call> blocks, tool results as `tool` messages."""
+    rendered = [{"role": m.role, "content": message_text(m)} for m in messages]
+    for out, message in zip(rendered, messages, strict=True):
+        if message.name:
+            out["name"] = message.name
+    if plan is None or plan.mode == "none":
+        return rendered
+    tools = "\n".join(json.dumps(f, ensure_ascii=False) for f in plan.functions)
+    preamble = PREAMBLE.format(tools=tools)
+    if rendered and rendered[0]["role"] in ("system", "developer"):
+        rendered[0]["content"] = f"{rendered[0]['content']}\n\n{preamble}"
+    else:
+        rendered.insert(0, {"role": "system", "content": preamble})
+    return rendered
+
+
+def message_text(message: ChatMessage) -> str:
+    """A message's text as the model reads it; an assistant's calls as <tool_call> blocks,
+    written as the grammar makes the model write them."""
+    text = message.text()
+    for call in message.tool_calls or ():
+        try:
+            arguments = json.loads(call.function.arguments)
+        except ValueError:
+            raise invalid_request(
+                f"tool call {call.id}: arguments are not JSON.", param="messages"
+            ) from None
+        body = compact({"name": call.function.name, "arguments": arguments})
+        text += f"{TOOL_OPEN}{body}{TOOL_CLOSE}"
+    return text
+
+
+def compact(value: Any) -> str:
+    """JSON as the grammar makes the model write it: no spaces, characters as they are."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def parse_calls(text: str) -> list[ToolCall] | None:
+    """The calls an answer made (it starts with a <tool_call> block), or None for text."""
+    if not text.lstrip().startswith(TOOL_OPEN):
+        return None
+    calls = []
+    for body in _CALL.findall(text):
+        try:
+            value = json.loads(body)
+            name, arguments = value["name"], compact(value["arguments"])
+        except (ValueError, KeyError, TypeError):
+            return None  # cut by max_tokens, or not a call after all: the text is the answer
+        calls.append(
+            ToolCall(
+                id=f"call_{secrets.token_hex(12)}",
+                function=FunctionCall(name=name, arguments=arguments),
+            )
+        )
+    return calls or None
+
+
+class ToolStream:
+    """One streamed choice with tools: text passes through once it cannot be a call; a
+    call is held until the answer ends, then sent as delta.tool_calls."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self._held = ""
+        self._text = plan.mode == "none"  # decided: the answer is text
+
+    def feed(self, text: str) -> str:
+        """The content to send now for this piece of the answer."""
+        if self._text:
+            return text
+        self._held += text
+        if TOOL_OPEN.startswith(self._held) or self._held.startswith(TOOL_OPEN):
+            return ""
+        self._text = True
+        held, self._held = self._held, ""
+        return held
+
+    def finish(self) -> tuple[str, list[DeltaToolCall] | None]:
+        """At the end: content still held, or the calls as stream deltas."""
+        calls = parse_calls(self._held) if self._held else None
+        if calls is None:
+            held, self._held = self._held, ""
+            return held, None
+        self._held = ""
+        return "", [
+            DeltaToolCall(
+                index=i,
+                id=call.id,
+                type="function",
+                function=DeltaFunctionCall(
+                    name=call.function.name, arguments=call.function.arguments
+                ),
+            )
+            for i, call in enumerate(calls)
+        ]
