@@ -17,8 +17,9 @@ from server.drain import DrainGate, DrainState
 from server.errors import install_error_handlers
 from server.limits import BodySizeLimit, HeadSizeLimit, RefuseEncodedBodies
 from server.metrics import Metrics
-from server.routes import chat, completions, health, metrics, models, sessions
+from server.routes import chat, completions, health, metrics, models, responses, sessions
 from server.serving.context import ServingContext
+from server.serving.response_store import ResponseStore
 from server.sessions import SessionRegistry
 from server.sessions.records import SessionStore
 from server.settings import ServerSettings
@@ -55,7 +56,11 @@ def build_app(
     session_store = SessionStore(store) if store is not None else None
     registry = SessionRegistry(engine, settings, app_metrics, store=session_store)
     app.state.serving = ServingContext(
-        engine=engine, settings=settings, metrics=app_metrics, sessions=registry
+        engine=engine,
+        settings=settings,
+        metrics=app_metrics,
+        sessions=registry,
+        responses=ResponseStore(settings.max_stored_responses),
     )
     app.state.sessions = registry
     app.state.memory_store = session_store
@@ -67,7 +72,7 @@ def build_app(
     app.add_middleware(RefuseEncodedBodies)
     app.add_middleware(HeadSizeLimit)
     app.add_middleware(DrainGate, state=app.state.drain)
-    for module in (health, metrics, models, chat, completions, sessions):
+    for module in (health, metrics, models, chat, completions, responses, sessions):
         app.include_router(module.router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

@@ -144,6 +144,41 @@ class CompletionRequest(OpenAIModel):
     ignore_eos: bool | None = False
 
 
+class ResponseTextFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseText(OpenAIModel):
+    format: ResponseTextFormat | None = None
+
+
+class ResponseCreateRequest(OpenAIModel):
+    """POST /v1/responses (OpenAI's Responses API; server/serving/responses.py)."""
+
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool | None = True
+    stream: bool | None = False
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
+    text: ResponseText | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+    # --- longserve extensions -----------------------------------------------------------------
+    memory: MemoryRequest | None = None
+
+
 # ---------------------------------------------------------------------------------------------
 # Responses.
 # ---------------------------------------------------------------------------------------------

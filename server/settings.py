@@ -50,6 +50,7 @@ class ServerSettings(BaseSettings):
     max_stop_sequences: int = Field(default=8, ge=0)
     max_top_logprobs: int = Field(default=20, ge=0, le=20)
     max_schema_bytes: int = Field(default=64 * 1024, ge=2)  # response_format's JSON schema
+    max_stored_responses: int = Field(default=1000, ge=0)  # per tenant, /v1/responses
 
     # Sessions and their documents (server/sessions/, server/documents.py).
     max_sessions_per_tenant: int = Field(default=32, ge=1)

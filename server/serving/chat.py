@@ -69,7 +69,7 @@ def _check_unsupported(request: ChatCompletionRequest) -> None:
         raise invalid_request("logit_bias is not supported.", param="logit_bias")
 
 
-def _jobs(
+def chat_jobs(
     ctx: ServingContext, request: ChatCompletionRequest, chat_id: str, tools: ToolPlan | None
 ) -> list[ChoiceRequest]:
     settings = ctx.settings
@@ -107,7 +107,7 @@ async def create_chat_completion(
     model = check_model(ctx.engine, request.model)
     chat_id = new_id("chatcmpl")
     tools = plan_tools(ctx.settings, request)
-    jobs = _jobs(ctx, request, chat_id, tools)
+    jobs = chat_jobs(ctx, request, chat_id, tools)
     if request.session_id and len(jobs) > 1:
         raise invalid_request(
             "n must be 1 with session_id: a session holds one conversation, and each answer "
@@ -122,12 +122,12 @@ async def create_chat_completion(
         raw_request,
         tenant,
         jobs,
-        lambda s: _gather(s, chat_id, model, tools),
+        lambda s: chat_gather(s, chat_id, model, tools),
         lambda s, include_usage: _stream_chunks(s, chat_id, model, include_usage, tools),
     )
 
 
-async def _gather(
+async def chat_gather(
     streams: ChoiceStreams, chat_id: str, model: str, tools: ToolPlan | None
 ) -> ChatCompletion:
     gathered, usage = await gather_choices(streams)

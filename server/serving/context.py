@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.protocol import EngineClient
 from server.metrics import Metrics
+from server.serving.response_store import ResponseStore
 from server.sessions import SessionRegistry
 from server.settings import ServerSettings
 
@@ -17,3 +18,4 @@ class ServingContext:
     settings: ServerSettings
     metrics: Metrics
     sessions: SessionRegistry
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(1000))

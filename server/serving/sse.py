@@ -20,6 +20,9 @@ from server.serving.choices import ChoiceStreams
 # server.drain.SHUTDOWN_GRACE_SECONDS, after which uvicorn cancels whatever still runs.
 STREAM_SHUTDOWN_GRACE_SECONDS = 1.0
 
+# A serialized chunk (sent as `data:`), or {"event": name, "data": json} for a typed event
+Event = str | dict[str, str]
+
 # OpenAPI: a 200 is a JSON object or, with "stream": true, an SSE stream of `data:` events (a
 # JSON chunk each, the last one "[DONE]").
 STREAM_OK: dict[int | str, dict[str, Any]] = {
@@ -37,7 +40,7 @@ STREAM_OK: dict[int | str, dict[str, Any]] = {
 }
 
 
-def sse_response(streams: ChoiceStreams, chunks: AsyncIterator[str]) -> EventSourceResponse:
+def sse_response(streams: ChoiceStreams, chunks: AsyncIterator[Event]) -> EventSourceResponse:
     """The SSE response for serialized chunks. sse-starlette sets `shutdown` when the server
     stops (after its drain, server/drain.py): the stream then ends like any failed one."""
     shutdown = anyio.Event()
@@ -52,8 +55,8 @@ def sse_response(streams: ChoiceStreams, chunks: AsyncIterator[str]) -> EventSou
 
 
 async def sse_events(
-    streams: ChoiceStreams, chunks: AsyncIterator[str], shutdown: anyio.Event | None = None
-) -> AsyncIterator[str]:
+    streams: ChoiceStreams, chunks: AsyncIterator[Event], shutdown: anyio.Event | None = None
+) -> AsyncIterator[Event]:
     """Frame serialized chunks as SSE data; an error (the server stopping included) becomes one
     error event, then [DONE]. Closing (client gone) closes the engine iterators, which aborts
     the engine requests."""
