@@ -187,6 +187,7 @@ BENCHMARKS = (
     "prefix",
     "memory_load",
     "structured",
+    "json_recall",
 )
 
 
