@@ -122,6 +122,11 @@ class FrameState:
         self._sinks_rotated: dict[int, torch.Tensor] = {}
         self._device = device
         self.step_cache = StepCache()  # what decode steps keep between steps
+        # memory keys are stored rotated by their offset in their block (block-local), so a
+        # decode step that retrieves whole blocks rotates its query once per block instead of
+        # every retrieved key (StepCache.attend); composing rotations needs unscaled ones
+        self.block_local = rotary.scale_sq == 1.0
+        self._offsets = torch.arange(config.block, device=device)
 
     # -- tiers -------------------------------------------------------------------------------
 
@@ -141,6 +146,7 @@ class FrameState:
         self.step_cache.release()
         self.selector.to(device)
         self._device = device
+        self._offsets = self._offsets.to(device)
 
     # -- positions ---------------------------------------------------------------------------
 
@@ -229,6 +235,7 @@ class FrameState:
         keys = [self.rotated_sinks(layer)]
         values = [store.sink_v]
         retrieved_ok: torch.Tensor | None = None  # (kv_heads, R) False at padding, if any
+        by_block = False
 
         if self.n_memory and self.config.retrieves(T):  # no selector retrieves otherwise
             start = time.perf_counter()
@@ -247,17 +254,34 @@ class FrameState:
                 ok = idx >= 0
                 keys_values = self.step_cache.retrieved.get(layer) if T == 1 else None
                 if keys_values is None or not torch.equal(keys_values[0], idx):
-                    keys_values = (idx, *self._take_retrieved(store, idx))
+                    if T == 1 and self.memory_used and self._whole_blocks(idx, ok):
+                        keys_values = (idx, *self._take_blocks(store, idx), True)
+                    else:
+                        keys_values = (idx, *self._take_retrieved(store, idx), False)
                     if T == 1:
                         self.step_cache.retrieved[layer] = keys_values
                 keys.append(keys_values[1])
                 values.append(keys_values[2])
+                by_block = keys_values[3]
                 if not bool(ok.all()):
                     retrieved_ok = ok
 
         if T == 1 and self.memory_used:
+            blocks_at = None  # the retrieved keys are block-local: the first slot of block 0
+            if len(keys) > 1 and by_block:
+                blocks_at = self.config.sinks + self.config.retrieval_budget - keys[1].shape[1]
             return self.step_cache.attend(
-                self, layer, query, key, value, keys, values, retrieved_ok, chunk_angles, scaling
+                self,
+                layer,
+                query,
+                key,
+                value,
+                keys,
+                values,
+                retrieved_ok,
+                chunk_angles,
+                scaling,
+                blocks_at,
             )
 
         keys.append(self.rotary.rotate(store.local_k, window_angles))
@@ -288,14 +312,34 @@ class FrameState:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Memory rows idx (kv_heads, R) -> their keys rotated at the retrieved slots' frame
         positions, and their values, on the frame's device (host tier: only these rows cross)."""
-        rows = idx.clamp(min=0).to(store.mem_k.device)
-        mem_k = store.mem_k.take(rows).to(self._device, non_blocking=True)
-        mem_v = store.mem_v.take(rows).to(self._device, non_blocking=True)
+        mem_k, mem_v = self._take_blocks(store, idx)
         # right-aligned against the window: unused budget is a gap after the sinks, and the
         # retrieved text runs into the window as if it preceded it (docs/decisions/022)
         first = self.config.sinks + self.config.retrieval_budget - idx.shape[1]
         frame_pos = first + torch.arange(idx.shape[1], device=self._device)
+        if self.block_local:  # stored rotated by their offset in their block already
+            frame_pos = frame_pos - idx.clamp(min=0) % self.config.block
         return self.rotary.rotate(mem_k, frame_pos), mem_v
+
+    def _take_blocks(
+        self, store: LayerStore, idx: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Memory rows idx (kv_heads, R) as stored (keys block-local), on the frame's device."""
+        rows = idx.clamp(min=0).to(store.mem_k.device)
+        mem_k = store.mem_k.take(rows).to(self._device, non_blocking=True)
+        mem_v = store.mem_v.take(rows).to(self._device, non_blocking=True)
+        return mem_k, mem_v
+
+    def _whole_blocks(self, idx: torch.Tensor, ok: torch.Tensor) -> bool:
+        """Whether the rows idx (kv_heads, R) are whole memory blocks at whole-block slots
+        (padding, ok False, aside): a decode step can then rotate its query per block."""
+        block = self.config.block
+        if not self.block_local or idx.shape[1] % block:
+            return False
+        blocks = idx.view(idx.shape[0], -1, block)
+        offsets = blocks - blocks[..., :1]
+        fits = (offsets == self._offsets) & (blocks[..., :1] % block == 0)
+        return bool((fits | ~ok.view_as(blocks)).all())
 
     def mask(
         self,
@@ -404,9 +448,10 @@ class FrameState:
         """The window's `move` oldest tokens (whole blocks) join the end of memory; then the
         oldest memory blocks past the capacity m are dropped."""
         c = self.config
+        offsets = torch.arange(move, device=self._device) % c.block
         for layer, store in enumerate(self.layers):
             blk_k, blk_v = store.local_k[:, :move], store.local_v[:, :move]
-            store.mem_k.append(blk_k)
+            store.mem_k.append(self.rotary.rotate(blk_k, offsets) if self.block_local else blk_k)
             store.mem_v.append(blk_v)
             # views of the window's rows, valid until the window's next append: selectors
             # copy what they keep

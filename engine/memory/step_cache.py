@@ -37,7 +37,8 @@ class StepCache:
         # per layer, the last step's retrieval (idx, rotated keys, values), reused while a step
         # retrieves the same rows (segments: most steps of most layers); dropped by any longer
         # forward, a FIFO drop (rows shift) and a move
-        self.retrieved: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # (and whether those keys are block-local: rotated per block at attention)
+        self.retrieved: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]] = {}
         # per layer, the last step's union of the strategy's rows and the text prior's pinned
         # rows: (strategy rows, pinned, union), reused while both are the same
         self.merged: dict[int, tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]] = {}
@@ -112,7 +113,7 @@ class StepCache:
     def nbytes(self) -> int:
         return sum(b.nbytes() for b in self.window or ()) + sum(
             k.numel() * k.element_size() + v.numel() * v.element_size()
-            for _, k, v in self.retrieved.values()
+            for _, k, v, _ in self.retrieved.values()
         )
 
     def attend(
@@ -127,18 +128,23 @@ class StepCache:
         retrieved_ok: torch.Tensor | None,
         chunk_angles: Angles,
         scaling: float,
+        blocks_at: int | None = None,
     ) -> torch.Tensor:
         """Attention of one token once memory is in use: the sinks and retrieved keys
         (prefix_k, rotated at their frame positions) against the query as the model rotated it
         (its frame position, chunk_angles), the window's keys rotated at their document
         positions against the query rotated at its own, and the token itself; one softmax over
-        all of them, no concatenated frame (see the module docstring)."""
+        all of them, no concatenated frame (see the module docstring). blocks_at: the retrieved
+        keys (prefix_k[1]) are whole blocks as stored, each rotated by its offset in its block,
+        block j at frame slots blocks_at + j * block onwards; the query is rotated once per
+        block to their distance instead (rotary logits depend only on the distance)."""
         assert self.angles is not None and self.window is not None, "begin() builds them"
         store = frame.layers[layer]
         kvh, d = key.shape[1], key.shape[-1]
         group = query.shape[1] // kvh
         window = self.window[layer].view()
-        q_window = frame.rotary.rotate(frame.rotary.unrotate(query[0], chunk_angles), self.angles)
+        q_pre = frame.rotary.unrotate(query[0], chunk_angles)  # (H, 1, d)
+        q_window = frame.rotary.rotate(q_pre, self.angles)
         q_frame = query[0].reshape(kvh, group, d)
         q_window = q_window.reshape(kvh, group, d)
         pieces_k = [*prefix_k, window, key[0]]
@@ -146,7 +152,10 @@ class StepCache:
         logits = [
             q @ k.transpose(1, 2)
             for q, k in zip([q_frame] * len(prefix_k) + [q_window, q_frame], pieces_k, strict=True)
+            if blocks_at is None or k is not prefix_k[1]
         ]  # (kv_heads, group, n) each
+        if blocks_at is not None:
+            logits.insert(1, self._block_logits(frame, q_pre, prefix_k[1], blocks_at, kvh, group))
         if retrieved_ok is not None:  # the retrieved slots follow the sinks
             logits[1] = logits[1].masked_fill(~retrieved_ok[:, None, :], float("-inf"))
         weights = (torch.cat(logits, dim=-1).float() * scaling).softmax(dim=-1)
@@ -154,6 +163,26 @@ class StepCache:
         out = sum(w @ v for w, v in zip(weights, pieces_v, strict=True))
         assert isinstance(out, torch.Tensor)
         return out.reshape(1, 1, kvh * group, d)
+
+    def _block_logits(
+        self,
+        frame: FrameState,
+        q_pre: torch.Tensor,
+        keys: torch.Tensor,
+        first: int,
+        kvh: int,
+        group: int,
+    ) -> torch.Tensor:
+        """The query (H, 1, d) pre-rotary against block-local keys (kv_heads, R, d), block j
+        at slots first + j * block: (kv_heads, group, R)."""
+        block, d = frame.config.block, keys.shape[-1]
+        nb = keys.shape[1] // block
+        assert frame._positions is not None
+        distance = frame._positions - first - block * torch.arange(nb, device=keys.device)
+        q = q_pre.reshape(kvh, 1, group, d)  # one rotation per block: (kvh, nb, group, d)
+        q_blocks = frame.rotary.rotate(q, distance[:, None])
+        logits = q_blocks @ keys.view(kvh, nb, block, d).transpose(-1, -2)  # (kvh, nb, g, block)
+        return logits.permute(0, 2, 1, 3).reshape(kvh, group, nb * block)
 
 
 def _same_rows(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

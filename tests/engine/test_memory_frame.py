@@ -258,9 +258,13 @@ def test_bad_specs_are_invalid_requests(strategy, params, param):
     assert e.value.param == param
 
 
-def _dense_step(frame, layer, query, key, value, prefix_k, prefix_v, retrieved_ok, _, scaling):
+def _dense_step(
+    frame, layer, query, key, value, prefix_k, prefix_v, retrieved_ok, _, scaling, blocks_at
+):
     """The frame a decode step attended before StepCache.attend: every key rotated at its
-    frame position, one concatenated frame, one SDPA call."""
+    frame position (never block-local: _whole_blocks is off), one concatenated frame, one SDPA
+    call."""
+    assert blocks_at is None
     store = frame.layers[layer]
     window = frame.rotary.rotate(store.local_k, frame._local_positions())
     keys = torch.cat((*prefix_k, window, key[0]), dim=1)[None]
@@ -302,14 +306,15 @@ def test_a_decode_step_attends_what_the_whole_frame_would(monkeypatch, case):
     dense = memory.fork()
     monkeypatch.setattr(dense._frame.step_cache, "attend", _dense_step)
     monkeypatch.setattr(dense._frame.step_cache, "retrieved", _NoReuse())
+    monkeypatch.setattr(dense._frame, "_whole_blocks", lambda idx, ok: False)
     taken = [0]
-    take = memory._frame._take_retrieved
+    take = memory._frame._take_blocks  # every retrieval's gather, block-local or rotated
 
     def counting_take(store, idx):
         taken[0] += 1
         return take(store, idx)
 
-    monkeypatch.setattr(memory._frame, "_take_retrieved", counting_take)
+    monkeypatch.setattr(memory._frame, "_take_blocks", counting_take)
     token, rebuilt = int(logits.argmax()), 0
     for _ in range(130):
         before = memory._frame.step_cache.window
@@ -322,6 +327,8 @@ def test_a_decode_step_attends_what_the_whole_frame_would(monkeypatch, case):
     assert rebuilt >= 1  # the window's base moved at least once
     if case.startswith("segments"):  # most steps retrieve what the previous one did
         assert taken[0] < 130 * 2, f"{taken[0]} takes in 130 steps of 2 layers"
+        # whole blocks: the steps attended block-local keys with a query rotated per block
+        assert all(kept[3] for kept in memory._frame.step_cache.retrieved.values())
     if case == "segments-fifo":
         assert memory._frame.n_memory <= 48 < memory._frame.num_tokens - 8 - 32
 
