@@ -188,6 +188,7 @@ BENCHMARKS = (
     "memory_load",
     "structured",
     "json_recall",
+    "peers",
 )
 
 

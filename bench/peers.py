@@ -1,0 +1,174 @@
+"""longserve vs llama.cpp vs transformers' generate: prefill and decode tokens/s, one run.
+
+The same GGUF (the embedded SmolLM2-135M-Instruct unless --gguf), the same prompt token ids of
+real text at each --contexts length, greedy, exactly --max-tokens new tokens, one stream:
+
+- longserve through its HTTP API (a server started here: streaming /v1/completions with the
+  prompt as token ids, ignore_eos),
+- llama.cpp in this process (llama-cpp-python on the same GGUF, --threads threads; install it
+  in the benchmark's environment: `pip install llama-cpp-python==0.3.36`, never a test
+  dependency),
+- transformers' own `generate` on the model longserve loads (fp32, eager), in this process.
+
+Prefill tokens/s: prompt tokens over the time to the first new token. Decode tokens/s: the
+new tokens after the first over the time after it. Peers alternate within each round; one JSON
+line per measurement, then per context the medians and longserve's ratios to each peer.
+
+    longserve bench peers --contexts 512 4096 8000 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import httpx
+
+from bench.recall_corpus import filler, load_token_counter
+from bench.server_process import served
+
+
+def prompt_ids(tokenizer: Any, tokens: int) -> list[int]:
+    text = "\n\n".join(p for p, _ in filler("docs", "peers", tokens + 64, load_token_counter(None)))
+    return list(tokenizer(text).input_ids)[:tokens]
+
+
+def timed(stream: Any, prompt_len: int) -> dict:
+    """Prefill and decode tokens/s from an iterator of new tokens, started now."""
+    started = time.perf_counter()
+    stamps = [time.perf_counter() for _ in stream]
+    first = stamps[0] - started
+    decode = stamps[-1] - stamps[0]
+    return {
+        "new_tokens": len(stamps),
+        "prefill_tok_s": round(prompt_len / first, 1),
+        "decode_tok_s": round((len(stamps) - 1) / decode, 2) if decode > 0 else None,
+    }
+
+
+def longserve_tokens(http: httpx.Client, model: str, ids: list[int], n: int):
+    body = {
+        "model": model,
+        "prompt": ids,
+        "max_tokens": n,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with http.stream("POST", "/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    yield chunk
+
+
+def llama_tokens(llm: Any, ids: list[int], n: int):
+    llm.reset()
+    for i, token in enumerate(llm.generate(ids, top_k=1, top_p=1.0, temp=0.0)):
+        yield token
+        if i + 1 == n:
+            return
+
+
+class _Stamps:
+    """A transformers streamer that yields a mark per new token, from the generate thread."""
+
+    def __init__(self) -> None:
+        import queue
+
+        self.queue: Any = queue.Queue()
+        self.prompt_seen = False
+
+    def put(self, value: Any) -> None:
+        if not self.prompt_seen:  # generate's first put is the prompt
+            self.prompt_seen = True
+            return
+        self.queue.put(1)
+
+    def end(self) -> None:
+        self.queue.put(None)
+
+    def __iter__(self):
+        while (item := self.queue.get()) is not None:
+            yield item
+
+
+def transformers_tokens(model: Any, ids: list[int], n: int):
+    import threading
+
+    import torch
+
+    streamer = _Stamps()
+    inputs = torch.tensor([ids])
+    kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, streamer=streamer)
+    thread = threading.Thread(target=model.generate, args=(inputs,), kwargs=kwargs)
+    thread.start()
+    yield from streamer
+    thread.join()
+
+
+def run(args: argparse.Namespace) -> None:
+    import torch
+    from llama_cpp import Llama
+
+    from engine.config import EngineConfig
+    from engine.loader import embedded_model_path, load_model
+
+    torch.set_num_threads(args.threads)
+    gguf = args.gguf or str(embedded_model_path())
+    loaded = load_model(EngineConfig(model=args.gguf, device="cpu"))
+    llm = Llama(model_path=gguf, n_ctx=8192, n_threads=args.threads, n_batch=512, verbose=False)
+    lines: list[dict] = []
+    with served(None, serve_args=["--model", gguf] if args.gguf else [], ready_timeout=300) as base:
+        http = httpx.Client(base_url=f"{base}/v1", timeout=3600)
+        model = http.get("/models").json()["data"][0]["id"]
+        peers = {
+            "longserve": lambda ids: longserve_tokens(http, model, ids, args.max_tokens),
+            "llama.cpp": lambda ids: llama_tokens(llm, ids, args.max_tokens),
+            "transformers": lambda ids: transformers_tokens(loaded.model, ids, args.max_tokens),
+        }
+        warm = prompt_ids(loaded.tokenizer, 64)
+        for tokens_of in peers.values():
+            list(tokens_of(warm))
+        for context in args.contexts:
+            ids = prompt_ids(loaded.tokenizer, context)
+            for round_ in range(args.rounds):
+                for peer, tokens_of in peers.items():
+                    line = {"bench": "peers", "context": context, "round": round_, "peer": peer}
+                    line.update(timed(tokens_of(ids), len(ids)))
+                    print(json.dumps(line), flush=True)
+                    lines.append(line)
+    for context in args.contexts:
+        med: dict[str, dict[str, float]] = {}
+        for peer in ("longserve", "llama.cpp", "transformers"):
+            rows = [x for x in lines if x["context"] == context and x["peer"] == peer]
+            med[peer] = {
+                key: statistics.median(r[key] for r in rows if r[key])
+                for key in ("prefill_tok_s", "decode_tok_s")
+            }
+        ratios = {
+            f"longserve/{peer}_{key}": round(med["longserve"][key] / med[peer][key], 2)
+            for peer in ("llama.cpp", "transformers")
+            for key in ("prefill_tok_s", "decode_tok_s")
+        }
+        print(json.dumps({"bench": "peers", "context": context, "median": med, **ratios}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096, 8000])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--gguf", help="a GGUF file (default: the embedded SmolLM2)")
+    args = parser.parse_args(argv)
+    run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
