@@ -3,8 +3,8 @@
 The same GGUF (the embedded SmolLM2-135M-Instruct unless --gguf), the same prompt token ids of
 real text at each --contexts length, greedy, exactly --max-tokens new tokens, one stream:
 
-- longserve through its HTTP API (a server started here: streaming /v1/completions with the
-  prompt as token ids, ignore_eos),
+- longserve through its HTTP API (a server started here: streaming /v1/completions of the
+  prompt's text, which the server tokenizes back to the same ids, ignore_eos),
 - llama.cpp in this process (llama-cpp-python on the same GGUF, --threads threads; install it
   in the benchmark's environment: `pip install llama-cpp-python==0.3.36`, never a test
   dependency),
@@ -41,6 +41,8 @@ def timed(stream: Any, prompt_len: int) -> dict:
     """Prefill and decode tokens/s from an iterator of new tokens, started now."""
     started = time.perf_counter()
     stamps = [time.perf_counter() for _ in stream]
+    if not stamps:
+        raise RuntimeError("the peer produced no tokens")
     first = stamps[0] - started
     decode = stamps[-1] - stamps[0]
     return {
@@ -50,10 +52,10 @@ def timed(stream: Any, prompt_len: int) -> dict:
     }
 
 
-def longserve_tokens(http: httpx.Client, model: str, ids: list[int], n: int):
+def longserve_tokens(http: httpx.Client, model: str, text: str, n: int):
     body = {
         "model": model,
-        "prompt": ids,
+        "prompt": text,
         "max_tokens": n,
         "temperature": 0,
         "stream": True,
@@ -128,7 +130,9 @@ def run(args: argparse.Namespace) -> None:
         http = httpx.Client(base_url=f"{base}/v1", timeout=3600)
         model = http.get("/models").json()["data"][0]["id"]
         peers = {
-            "longserve": lambda ids: longserve_tokens(http, model, ids, args.max_tokens),
+            "longserve": lambda ids: longserve_tokens(
+                http, model, loaded.tokenizer.decode(ids), args.max_tokens
+            ),
             "llama.cpp": lambda ids: llama_tokens(llm, ids, args.max_tokens),
             "transformers": lambda ids: transformers_tokens(loaded.model, ids, args.max_tokens),
         }
@@ -139,11 +143,11 @@ def run(args: argparse.Namespace) -> None:
             ids = prompt_ids(loaded.tokenizer, context)
             for round_ in range(args.rounds):
                 for peer, tokens_of in peers.items():
-                    line = {"bench": "peers", "context": context, "round": round_, "peer": peer}
+                    line = {"bench": "peers", "context": len(ids), "round": round_, "peer": peer}
                     line.update(timed(tokens_of(ids), len(ids)))
                     print(json.dumps(line), flush=True)
                     lines.append(line)
-    for context in args.contexts:
+    for context in sorted({x["context"] for x in lines}):
         med: dict[str, dict[str, float]] = {}
         for peer in ("longserve", "llama.cpp", "transformers"):
             rows = [x for x in lines if x["context"] == context and x["peer"] == peer]
