@@ -24,13 +24,12 @@ from sse_starlette import EventSourceResponse
 
 from server.errors import APIError, invalid_request
 from server.protocol import (
-    ChatCompletion,
     ChatCompletionRequest,
     ChatMessage,
-    DeltaToolCall,
     FunctionCall,
     ResponseCreateRequest,
     ToolCall,
+    UsageInfo,
 )
 from server.serving.answer import answer_choices
 from server.serving.chat import chat_gather, chat_jobs
@@ -68,7 +67,9 @@ async def create_response(
 
     async def gather(streams: ChoiceStreams) -> dict[str, Any]:
         completion = await chat_gather(streams, response_id, model, tools)
-        done, answer = finish(base, completion)
+        choice = completion.choices[0]
+        output, answer = answer_of(choice.message.content or "", choice.message.tool_calls)
+        done = completed(base, output, choice.finish_reason, completion.usage)
         keep(done, answer)
         return done
 
@@ -240,27 +241,26 @@ def usage_of(prompt: int, cached: int, completion: int) -> dict[str, Any]:
     }
 
 
-def finish(base: dict[str, Any], completion: ChatCompletion) -> tuple[dict[str, Any], ChatMessage]:
-    """The finished response object and the assistant message it adds to the conversation."""
-    choice = completion.choices[0]
-    message = choice.message
-    if message.tool_calls:
-        output = [
-            call_item(c.id, c.function.name, c.function.arguments) for c in message.tool_calls
-        ]
-        answer = ChatMessage(role="assistant", tool_calls=message.tool_calls)
-    else:
-        output = [message_item(message.content or "")]
-        answer = ChatMessage(role="assistant", content=message.content or "")
-    usage = completion.usage
+def answer_of(text: str, calls: list[ToolCall] | None) -> tuple[list[dict[str, Any]], ChatMessage]:
+    """The output items of an answer (its function calls, or its message) and the assistant
+    message it adds to the conversation."""
+    if calls:
+        output = [call_item(c.id, c.function.name, c.function.arguments) for c in calls]
+        return output, ChatMessage(role="assistant", tool_calls=calls)
+    return [message_item(text)], ChatMessage(role="assistant", content=text)
+
+
+def completed(
+    base: dict[str, Any], output: list[dict[str, Any]], finish_reason: str | None, usage: UsageInfo
+) -> dict[str, Any]:
+    """The finished response object."""
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-    done = {
+    return {
         **base,
         "output": output,
         "usage": usage_of(usage.prompt_tokens, cached, usage.completion_tokens),
-        **_status(choice.finish_reason),
+        **_status(finish_reason),
     }
-    return done, answer
 
 
 def _status(finish_reason: str | None) -> dict[str, Any]:
@@ -287,7 +287,6 @@ async def stream_events(
     held = ToolStream(tools) if tools is not None else None
     item: dict[str, Any] | None = None  # the message item, once text started
     text: list[str] = []
-    calls: list[DeltaToolCall] = []
     finish_reason = None
     yield event("response.created", response=base)
     yield event("response.in_progress", response=base)
@@ -297,8 +296,7 @@ async def stream_events(
         if delta.finish_reason is not None:
             finish_reason = delta.finish_reason
             if held is not None:
-                rest, made = held.finish()
-                piece, calls = piece + rest, made or []
+                piece += held.finish()[0]
         if not piece:
             continue
         if item is None:
@@ -307,51 +305,25 @@ async def stream_events(
             yield event("response.content_part.added", **_at(item), part=_part(""))
         text.append(piece)
         yield event("response.output_text.delta", **_at(item), delta=piece, logprobs=[])
-    output: list[dict[str, Any]] = []
-    if item is not None:
-        full = "".join(text)
-        done_item = {**message_item(full), "id": item["id"]}
-        yield event("response.output_text.done", **_at(item), text=full, logprobs=[])
-        yield event("response.content_part.done", **_at(item), part=_part(full))
-        yield event("response.output_item.done", output_index=0, item=done_item)
-        output.append(done_item)
-    for call in calls:
-        name, arguments = call.function.name or "", call.function.arguments or ""
-        done_item = call_item(call.id or "", name, arguments)
-        index = len(output)
-        started = {**done_item, "arguments": "", "status": "in_progress"}
-        yield event("response.output_item.added", output_index=index, item=started)
-        at = {"item_id": done_item["id"], "output_index": index}
-        yield event("response.function_call_arguments.delta", **at, delta=arguments)
-        yield event("response.function_call_arguments.done", **at, arguments=arguments)
+    full = "".join(text)
+    output, answer = answer_of(full, held.calls if held is not None else None)
+    for index, done_item in enumerate(output):
+        if done_item["type"] == "message":  # the item streamed above
+            assert item is not None
+            done_item["id"] = item["id"]
+            yield event("response.output_text.done", **_at(item), text=full, logprobs=[])
+            yield event("response.content_part.done", **_at(item), part=_part(full))
+        else:
+            arguments = done_item["arguments"]
+            started = {**done_item, "arguments": "", "status": "in_progress"}
+            yield event("response.output_item.added", output_index=index, item=started)
+            at = {"item_id": done_item["id"], "output_index": index}
+            yield event("response.function_call_arguments.delta", **at, delta=arguments)
+            yield event("response.function_call_arguments.done", **at, arguments=arguments)
         yield event("response.output_item.done", output_index=index, item=done_item)
-        output.append(done_item)
-    if calls:
-        answer = ChatMessage(
-            role="assistant",
-            tool_calls=[
-                ToolCall(
-                    id=c.id or "",
-                    function=FunctionCall(
-                        name=c.function.name or "", arguments=c.function.arguments or ""
-                    ),
-                )
-                for c in calls
-            ],
-        )
-    else:
-        answer = ChatMessage(role="assistant", content="".join(text))
-    totals = usage.usage()
-    cached = totals.prompt_tokens_details.cached_tokens if totals.prompt_tokens_details else 0
-    status = _status("stop" if calls else finish_reason)
-    done = {
-        **base,
-        "output": output,
-        "usage": usage_of(totals.prompt_tokens, cached, totals.completion_tokens),
-        **status,
-    }
+    done = completed(base, output, finish_reason, usage.usage())
     keep(done, answer)
-    kind = "response.completed" if status["status"] == "completed" else "response.incomplete"
+    kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
     yield event(kind, response=done)
 
 

@@ -215,6 +215,7 @@ class ToolStream:
     def __init__(self, plan: ToolPlan) -> None:
         self._held = ""
         self._text = plan.mode == "none"  # decided: the answer is text
+        self.calls: list[ToolCall] | None = None  # the calls, once `finish` parsed them
 
     def feed(self, text: str) -> str:
         """The content to send now for this piece of the answer."""
@@ -228,12 +229,11 @@ class ToolStream:
         return held
 
     def finish(self) -> tuple[str, list[DeltaToolCall] | None]:
-        """At the end: content still held, or the calls as stream deltas."""
-        calls = parse_calls(self._held) if self._held else None
+        """At the end: content still held, or the calls (kept in `calls`) as stream deltas."""
+        self.calls = calls = parse_calls(self._held) if self._held else None
+        held, self._held = self._held, ""
         if calls is None:
-            held, self._held = self._held, ""
             return held, None
-        self._held = ""
         return "", [
             DeltaToolCall(
                 index=i,
