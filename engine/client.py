@@ -36,6 +36,7 @@ from engine.protocol import (
     Prompt,
     SamplingParams,
     SessionMemoryInfo,
+    SessionTurn,
 )
 from engine.sessions import Decoding, MemorySessions, SessionKind
 from engine.store import StoreBridge, model_fingerprint
@@ -171,6 +172,7 @@ class LocalEngine:
         session_id: str | None = None,
         memory: MemorySpec | None = None,
         tenant: str | None = None,
+        memory_room: int | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         self._worker.check_alive()
         _validate_sampling(sampling)
@@ -178,7 +180,8 @@ class LocalEngine:
             with self._tokenizer_lock:  # the llguidance tokenizer is built from this one
                 self._grammars.compile(sampling.response_format)  # InvalidRequest if it cannot
         if session_id is not None:
-            return self._kind_of(session_id).generate(request_id, session_id, prompt, sampling)
+            kind = self._kind_of(session_id)
+            return kind.generate(request_id, session_id, prompt, sampling, memory_room)
         prompt_ids = self._encode(prompt)  # (T,)
         total = len(prompt_ids) + sampling.max_tokens
         queued_at = time.perf_counter()
@@ -202,6 +205,9 @@ class LocalEngine:
         if any(session_id in kind for kind in self._kinds):
             raise InvalidRequest(f"session {session_id!r} already exists", param="session_id")
         await self._kind_for(spec).create(session_id, spec)
+
+    async def import_turn(self, session_id: str, turn: SessionTurn) -> None:
+        await self._kind_of(session_id).import_turn(session_id, turn)
 
     async def drop_session(self, session_id: str) -> None:
         await self._kind_of(session_id).drop(session_id)

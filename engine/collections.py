@@ -6,6 +6,7 @@ load whole, searched per request by EmbQ(x) . EmbD(c) and read into that request
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 from collections.abc import AsyncIterator, Generator, Sequence
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.conversation import check_memory_room
 from engine.generate import Generation, MemoryState
 from engine.prior_query import prior_query
 from engine.protocol import (
@@ -34,7 +36,8 @@ from memory_store.client import ChunkEncoding, ChunkRef, TextEncoder, default_em
 from memory_store.errors import InvalidStoreRequest, NotFound
 
 if TYPE_CHECKING:
-    from engine.sessions import MemorySession, MemorySessions
+    from engine.conversation import MemorySession
+    from engine.sessions import MemorySessions
 
 
 @dataclass
@@ -175,6 +178,7 @@ class SessionCollections:
         sampling: SamplingParams,
         session_id: str,
         queued_at: float,
+        memory_room: int | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         """A request on a session with a large collection: select, then generate on a fork.
 
@@ -196,7 +200,9 @@ class SessionCollections:
         self._sessions.check_memory_cap(
             session.memory.num_tokens + selected_tokens + len(prompt_ids) + sampling.max_tokens
         )
-        steps = self._fork_steps(session_id, chunks, prompt, prompt_ids, sampling, queued_at)
+        steps = self._fork_steps(
+            session_id, chunks, prompt, prompt_ids, sampling, queued_at, memory_room
+        )
         stream = submit(self._worker, request_id, steps, session_id, aborted_delta(len(prompt_ids)))
         async for delta in stream:
             yield delta
@@ -209,11 +215,16 @@ class SessionCollections:
         prompt_ids: torch.Tensor,
         sampling: SamplingParams,
         queued_at: float,
+        memory_room: int | None,
     ) -> Generator[GenerationDelta | None, None, None]:
         session = self._sessions.sessions.get(session_id)
         if session is None:
             raise SessionNotFound(f"session {session_id!r} has no memory")
         prompt_ids, new, restart = self._sessions.turn_prompt(session, prompt, prompt_ids)
+        if memory_room is not None:
+            freed = session.held.tokens - session.documents_held.tokens if restart else 0
+            closing = len(self._sessions.decoding.turn_end) if new is not None else 0
+            check_memory_room(len(prompt_ids) + sampling.max_tokens + closing - freed, memory_room)
         if restart:
             session.restart()
         fork = session.memory.fork()
@@ -226,16 +237,21 @@ class SessionCollections:
             sampling,
             self._sessions.decoding.tokenizer,
             queued_at=queued_at,
+            hold_final=True,
             **self._sessions.decoding.kwargs(),
         )
-        yield from generation  # delegated: its decode steps join the worker's batches
+        final = yield from generation  # delegated: its decode steps join the worker's batches
         generated, answer = list(generation.output_ids), generation.text
         del fork, generation
         if new is not None:
             closing = self._sessions.decoding.turn_end
             generated += closing[1:] if generated and generated[-1:] == closing[:1] else closing
             session.add_turns(new, answer)
-        turn = torch.cat((prompt_ids, torch.tensor(generated, dtype=torch.long)))
+        _, hash_before = session.begin_turn()
+        ids = torch.cat((prompt_ids, torch.tensor(generated, dtype=torch.long)))
         with torch.inference_mode():
-            session.memory.append(turn)
+            session.memory.append(ids)
         session.last_used = time.monotonic()
+        turn = session.finish_turn(restart, new, answer, hash_before)
+        if final is not None:
+            yield dataclasses.replace(final, turns=session.take_unsent(turn))

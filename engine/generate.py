@@ -253,8 +253,13 @@ class Generation:
         prefilled: int = 0,
         prefill_cuts: Sequence[int] = (),
         grammars: Grammars | None = None,
+        hold_final: bool = False,
     ) -> None:
         self.state = state
+        # hold_final: the finishing delta (finish_reason, stats) is the iteration's return
+        # value, once every step is done, so a session can close its turn before it goes out
+        self._hold_final = hold_final
+        self._final: GenerationDelta | None = None
         self.sampling = sampling
         self._tokenizer = tokenizer
         self._prompt_ids = prompt_ids
@@ -333,7 +338,7 @@ class Generation:
 
     def __next__(self) -> GenerationDelta | None:
         if self.done:
-            raise StopIteration
+            raise StopIteration(self._final)
         if self.finished:  # `after`: the answer's last token and the end of turn join the context
             token = self._feed.pop(0)
             logits, self._loaded = self._loaded, None
@@ -343,7 +348,7 @@ class Generation:
             if self._feed:
                 return None
             self.done = True
-            raise StopIteration
+            raise StopIteration(self._final)
         if self.next_token is None:
             return self._prefill_step()
         logits, self._loaded = self._loaded, None
@@ -429,20 +434,34 @@ class Generation:
                 memory_tokens=self.state.num_tokens if self.state.strategy is not None else 0,
             )
         self._text.append(text)
+        if self._hold_final and finish is not None:  # the text now, the finish at the end
+            self._final = self._delta("", [], None, finish, stats)
+            finish, stats = None, None
         if finish is None and not text and not sampling.logprobs:
             return None
-        delta = GenerationDelta(
+        logprobs = self._pending_logprobs if sampling.logprobs else None
+        delta = self._delta(text, self._pending_ids, logprobs, finish, stats)
+        self._pending_ids, self._pending_logprobs = [], []
+        return delta
+
+    def _delta(
+        self,
+        text: str,
+        token_ids: list[int],
+        logprobs: list[TokenLogprob] | None,
+        finish: FinishReason | None,
+        stats: RequestStats | None,
+    ) -> GenerationDelta:
+        return GenerationDelta(
             text=text,
-            token_ids=self._pending_ids,
+            token_ids=token_ids,
             prompt_tokens=self._prompt_tokens,
             cached_tokens=self._prefilled,
             completion_tokens=self.completion_tokens,
-            logprobs=self._pending_logprobs if sampling.logprobs else None,
+            logprobs=logprobs,
             finish_reason=finish,
             stats=stats,
         )
-        self._pending_ids, self._pending_logprobs = [], []
-        return delta
 
 
 def load_batch(model: Any, generations: Sequence[Generation]) -> None:

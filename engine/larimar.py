@@ -51,6 +51,7 @@ from engine.protocol import (
     MemorySpec,
     Prompt,
     SamplingParams,
+    SessionTurn,
     StoreUnavailableError,
 )
 from memory_store.client import (
@@ -298,8 +299,15 @@ class LarimarSessions:
         self._specs.pop(session_id, None)
 
     def generate(
-        self, request_id: str, session_id: str, prompt: Prompt, sampling: SamplingParams
+        self,
+        request_id: str,
+        session_id: str,
+        prompt: Prompt,
+        sampling: SamplingParams,
+        memory_room: int | None = None,
     ) -> AsyncIterator[GenerationDelta]:
+        # the conversation never joins a Larimar memory (only documents are written to it),
+        # so a request takes none of the tenant's memory budget and leaves no turn to store
         return self._generate(request_id, prompt, sampling, session_id, self._specs[session_id])
 
     def generate_ephemeral(
@@ -316,6 +324,9 @@ class LarimarSessions:
 
     def ingest(self, request_id: str, session_id: str, text: str) -> AsyncIterator[IngestProgress]:
         return self._ingest(session_id, text)
+
+    async def import_turn(self, session_id: str, turn: SessionTurn) -> None:
+        raise InvalidRequest("a larimar session holds no turns", param="turn")
 
     async def attach_collection(self, session_id: str, name: str) -> CollectionAttachment:
         raise CollectionIncompatible(

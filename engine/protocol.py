@@ -51,6 +51,15 @@ class EngineOverloaded(EngineError):
         self.retry_after = retry_after
 
 
+class MemoryBudgetExceeded(EngineError):
+    """A request on a session would take its tenant past the memory budget. -> 429."""
+
+    def __init__(self, message: str, needed: int, room: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.room = room
+
+
 class SessionNotFound(EngineError):
     """The engine holds no memory for this session id. -> 404."""
 
@@ -169,6 +178,38 @@ class GenerationDelta:
     finish_reason: FinishReason | None = None
     stats: RequestStats | None = None
     cached_tokens: int = 0  # of prompt_tokens, those not read again (a reused prefix)
+    # last delta of a request on a session: the turns it carries out to the memory store
+    turns: tuple[SessionTurn, ...] = ()
+
+
+@dataclass(frozen=True)
+class SessionTurn:
+    """What one finished request added to a session's memory, for the memory store: another
+    replica rebuilds the session by importing it after the session's documents (no model
+    forward when `encoding` is there; its tokens are read again when it is not).
+
+    seq counts the session's turns from 1. restart: the memory first went back to the end of
+    its documents, forgetting the conversation held (MemorySession.plan_chat). messages: the
+    chat messages appended, (role, text) each; None for a completion prompt. commits: tokens
+    per commit, in the order the memory committed them. turns / turn_tokens: how many turns,
+    and their tokens, the memory holds after this one (documents and collections apart).
+    """
+
+    seq: int
+    restart: bool
+    messages: list[tuple[str, str]] | None
+    answer: str
+    token_ids: list[int]
+    commits: list[int]
+    hash_before: str | None
+    hash_after: str | None
+    turns: int
+    turn_tokens: int
+    encoding: bytes | None = None
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass(frozen=True)
@@ -265,9 +306,12 @@ class EngineClient(Protocol):
         session_id: str | None = None,
         memory: MemorySpec | None = None,
         tenant: str | None = None,
+        memory_room: int | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         """Queue a generation and stream its deltas. tenant: whose request it is; long prompts
-        reuse cached prefixes of their own tenant's earlier prompts only. Raises EngineOverloaded when the waiting
+        reuse cached prefixes of their own tenant's earlier prompts only. memory_room: on a
+        session, how many tokens its memory may still grow by (the tenant's budget left);
+        MemoryBudgetExceeded, changing nothing, when the request could take more. Raises EngineOverloaded when the waiting
         queue is full (before anything is yielded), PromptTooLong / InvalidRequest on bad input.
         Closing the iterator early aborts the request in the worker."""
         ...
@@ -286,6 +330,11 @@ class EngineClient(Protocol):
 
     async def drop_session(self, session_id: str) -> None:
         """Free a session's memory at once (cancelling its ingestion). Idempotent."""
+        ...
+
+    async def import_turn(self, session_id: str, turn: SessionTurn) -> None:
+        """Rebuild a turn another replica's session took (a restore, after the documents read
+        before it). InvalidRequest when the session does not stand where the turn began."""
         ...
 
     def ingest(self, request_id: str, session_id: str, text: str) -> AsyncIterator[IngestProgress]:

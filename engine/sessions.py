@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import torch
 
 from engine.chat_template import Turn, encode_chat, encode_document, message_turns
-from engine.collections import Collection, SessionCollections
+from engine.collections import SessionCollections
 from engine.config import EngineConfig
+from engine.conversation import MemorySession, check_memory_room
 from engine.generate import Generation, MemoryState
 from engine.grammar import Grammars
 from engine.memory.session import STRATEGIES, MemoryMark, SessionMemory
@@ -36,6 +37,7 @@ from engine.protocol import (
     SamplingParams,
     SessionMemoryInfo,
     SessionNotFound,
+    SessionTurn,
 )
 from engine.store import StoreBridge, document_id
 from engine.store import ingest_steps as store_ingest_steps
@@ -60,7 +62,12 @@ class SessionKind(Protocol):
     async def drop(self, session_id: str) -> None: ...
 
     def generate(
-        self, request_id: str, session_id: str, prompt: Prompt, sampling: SamplingParams
+        self,
+        request_id: str,
+        session_id: str,
+        prompt: Prompt,
+        sampling: SamplingParams,
+        memory_room: int | None = None,
     ) -> AsyncIterator[GenerationDelta]: ...
 
     def generate_ephemeral(
@@ -83,6 +90,8 @@ class SessionKind(Protocol):
 
     async def attach_collection(self, session_id: str, name: str) -> CollectionAttachment: ...
 
+    async def import_turn(self, session_id: str, turn: SessionTurn) -> None: ...
+
 
 @dataclass(frozen=True)
 class Decoding:
@@ -102,74 +111,6 @@ class Decoding:
             "vocab_size": self.vocab_size,
             "grammars": self.grammars,
         }
-
-
-@dataclass
-class MemorySession:
-    """A session's memory and the conversation it holds (device thread only)."""
-
-    memory: SessionMemory
-    strategy: str
-    # Every chat message the memory holds, in order, each request's messages followed by the
-    # answer generated for them (see MemorySessions._session_steps): what a resent
-    # conversation is matched against.
-    turns: list[Turn] = dataclasses.field(default_factory=list)
-    # What the chat template has rendered into the memory, in order: the chat turns above
-    # and each document read, as a user turn (see MemorySessions._ingest_steps).
-    rendered: list[Turn] = dataclasses.field(default_factory=list)
-    last_used: float = dataclasses.field(default_factory=time.monotonic)
-    collections: dict[str, Collection] = dataclasses.field(default_factory=dict)
-    # The memory right after its last document (or collection), and what was rendered by then:
-    # where a chat that does not continue the conversation held starts (`start_chat`).
-    documents_end: MemoryMark | None = None
-    documents_rendered: list[Turn] = dataclasses.field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.documents_end = self.memory.mark()
-
-    def add_turns(self, new: list[Turn], answer: str) -> None:
-        """A chat request's messages and its answer joined the memory."""
-        self.turns = [*self.turns, *new, ("assistant", answer)]
-        self.rendered = [*self.rendered, *new, ("assistant", answer)]
-
-    def read_document(self, rendered: Turn | None) -> None:
-        """A document or collection was read whole: it closes the conversation held, moves to
-        memory (SessionMemory.end_document) and is where later new chats start."""
-        if rendered is not None:
-            self.rendered = [*self.rendered, rendered]
-        self.memory.end_document()
-        self.turns = []
-        self.documents_end, self.documents_rendered = self.memory.mark(), list(self.rendered)
-
-    def plan_chat(self, sent: list[Turn]) -> tuple[list[Turn], bool]:
-        """The messages of a chat request that the memory must read, and whether it must
-        first go back to the end of its documents (`restart`): the messages past the
-        conversation held when `sent` continues it; else all of them after the documents
-        (the conversation held is forgotten), as OpenAI's stateless chat API reads them. A
-        conversation too long to forget (some of it has reached memory) is kept and the new
-        chat follows it."""
-        held = self.turns
-        if sent[: len(held)] == held:
-            return sent[len(held) :], False
-        if self.documents_end is not None and self.memory.can_rewind(self.documents_end):
-            return sent, True
-        logger.info("a new chat follows the conversation held: part of it reached memory")
-        return sent, False
-
-    @property
-    def restart_tokens(self) -> int:
-        """Tokens the memory holds at the end of its documents."""
-        return self.documents_end.frame.num_tokens if self.documents_end else 0
-
-    def restart(self) -> None:
-        """Go back to the end of the documents (after `plan_chat` said so)."""
-        assert self.documents_end is not None and self.memory.rewind(self.documents_end)
-        self.turns, self.rendered = [], list(self.documents_rendered)
-
-    @property
-    def selected(self) -> list[Collection]:
-        """Collections searched per request (too large to load whole)."""
-        return [c for c in self.collections.values() if c.attachment.loading == "selected"]
 
 
 class MemorySessions:
@@ -241,7 +182,12 @@ class MemorySessions:
         await on_device(self._worker, drop)
 
     def generate(
-        self, request_id: str, session_id: str, prompt: Prompt, sampling: SamplingParams
+        self,
+        request_id: str,
+        session_id: str,
+        prompt: Prompt,
+        sampling: SamplingParams,
+        memory_room: int | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         prompt_ids = self._encode(prompt)  # (T,)
         total = len(prompt_ids) + sampling.max_tokens
@@ -252,9 +198,11 @@ class MemorySessions:
         self.check_memory_cap(session.memory.num_tokens + total)
         if session.selected:
             return self.collections.selected_generate(
-                request_id, prompt, prompt_ids, sampling, session_id, queued_at
+                request_id, prompt, prompt_ids, sampling, session_id, queued_at, memory_room
             )
-        steps = self._session_steps(session_id, prompt, prompt_ids, sampling, queued_at)
+        steps = self._session_steps(
+            session_id, prompt, prompt_ids, sampling, queued_at, memory_room
+        )
         return submit(self._worker, request_id, steps, session_id, aborted_delta(len(prompt_ids)))
 
     def generate_ephemeral(
@@ -281,6 +229,15 @@ class MemorySessions:
 
     async def attach_collection(self, session_id: str, name: str) -> CollectionAttachment:
         return await self.collections.attach(session_id, name)
+
+    async def import_turn(self, session_id: str, turn: SessionTurn) -> None:
+        def take() -> None:
+            session = self.sessions.get(session_id)
+            if session is None:
+                raise SessionNotFound(f"session {session_id!r} has no memory")
+            session.import_turn(turn)
+
+        await on_device(self._worker, take)
 
     def memory_info(self, session_id: str) -> SessionMemoryInfo | None:
         session = self.sessions.get(session_id)
@@ -344,6 +301,7 @@ class MemorySessions:
         prompt_ids: torch.Tensor,
         sampling: SamplingParams,
         queued_at: float,
+        memory_room: int | None = None,
     ) -> Generator[GenerationDelta | None, None, None]:
         """One request on a session's memory. Runs when the session's previous request has
         finished (the worker runs a session's jobs one at a time), so it sees its last turn.
@@ -355,16 +313,25 @@ class MemorySessions:
         to the end of its documents and all of them are read (MemorySession.plan_chat). The
         answer is closed with the template's end of turn. A completion prompt is appended as
         it is, after whatever the memory holds.
+
+        The last delta goes out once the turn is closed, carrying it (`SessionTurn`) for the
+        memory store. An aborted or failed request is forgotten when none of it has reached
+        memory yet; else it stays, and goes out with the next finished request's turn.
         """
         session = self.sessions.get(session_id)
         if session is None:
             raise SessionNotFound(f"session {session_id!r} has no memory")
         prompt_ids, new, restart = self.turn_prompt(session, prompt, prompt_ids)
+        after = self.decoding.turn_end if new is not None else []
         held = session.restart_tokens if restart else session.memory.num_tokens
-        self.check_memory_cap(held + len(prompt_ids) + sampling.max_tokens)
+        grows = len(prompt_ids) + sampling.max_tokens + len(after)
+        self.check_memory_cap(held + grows)
+        if memory_room is not None:
+            freed = session.held.tokens - session.documents_held.tokens if restart else 0
+            check_memory_room(grows - freed, memory_room)
         if restart:
             session.restart()
-        tokens_before = session.memory.num_tokens
+        mark, hash_before = session.begin_turn()
         session.memory.set_query(prior_query(prompt, session.turns))
         generation = Generation(
             MemoryState(session.memory, session.strategy),
@@ -372,15 +339,22 @@ class MemorySessions:
             sampling,
             self.decoding.tokenizer,
             queued_at=queued_at,
-            after=self.decoding.turn_end if new is not None else (),
+            after=after,
+            hold_final=True,
             **self.decoding.kwargs(),
         )
+        final: GenerationDelta | None = None
+        turn: SessionTurn | None = None
         try:
-            yield from generation  # delegated: its decode steps join the worker's batches
-        finally:  # finished, failed or aborted: the memory keeps what it read, turn closed
+            final = yield from generation  # delegated: its decode steps join the worker's batches
+        finally:  # finished, failed or aborted: the memory keeps a whole turn or none
             if self.sessions.get(session_id) is session:
-                self._end_turn(session, generation, tokens_before, new, generation.text)
+                turn = self._end_turn(session, generation, mark, hash_before, new, restart, final)
                 session.memory.end_request()
+        if final is not None and turn is not None:
+            yield dataclasses.replace(final, turns=session.take_unsent(turn))
+        elif final is not None:
+            yield final
 
     def turn_prompt(
         self, session: MemorySession, prompt: Prompt, prompt_ids: torch.Tensor
@@ -403,26 +377,35 @@ class MemorySessions:
         self,
         session: MemorySession,
         generation: Generation,
-        tokens_before: int,
+        mark: MemoryMark,
+        hash_before: str | None,
         new: list[Turn] | None,
-        answer: str,
-    ) -> None:
-        """After a request on a session: remember the turns the memory holds and, when the
-        request stopped early, read what its generation left unread (the last sampled token
-        and, for chat, the template's end of turn; a finished one fed them already)."""
+        restart: bool,
+        final: GenerationDelta | None,
+    ) -> SessionTurn | None:
+        """After a request on a session: the turn it took, or None when it left nothing.
+
+        A finished request has read its whole turn (the end of turn fed in batched steps). An
+        aborted or failed one is forgotten (`drop_turn`) unless some of it reached memory;
+        then what it generated and the end of turn are read too, so the memory still holds
+        whole turns, and the turn waits in `unsent` for the next finished request."""
         session.last_used = time.monotonic()
-        if session.memory.num_tokens == tokens_before:
-            return  # stopped before reading anything
-        if new is not None:
-            session.add_turns(new, answer)
+        if final is None and session.drop_turn(mark):
+            return None
         tail = generation.unread_tail()
-        if not tail:
-            return
-        try:
-            with torch.inference_mode():
-                session.memory.append(torch.tensor(tail, dtype=torch.long))
-        except Exception:
-            logger.exception("closing a turn of a session failed")
+        if tail:
+            try:
+                with torch.inference_mode():
+                    session.memory.append(torch.tensor(tail, dtype=torch.long))
+            except Exception:
+                logger.exception("closing a turn of a session failed")
+        if new is not None:
+            session.add_turns(new, generation.text)
+        turn = session.finish_turn(restart, new, generation.text, hash_before)
+        if final is None:
+            session.unsent.append(turn)
+            return None
+        return turn
 
     def _ingest_steps(
         self, request_id: str, session_id: str, text: str

@@ -193,22 +193,25 @@ class NeurocacheSelector(Selector):
         self._previous.clear()
         self._previous.extend(state)
 
-    def export_chunk_state(self) -> dict[str, Any]:
-        """The forwarded chunk's layer-r states (fp16) and its own retrieval window: what
-        rebuilding the cache and the extended cache attention needs without the model."""
+    def export_chunk_state(self, precise: bool = False) -> dict[str, Any]:
+        """The forwarded chunk's layer-r states (fp16, or fp32 when precise) and its own
+        retrieval window: what rebuilding the cache and the extended cache attention needs
+        without the model."""
         assert self._chunk_h is not None, "no forwarded chunk to export"
-        h = self._chunk_h.to(torch.float16).cpu().numpy()  # (T, hidden)
+        kind = "<f4" if precise else "<f2"
+        h = self._chunk_h.float().cpu().numpy().astype(kind)  # (T, hidden)
         window = None if self._window is None else self._window.tolist()
         return {
-            "neurocache_h": base64.b64encode(h.astype("<f2").tobytes()).decode("ascii"),
+            "neurocache_h": base64.b64encode(h.tobytes()).decode("ascii"),
             "neurocache_h_shape": list(h.shape),
+            "neurocache_h_dtype": kind,
             "neurocache_window": window,
         }
 
     def import_chunk_state(self, state: dict[str, Any], forwarded: bool) -> None:
         shape = tuple(state["neurocache_h_shape"])
         raw = base64.b64decode(state["neurocache_h"])
-        h = np.frombuffer(raw, dtype="<f2").reshape(shape)
+        h = np.frombuffer(raw, dtype=state.get("neurocache_h_dtype", "<f2")).reshape(shape)
         self._chunk_h = torch.from_numpy(h.astype(np.float32)).to(self.device)
         window = state.get("neurocache_window")
         if not forwarded and window is not None and self.config.c > 1:

@@ -63,8 +63,9 @@ class Selector:
         """Retrieval time spent outside `select` since the last call."""
         return 0.0
 
-    def export_chunk_state(self) -> dict[str, Any]:
-        """JSON-able state it keeps from the forwarded chunk beyond its keys and values."""
+    def export_chunk_state(self, precise: bool = False) -> dict[str, Any]:
+        """JSON-able state it keeps from the forwarded chunk beyond its keys and values
+        (precise: as held, not rounded to fp16 for the store's shared chunks)."""
         return {}
 
     def import_chunk_state(self, state: dict[str, Any], forwarded: bool) -> None:

@@ -34,6 +34,7 @@ from engine.memory.frame import FrameMark, FrameState
 from engine.memory.prior import TextPrior
 from engine.memory.rotary import RotaryTable
 from engine.memory.selector import Selector
+from engine.memory.turns import TurnEncoding
 from engine.protocol import InvalidRequest, MemorySpec
 from memory_store.client import ChunkEncoding, TextEncoder, chain_hash
 
@@ -98,6 +99,9 @@ class SessionMemory:
         # chain hash of every forward (or imported chunk) so far; None for an empty session
         self.state_hash: str | None = None
         self._offloaded = False
+        # while a turn is recorded (start_turn): each commit's ids, keys, values, state
+        self._turn: list[tuple[list[int], list[torch.Tensor], list[torch.Tensor], dict]] | None
+        self._turn = None
 
     def __del__(self) -> None:
         # frame and selector refer to each other (selector.frame): break the cycle so that a
@@ -285,6 +289,10 @@ class SessionMemory:
         """The pending chunk of ids joins the frame (and the prior's token ids). Blocks it
         moved to memory get their EmbD now, a chunk's worth at a time: embedding a whole
         document at its first question stalled every other request for seconds."""
+        if self._turn is not None:  # a turn being recorded keeps what each commit adds
+            keys, values = self._frame.pending_chunk()
+            state = self._selector.export_chunk_state(precise=True)
+            self._turn.append((ids.reshape(-1).tolist(), keys, values, state))
         self._frame.commit()
         if self.prior is not None:
             self.prior.read(ids)
@@ -352,6 +360,47 @@ class SessionMemory:
                 self._frame.abort()
                 raise
             self._commit(torch.as_tensor(np.asarray(encoding.token_ids, dtype=np.int64)))
+        self._last_logits = None
+
+    # -- turns: what one request committed, out and back in (engine/memory/turns.py) --------
+
+    def start_turn(self) -> None:
+        """Record every commit from now on, until `take_turn`."""
+        self._turn = []
+
+    def take_turn(self) -> TurnEncoding:
+        """What was committed since `start_turn`, in commits; recording stops."""
+        turn, self._turn = self._turn or [], None
+        enc = TurnEncoding(metas=[state for _, _, _, state in turn])
+        for ids, _, _, _ in turn:
+            enc.commits.append(len(ids))
+            enc.token_ids += ids
+        if turn:
+            for layer in range(len(self._frame.layers)):
+                enc.keys.append(torch.cat([k[layer] for _, k, _, _ in turn], dim=1).cpu())
+                enc.values.append(torch.cat([v[layer] for _, _, v, _ in turn], dim=1).cpu())
+        return enc
+
+    def import_turn(self, enc: TurnEncoding) -> None:
+        """Commit a recorded turn's pieces as they were committed, with no model forward."""
+        if enc.keys and len(enc.keys) != len(self._frame.layers):
+            raise InvalidRequest(
+                f"turn has {len(enc.keys)} layers, the model {len(self._frame.layers)}",
+                param="turn",
+            )
+        self.reload()
+        with torch.inference_mode():
+            for piece, state in enc.pieces():
+                self._frame.begin_import(piece.stop - piece.start)
+                try:
+                    self._frame.replace_pending(
+                        [k[:, piece] for k in enc.keys], [v[:, piece] for v in enc.values]
+                    )
+                    self._selector.import_chunk_state(state, forwarded=False)
+                except BaseException:
+                    self._frame.abort()
+                    raise
+                self._commit(torch.tensor(enc.token_ids[piece], dtype=torch.long))
         self._last_logits = None
 
     def fork(self) -> SessionMemory:

@@ -147,9 +147,10 @@ async def test_a_conversation_that_reached_memory_is_kept(engine, small_memory_s
     ]
 
 
-async def test_an_aborted_answer_is_closed_and_remembered(engine, small_memory_spec):
+async def test_an_aborted_answer_leaves_no_half_turn(engine, small_memory_spec):
     await engine.create_session("s", small_memory_spec)
-    memory = engine._memory_sessions.sessions["s"].memory
+    session = engine._memory_sessions.sessions["s"]
+    before, hash_before = session.memory.num_tokens, session.memory.state_hash
     stream = engine.generate(
         "long",
         [{"role": "user", "content": "Tell me a story"}],
@@ -159,17 +160,41 @@ async def test_an_aborted_answer_is_closed_and_remembered(engine, small_memory_s
     first = await anext(stream)
     await engine.abort("long")
     deltas = [first] + await collect(stream)
-    assert deltas[-1].finish_reason == "abort"
-    turns = engine._memory_sessions.sessions["s"].turns
-    assert turns[0] == ("user", "Tell me a story") and turns[1][0] == "assistant"
-    text = "".join(d.text for d in deltas)
-    assert turns[1][1] == text
-    # the prompt, every token sampled (some may not have reached a delta), the end of turn
-    assert memory.num_tokens >= first.prompt_tokens + deltas[-1].completion_tokens + len(
+    assert deltas[-1].finish_reason == "abort" and not deltas[-1].turns
+    # nothing of it had reached memory: the session is as it was
+    assert session.turns == [] and session.seq == 0 and not session.unsent
+    assert session.memory.num_tokens == before and session.memory.state_hash == hash_before
+    _, last, _ = await ask(engine, "next", [{"role": "user", "content": "Go on"}])
+    assert last.finish_reason == "length" and [t.seq for t in last.turns] == [1]
+
+
+async def test_an_aborted_turn_that_reached_memory_is_kept_whole(engine, small_memory_spec):
+    """Its tokens cannot be forgotten: the memory reads the rest of the turn (the last token,
+    the end of turn) and the next finished request carries it out first."""
+    await engine.create_session("s", small_memory_spec)
+    session = engine._memory_sessions.sessions["s"]
+    question = [{"role": "user", "content": "Tell me everything about " + "x " * 150}]
+    stream = engine.generate(
+        "long", question, SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True),
+        session_id="s",
+    )  # fmt: skip
+    first = await anext(stream)
+    assert session.memory.memory_tokens > 0
+    await engine.abort("long")
+    deltas = [first] + await collect(stream)
+    assert deltas[-1].finish_reason == "abort" and not deltas[-1].turns
+    assert session.turns[0] == ("user", question[0]["content"])
+    assert session.turns[1] == ("assistant", "".join(d.text for d in deltas))
+    assert [t.seq for t in session.unsent] == [1]
+    assert session.memory.num_tokens >= first.prompt_tokens + deltas[-1].completion_tokens + len(
         assistant_turn_end(engine._tokenizer)
     )
-    _, last, _ = await ask(engine, "next", [{"role": "user", "content": "Go on"}])
-    assert last.finish_reason == "length"
+    _, last, _ = await ask(engine, "next", question + [
+        {"role": "assistant", "content": session.turns[1][1]},
+        {"role": "user", "content": "Go on"},
+    ])  # fmt: skip
+    assert [t.seq for t in last.turns] == [1, 2] and not session.unsent
+    assert last.turns[1].hash_before == last.turns[0].hash_after
 
 
 async def test_completions_leave_the_turns_alone(engine, small_memory_spec):
