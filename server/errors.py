@@ -22,6 +22,7 @@ from engine.protocol import (
     EngineError,
     EngineOverloaded,
     InvalidRequest,
+    MemoryBudgetExceeded,
     SessionNotFound,
 )
 from memory_store.errors import StoreError, StoreUnavailableError
@@ -251,6 +252,8 @@ def from_exception(exc: BaseException) -> APIError:
             code="overloaded",
             headers={"Retry-After": retry_after},
         )
+    if isinstance(exc, MemoryBudgetExceeded):
+        return limit_reached("memory_limit", f"{str(exc).capitalize()}; delete a session first.")
     if isinstance(exc, SessionNotFound):
         return APIError(
             404, str(exc) or "Session not found.", param="session_id", code="session_not_found"

@@ -375,7 +375,8 @@ class SessionObject(OpenAIModel):
     ttl_seconds: int
     expires_at: int
     documents: int
-    memory_tokens: int
+    turns: int = 0  # finished turns the memory holds
+    memory_tokens: int  # documents, collections and turns
     status: Literal["ready", "ingesting"]
     metadata: dict[str, str] = Field(default_factory=dict)
     collections: list[str] = Field(default_factory=list)

@@ -33,10 +33,11 @@ async def answer_choices(
 ) -> T | EventSourceResponse:
     """Run `jobs` for `request` (in its session, if it names one) and answer: `gather` makes
     the one response, `stream_chunks(streams, include_usage)` the serialized stream chunks."""
+    session = None
     if request.session_id:
-        await ctx.sessions.before_generate(tenant, request.session_id, raw_request)
+        session = await ctx.sessions.before_generate(tenant, request.session_id, raw_request)
     session_id, memory = engine_memory(tenant, request.session_id, request.memory)
-    streams = await ChoiceStreams.start(ctx, jobs, session_id, memory, tenant)
+    streams = await ChoiceStreams.start(ctx, jobs, session_id, memory, tenant, session)
 
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     return await answer(

@@ -27,6 +27,8 @@ from engine.protocol import (
 from server.auth import tenant_session_id
 from server.protocol import MemoryRequest, PromptTokensDetails, UsageInfo
 from server.serving.context import ServingContext
+from server.sessions.models import Session
+from server.sessions.turns import memory_room, record_turns
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +102,8 @@ class ChoiceStreams:
     session_id: str | None
     memory: MemorySpec | None
     tenant: str | None = None
+    session: Session | None = None  # the registry's session the request is on
+    started_at: float = 0.0  # wall clock: orders the session's turns among its documents
     _queue: asyncio.Queue[tuple[int, Any]] = field(default_factory=asyncio.Queue)
     _buffer: deque[tuple[int, Any]] = field(default_factory=deque)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -113,9 +117,13 @@ class ChoiceStreams:
         session_id: str | None,
         memory: MemorySpec | None,
         tenant: str | None = None,
+        session: Session | None = None,
     ) -> ChoiceStreams:
-        streams = cls(ctx, jobs, session_id, memory, tenant)
+        """`session`: the registry's session the request is on (None without one, or when no
+        store tells the server of it); its turns are counted, stored and budgeted."""
+        streams = cls(ctx, jobs, session_id, memory, tenant, session, ctx.sessions.clock())
         started = time.perf_counter()
+        room = memory_room(ctx.sessions, session.tenant) if session is not None else None
         iterators: list[AsyncIterator[GenerationDelta]] = []
         try:
             for job in jobs:
@@ -127,6 +135,7 @@ class ChoiceStreams:
                         session_id=session_id,
                         memory=memory,
                         tenant=tenant,
+                        memory_room=room,
                     )
                 )
         except BaseException:
@@ -150,6 +159,10 @@ class ChoiceStreams:
                 if delta.finish_reason == "error":
                     reason = "error"
                     raise EngineError("the engine failed while generating")
+                if delta.turns and self.session is not None:  # stored before the last byte
+                    await record_turns(
+                        self.ctx.sessions, self.session, delta.turns, self.started_at
+                    )
                 self._queue.put_nowait((index, delta))
                 if delta.finish_reason is not None:
                     reason = delta.finish_reason

@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.protocol import CollectionAttachment, MemorySpec, SessionMemoryInfo
+from engine.protocol import CollectionAttachment, MemorySpec, SessionMemoryInfo, SessionTurn
 from server.auth import tenant_session_id
 from server.protocol import (
     DocumentStatus,
@@ -17,7 +18,7 @@ from server.protocol import (
     SessionMemoryView,
     SessionObject,
 )
-from server.sessions.records import CollectionRecord, DocumentRecord, SessionRecord
+from server.sessions.records import CollectionRecord, DocumentRecord, SessionRecord, TurnRecord
 
 
 def new_session_id() -> str:
@@ -129,6 +130,19 @@ class Session:
     saved_last_used: float = 0.0  # last_used as the store holds it
     saving: asyncio.Task[None] | None = None  # a background save of last_used
     removed: bool = False
+    turns: int = 0  # finished turns the memory holds, and their tokens
+    turn_tokens: int = 0
+    seq: int = 0  # the last turn taken
+    unsaved: list[TurnRecord] = field(default_factory=list)  # taken, not yet in the store
+    turn_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def take_turns(self, turns: Sequence[SessionTurn], at: float) -> None:
+        """Turns a finished request carried out: counted, and queued for the store."""
+        for turn in turns:
+            if turn.seq <= self.seq:
+                continue  # seen already
+            self.seq, self.turns, self.turn_tokens = turn.seq, turn.turns, turn.turn_tokens
+            self.unsaved.append(TurnRecord(at=at, turn=turn))
 
     @property
     def engine_id(self) -> str:
@@ -139,7 +153,8 @@ class Session:
         loaded = sum(
             c.attachment.tokens for c in self.collections.values() if c.attachment is not None
         )
-        return loaded + sum(doc.tokens_done for doc in self.documents.values())
+        read = sum(doc.tokens_done for doc in self.documents.values())
+        return loaded + read + self.turn_tokens
 
     @property
     def pending_bytes(self) -> int:
@@ -188,6 +203,7 @@ class Session:
             ttl_seconds=self.ttl_seconds,
             expires_at=int(self.last_used + self.ttl_seconds),
             documents=len(self.documents),
+            turns=self.turns,
             memory_tokens=self.memory_tokens,
             status="ingesting" if self.ingesting() else "ready",
             metadata=self.metadata,
@@ -199,6 +215,7 @@ def stored_view(record: SessionRecord) -> SessionObject:
     """A session another replica holds (or none does), as its stored record describes it."""
     memory = record.memory
     busy = any(d.status in ("queued", "ingesting") for d in record.documents)
+    last = record.turns[-1].turn if record.turns else None
     return SessionObject(
         id=record.id,
         created_at=int(record.created_at),
@@ -209,7 +226,9 @@ def stored_view(record: SessionRecord) -> SessionObject:
         ttl_seconds=record.ttl_seconds,
         expires_at=int(record.last_used + record.ttl_seconds),
         documents=len(record.documents),
-        memory_tokens=sum(d.tokens or 0 for d in record.documents if d.status == "ready"),
+        turns=last.turns if last else 0,
+        memory_tokens=sum(d.tokens or 0 for d in record.documents if d.status == "ready")
+        + (last.turn_tokens if last else 0),
         status="ingesting" if busy else "ready",
         metadata=dict(record.metadata),
         collections=[c.name for c in record.collections],

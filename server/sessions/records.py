@@ -27,6 +27,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.protocol import SessionTurn
 from memory_store.client import KeySpace, MemoryStoreClient
 from memory_store.errors import InvalidStoreRequest, NotFound
 from server.auth import tenant_session_id
@@ -35,6 +36,8 @@ SESSION_KEY = "session"
 DOC_PREFIX = "doc."
 COLLECTION_PREFIX = "coll."
 TEXT_PREFIX = "text."
+TURN_PREFIX = "turn."  # + seq, zero-padded: a finished request's turn (record)
+TURN_KV_PREFIX = "turnkv."  # + seq: its encodings (blob), written before the record
 RECORD_VERSION = 2
 
 # Only ids this server hands out are looked up in the store (anything else cannot be there, and
@@ -96,6 +99,48 @@ class CollectionRecord:
 
 
 @dataclass(frozen=True)
+class TurnRecord:
+    """A turn a session took (engine.protocol.SessionTurn, its encodings apart: they are the
+    blob `turnkv.<seq>`), and when its request started: turns are replayed after the documents
+    uploaded before it."""
+
+    at: float
+    turn: SessionTurn
+    encoded: bool = True  # its encodings were stored (the blob may still be gone)
+
+    @property
+    def seq(self) -> int:
+        return self.turn.seq
+
+    def to_meta(self) -> dict[str, Any]:
+        meta = dataclasses.asdict(dataclasses.replace(self.turn, encoding=None))
+        del meta["encoding"]
+        encoded = self.encoded and self.turn.encoding is not None
+        return {"at": self.at, "encoded": encoded, **meta}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> TurnRecord:
+        messages = meta.get("messages")
+        turn = SessionTurn(
+            seq=int(meta["seq"]),
+            restart=bool(meta["restart"]),
+            messages=None if messages is None else [(str(r), str(t)) for r, t in messages],
+            answer=str(meta["answer"]),
+            token_ids=[int(t) for t in meta["token_ids"]],
+            commits=[int(c) for c in meta["commits"]],
+            hash_before=meta.get("hash_before"),
+            hash_after=meta.get("hash_after"),
+            turns=int(meta["turns"]),
+            turn_tokens=int(meta["turn_tokens"]),
+        )
+        return cls(at=float(meta["at"]), turn=turn, encoded=bool(meta.get("encoded")))
+
+
+def turn_key(seq: int) -> str:
+    return f"{TURN_PREFIX}{seq:010d}"
+
+
+@dataclass(frozen=True)
 class SessionRecord:
     id: str
     tenant: str
@@ -106,6 +151,7 @@ class SessionRecord:
     metadata: dict[str, str] = field(default_factory=dict)
     documents: tuple[DocumentRecord, ...] = ()  # oldest first; filled in by `load`
     collections: tuple[CollectionRecord, ...] = ()  # oldest first; filled in by `load`
+    turns: tuple[TurnRecord, ...] = ()  # by seq, encodings not loaded; filled in by `load`
 
     def to_meta(self) -> dict[str, Any]:
         return {
@@ -194,6 +240,22 @@ class SessionStore:
             text.encode("utf-8", "surrogatepass"),
         )
 
+    async def save_turn(self, tenant: str, session_id: str, record: TurnRecord) -> None:
+        """The turn's encodings, then its record: a record is never there without them."""
+        namespace = self._namespace(tenant, session_id)
+        key = turn_key(record.seq)
+        if record.turn.encoding is not None:
+            await self.client.put_blob(namespace, TURN_KV_PREFIX + key, record.turn.encoding)
+        await self.client.put_record(namespace, key, record.to_meta())
+
+    async def load_turn_encoding(self, tenant: str, session_id: str, seq: int) -> bytes | None:
+        """A stored turn's encodings; None when they are gone."""
+        namespace = self._namespace(tenant, session_id)
+        try:
+            return await self.client.get_blob(namespace, TURN_KV_PREFIX + turn_key(seq))
+        except NotFound:
+            return None
+
     async def load_text(self, tenant: str, session_id: str, doc_id: str) -> str:
         data = await self.client.get_blob(self._namespace(tenant, session_id), TEXT_PREFIX + doc_id)
         return data.decode("utf-8", "surrogatepass")
@@ -238,13 +300,19 @@ class SessionStore:
                 for key, meta in records.items()
                 if key.startswith(COLLECTION_PREFIX)
             ]
+            turns = [
+                TurnRecord.from_meta(meta)
+                for key, meta in records.items()
+                if key.startswith(TURN_PREFIX)
+            ]
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidStoreRequest(f"malformed session record in {namespace}: {e}") from e
         documents = [d for d in documents if _DOCUMENT_ID_RE.match(d.id)]
         documents.sort(key=lambda d: (d.created_at, d.id))
         collections.sort(key=lambda c: (c.attached_at, c.name))
+        turns.sort(key=lambda t: t.seq)
         return dataclasses.replace(
-            record, documents=tuple(documents), collections=tuple(collections)
+            record, documents=tuple(documents), collections=tuple(collections), turns=tuple(turns)
         )
 
     async def delete(self, tenant: str, session_id: str) -> None:

@@ -254,7 +254,9 @@ class SessionRegistry:
         except StoreError as exc:
             logger.info("saving session %s to the memory store failed: %s", session.id, exc)
 
-    async def before_generate(self, tenant: str, session_id: str, request: Request) -> None:
+    async def before_generate(
+        self, tenant: str, session_id: str, request: Request
+    ) -> Session | None:
         """Mark the session used; wait for (or refuse, per session_busy_policy) its ingestion.
 
         A session this registry does not hold is restored from the store when there is one
@@ -263,11 +265,11 @@ class SessionRegistry:
         tenant-scoped id, so tenants stay apart either way.
         """
         if self.store is None and self.held(tenant, session_id) is None:
-            return
+            return None
         session = await self.lookup(tenant, session_id)
         self.touch(session)
         if not session.ingesting():
-            return
+            return session
         settings = self.settings
         if settings.session_busy_policy == "reject":
             raise session_busy(
@@ -283,6 +285,7 @@ class SessionRegistry:
                 f"Session '{session_id}' was still reading documents after {timeout:g} seconds."
             )
         self.touch(session)
+        return session
 
     # --- lifetime -----------------------------------------------------------------------------
 

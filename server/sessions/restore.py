@@ -14,11 +14,17 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
-from engine.protocol import EngineError, IngestProgress, MemorySpec, StoreUnavailableError
+from engine.protocol import (
+    EngineError,
+    IngestProgress,
+    InvalidRequest,
+    MemorySpec,
+    StoreUnavailableError,
+)
 from memory_store.errors import NotFound, StoreError
 from server.errors import session_not_found
 from server.sessions.models import Document, Session
-from server.sessions.records import CollectionRecord, DocumentRecord
+from server.sessions.records import CollectionRecord, DocumentRecord, TurnRecord
 
 if TYPE_CHECKING:
     from server.sessions.registry import SessionRegistry
@@ -107,11 +113,15 @@ class SessionRestorer:
             (d.created_at, d) for d in record.documents
         ]
         events += [(c.attached_at, c) for c in record.collections]
-        events.sort(key=lambda e: e[0])
+        events += [(t.at, t) for t in record.turns]
+        events.sort(key=lambda e: e[0])  # stable: a turn after what was uploaded before it
         try:
             for _, event in events:
                 if isinstance(event, CollectionRecord):
                     await registry.collections.reattach(session, event)
+                    continue
+                if isinstance(event, TurnRecord):
+                    await self._replay_turn(session, event)
                     continue
                 doc = session.documents[event.id]
                 if event.status == "ready" and doc.id in texts:
@@ -140,6 +150,24 @@ class SessionRestorer:
             len(session.documents),
         )
         return session
+
+    async def _replay_turn(self, session: Session, record: TurnRecord) -> None:
+        """A stored turn back into the restored session's memory: from its encodings (no
+        model forward), else by reading its tokens again. A turn that does not follow what
+        the memory holds (one before it was lost) is skipped; a later new chat starts from
+        the documents again."""
+        store = self.registry.store
+        assert store is not None
+        encoding = None
+        if record.encoded:
+            encoding = await store.load_turn_encoding(session.tenant, session.id, record.seq)
+        turn = dataclasses.replace(record.turn, encoding=encoding)
+        try:
+            await self.registry.engine.import_turn(session.engine_id, turn)
+        except InvalidRequest as exc:
+            logger.warning("turn %d of session %s not restored: %s", turn.seq, session.id, exc)
+            return
+        session.seq, session.turns, session.turn_tokens = turn.seq, turn.turns, turn.turn_tokens
 
     async def _reingest(self, session: Session, doc: Document, text: str) -> None:
         """Read a ready document into a restored session's memory, before anyone sees it."""

@@ -41,6 +41,7 @@ from engine.protocol import (
     GenerationDelta,
     IngestProgress,
     InvalidRequest,
+    MemoryBudgetExceeded,
     MemorySpec,
     ModelInfo,
     Prompt,
@@ -48,6 +49,7 @@ from engine.protocol import (
     SamplingParams,
     SessionMemoryInfo,
     SessionNotFound,
+    SessionTurn,
     StoreUnavailableError,
     TokenLogprob,
     TopLogprob,
@@ -95,6 +97,8 @@ class FakeEngine:
         self.finished: set[str] = set()
         self.running: set[str] = set()
         self.sessions: set[str] = set()
+        self.turns: dict[str, tuple[int, int, int]] = {}  # session -> seq, turns, turn tokens
+        self.imported: list[tuple[str, SessionTurn]] = []
         self.overloaded = False
         self.dead = False
         self.fail_after_tokens: int | None = None
@@ -140,6 +144,7 @@ class FakeEngine:
         session_id: str | None = None,
         memory: MemorySpec | None = None,
         tenant: str | None = None,
+        memory_room: int | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         if self.dead:
             raise EngineDead("fake engine is dead")
@@ -150,7 +155,39 @@ class FakeEngine:
         if session_id is not None and session_id not in self.sessions:
             raise SessionNotFound(f"no session {session_id!r}")
         self.calls.append(Call(request_id, prompt, sampling, session_id, memory, tenant))
-        return self._run(request_id, prompt, sampling, memory)
+        if session_id is not None and memory_room is not None:
+            grows = len(prompt_words(prompt)) + sampling.max_tokens
+            if grows > memory_room:
+                raise MemoryBudgetExceeded(f"needs {grows}, room {memory_room}", grows, memory_room)
+        return self._run(request_id, prompt, sampling, memory, session_id)
+
+    def _turn(self, session_id: str, tokens: int, answer: str) -> SessionTurn:
+        """Like the real engine's: each finished request on a session takes one turn."""
+        seq, held, held_tokens = self.turns.get(session_id, (0, 0, 0))
+        turn = SessionTurn(
+            seq=seq + 1,
+            restart=False,
+            messages=None,
+            answer=answer,
+            token_ids=list(range(tokens)),
+            commits=[tokens],
+            hash_before=f"h{seq}",
+            hash_after=f"h{seq + 1}",
+            turns=held + 1,
+            turn_tokens=held_tokens + tokens,
+            encoding=b"fake-encoding-%d" % (seq + 1),
+        )
+        self.turns[session_id] = (turn.seq, turn.turns, turn.turn_tokens)
+        return turn
+
+    async def import_turn(self, session_id: str, turn: SessionTurn) -> None:
+        if session_id not in self.sessions:
+            raise SessionNotFound(f"no session {session_id!r}")
+        seq = self.turns.get(session_id, (0, 0, 0))[0]
+        if turn.hash_before != f"h{seq}":
+            raise InvalidRequest(f"turn {turn.seq} does not follow", param="turn")
+        self.imported.append((session_id, turn))
+        self.turns[session_id] = (turn.seq, turn.turns, turn.turn_tokens)
 
     def _words(self, prompt: Prompt, sampling: SamplingParams) -> tuple[list[str], bool]:
         """The words to emit and whether the last one is followed by EOS."""
@@ -168,6 +205,7 @@ class FakeEngine:
         prompt: Prompt,
         sampling: SamplingParams,
         memory: MemorySpec | None,
+        session_id: str | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         prompt_tokens = len(prompt_words(prompt))
         words, eos = self._words(prompt, sampling)
@@ -214,6 +252,9 @@ class FakeEngine:
                     )
                 self.first_token_sent.set()
                 done = finish is not None  # the consumer may close us at this last yield
+                turns: tuple[SessionTurn, ...] = ()
+                if done and session_id is not None:
+                    turns = (self._turn(session_id, prompt_tokens + emitted, text),)
                 yield GenerationDelta(
                     piece,
                     [1000 + i],
@@ -223,6 +264,7 @@ class FakeEngine:
                     finish_reason=finish,
                     stats=stats,
                     cached_tokens=self.cached_tokens,
+                    turns=turns,
                 )
                 if done:
                     return
@@ -260,6 +302,7 @@ class FakeEngine:
         self.sessions.discard(session_id)
         self.session_memory.pop(session_id, None)
         self.attached.pop(session_id, None)
+        self.turns.pop(session_id, None)
         self.dropped.append(session_id)
 
     def ingest(self, request_id: str, session_id: str, text: str) -> AsyncIterator[IngestProgress]:

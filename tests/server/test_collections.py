@@ -179,7 +179,9 @@ async def test_attachments_survive_a_restore_on_another_replica(tmp_path: Path) 
         assert (await second.chat(sid)).status_code == 200  # restored here
         assert second.engine.attached[tenant_session_id(second.tenant, sid)] == ["manuals"]
         session = (await second.http.get(f"/v1/sessions/{sid}")).json()
-        assert session["collections"] == ["manuals"] and session["memory_tokens"] == 5000
+        _, turns, turn_tokens = second.engine.turns[tenant_session_id(second.tenant, sid)]
+        assert session["collections"] == ["manuals"] and session["turns"] == turns == 1
+        assert session["memory_tokens"] == 5000 + turn_tokens  # the collection and the chat
         listed = (await second.http.get(f"/v1/sessions/{sid}/collections")).json()["data"]
         assert [(c["name"], c["loading"]) for c in listed] == [("manuals", "whole")]
 

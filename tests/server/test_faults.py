@@ -98,9 +98,10 @@ class PartlyBrokenEngine(FakeEngine):
         prompt: Prompt,
         sampling: SamplingParams,
         memory: MemorySpec | None,
+        session_id: str | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         if "boom" not in last_text(prompt):
-            async for delta in super()._run(request_id, prompt, sampling, memory):
+            async for delta in super()._run(request_id, prompt, sampling, memory, session_id):
                 yield delta
             return
         yield GenerationDelta("boom", [7], 1, 1)

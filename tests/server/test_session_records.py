@@ -22,6 +22,7 @@ from memory_store.client import MemoryStoreClient
 from memory_store.settings import MemoryStoreSettings
 from server.app import build_app
 from server.auth import tenant_session_id
+from server.sessions.records import SessionStore
 from server.settings import ServerSettings, tenant_of
 from tests.helpers import ThreadedServer
 from tests.memory_store.conftest import FAST_RETRY, HashingEncoder
@@ -318,8 +319,11 @@ async def test_redis_down_then_back(memory_service: MemoryService) -> None:
         assert error_code(response, 503) == "memory_store_unavailable"
         docs = (await r.http.get(f"/v1/sessions/{session_id}/documents")).json()["data"]
         assert len(docs) == 1  # the refused upload left nothing behind
-        chat = await r.chat(session_id)  # a held session keeps serving
-        assert chat.status_code == 200, chat.text
+        # a held session still answers, but its turn cannot be made durable: 503, and the
+        # turn waits to be stored with the next finished request
+        assert error_code(await r.chat(session_id), 503) == "memory_store_unavailable"
+        held = r.app.state.sessions.held(r.tenant, session_id)
+        assert [t.seq for t in held.unsaved] == [1]
         ready = await r.http.get("/ready")
         assert ready.status_code == 503 and "memory store" in ready.json()["detail"]
         assert (await r.http.get("/health")).status_code == 200
@@ -381,11 +385,14 @@ async def test_memory_service_down_then_back(memory_service: MemoryService) -> N
         session_id, _ = await create_with_document(r)
         await asyncio.to_thread(memory_service.stop)
         assert error_code(await r.http.post("/v1/sessions"), 503) == "memory_store_unavailable"
-        assert (await r.chat(session_id)).status_code == 200
+        assert error_code(await r.chat(session_id), 503) == "memory_store_unavailable"
         assert (await r.http.get("/ready")).status_code == 503
         await asyncio.to_thread(memory_service.restart)
         assert (await r.http.get("/ready")).status_code == 200
         assert (await r.http.post("/v1/sessions")).status_code == 200
+        assert (await r.chat(session_id)).status_code == 200  # stores both turns, in order
+        record = await SessionStore(memory_service.client()).load(r.tenant, session_id)
+        assert record is not None and [t.seq for t in record.turns] == [1, 2]
 
 
 async def test_store_latency_and_requests_are_measured(tmp_path: Path) -> None:
@@ -476,7 +483,6 @@ async def test_listing_with_the_store_down_lists_held_sessions(
         session_id = (await r.http.post("/v1/sessions")).json()["id"]
         memory_service.redis.kill()
         assert await list_ids(r) == [session_id]
-        assert (await r.chat(session_id)).status_code == 200  # held: keeps serving
         memory_service.redis.start()
         assert await list_ids(r) == [session_id]
 

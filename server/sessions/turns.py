@@ -1,0 +1,39 @@
+"""A session's turns on the server's side: counted as the engine reports them, stored before
+the answer's last byte, and measured against the tenant's memory budget (issue #19)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from engine.protocol import SessionTurn
+from server.sessions.models import Session
+from server.sessions.quotas import memory_tokens
+
+if TYPE_CHECKING:
+    from server.sessions.registry import SessionRegistry
+
+logger = logging.getLogger(__name__)
+
+
+def memory_room(registry: SessionRegistry, tenant: str) -> int:
+    """How many tokens the tenant's sessions may still add to their memories."""
+    return registry.settings.max_memory_tokens_per_tenant - memory_tokens(registry.sessions(tenant))
+
+
+async def record_turns(
+    registry: SessionRegistry, session: Session, turns: Sequence[SessionTurn], at: float
+) -> None:
+    """Count the turns a finished request carried out, then store every turn not stored yet,
+    in order. Raises the store's error (the request answers 503) and keeps what it could not
+    store for the next finished request to store first."""
+    session.take_turns(turns, at)
+    store = registry.store
+    async with session.turn_lock:  # one writer per session: turns go in seq order
+        if store is None or session.removed:
+            session.unsaved.clear()
+            return
+        while session.unsaved:
+            await store.save_turn(session.tenant, session.id, session.unsaved[0])
+            session.unsaved.pop(0)
