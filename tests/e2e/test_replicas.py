@@ -126,3 +126,72 @@ def test_session_is_shared_by_replicas_and_survives_store_restart(
     finally:
         stop_server(first)
         stop_server(second)
+
+
+TURNS = ["What is the pass key?", "Say it again, please.", "What colour is the sky?"]
+FOLLOW_UP = "Repeat your last answer."
+
+
+def chat(server: ServerProcess, session_id: str, messages: list[dict]) -> str:
+    with openai.OpenAI(base_url=server.api_base, api_key=API_KEY, max_retries=0) as client:
+        model = client.models.list().data[0].id
+        completion = client.chat.completions.create(
+            model=model,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=12,
+            temperature=0,
+            timeout=300,
+            extra_body={"session_id": session_id},
+        )
+    return completion.choices[0].message.content or ""
+
+
+def conversation(server: ServerProcess, session_id: str) -> list[dict]:
+    """The three turns, each resending the whole conversation (as chat clients do)."""
+    messages: list[dict] = []
+    for question in TURNS:
+        messages.append({"role": "user", "content": question})
+        messages.append({"role": "assistant", "content": chat(server, session_id, messages)})
+    return messages
+
+
+def session_object(server: ServerProcess, session_id: str) -> dict:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    response = httpx.get(f"{server.api_base}/sessions/{session_id}", headers=headers, timeout=60)
+    response.raise_for_status()
+    return response.json()
+
+
+@pytest.mark.timeout(1800)
+def test_turns_survive_kill_9_of_the_replica_that_took_them(
+    tmp_path: Path, memory_service: MemoryServiceProcess
+) -> None:
+    """Three turns on A; A is killed with -9; the fourth turn, on B, refers to the third answer
+    and gets the tokens a replica that lived the conversation answers (B itself, on a second
+    session that lives it), without B reading the document with the model."""
+    a = start_server(tmp_path, "--memory-store", memory_service.url)
+    b = start_server(tmp_path, "--memory-store", memory_service.url)
+    try:
+        session, _ = upload_and_wait(a.api_base, "passkey.txt", DOCUMENT, timeout_s=900)
+        messages = conversation(a, session["id"])
+        seen_on_a = session_object(a, session["id"])
+        assert seen_on_a["turns"] == 3
+        a.process.kill()  # SIGKILL: nothing is flushed on the way out
+        a.process.wait(timeout=30)
+
+        on_b = session_object(b, session["id"])  # from the store, before any restore
+        assert (on_b["turns"], on_b["memory_tokens"]) == (3, seen_on_a["memory_tokens"])
+        follow = [*messages, {"role": "user", "content": FOLLOW_UP}]
+        restored_answer = chat(b, session["id"], follow)
+        assert ingest_tokens(b) == 0, b.log()  # turns imported, the document from encodings
+        after = session_object(b, session["id"])
+        assert after["turns"] == 4 and after["memory_tokens"] > seen_on_a["memory_tokens"]
+
+        reference, _ = upload_and_wait(b.api_base, "passkey.txt", DOCUMENT, timeout_s=900)
+        assert conversation(b, reference["id"]) == messages  # greedy: the same three answers
+        assert restored_answer and chat(b, reference["id"], follow) == restored_answer
+    finally:
+        stop_server(a)
+        stop_server(b)
