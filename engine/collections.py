@@ -252,6 +252,7 @@ class SessionCollections:
         with torch.inference_mode():
             session.memory.append(ids)
         session.last_used = time.monotonic()
-        turn = session.finish_turn(restart, new, answer, hash_before)
+        limit = self._sessions.config.max_turn_encoding_bytes
+        turn = session.finish_turn(restart, new, answer, hash_before, limit)
         if final is not None:
             yield dataclasses.replace(final, turns=session.take_unsent(turn))

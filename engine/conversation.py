@@ -139,10 +139,17 @@ class MemorySession:
         return self.memory.rewind(mark)
 
     def finish_turn(
-        self, restart: bool, new: list[Turn] | None, answer: str, hash_before: str | None
+        self,
+        restart: bool,
+        new: list[Turn] | None,
+        answer: str,
+        hash_before: str | None,
+        max_bytes: int,
     ) -> SessionTurn:
-        """The request's commits as a turn for the store (recording stops)."""
+        """The request's commits as a turn for the store (recording stops); its encodings
+        only up to `max_bytes` (past it, a restore reads its tokens again)."""
         enc = self.memory.take_turn()
+        encoding = enc.to_bytes() if 0 < enc.nbytes <= max_bytes else None
         self.seq += 1
         self.held = self.held.plus(enc.num_tokens)
         return SessionTurn(
@@ -156,7 +163,7 @@ class MemorySession:
             hash_after=self.memory.state_hash,
             turns=self.held.turns,
             turn_tokens=self.held.tokens,
-            encoding=enc.to_bytes() if enc.num_tokens else None,
+            encoding=encoding,
         )
 
     def take_unsent(self, turn: SessionTurn) -> tuple[SessionTurn, ...]:

@@ -401,7 +401,8 @@ class MemorySessions:
                 logger.exception("closing a turn of a session failed")
         if new is not None:
             session.add_turns(new, generation.text)
-        turn = session.finish_turn(restart, new, generation.text, hash_before)
+        limit = self.config.max_turn_encoding_bytes
+        turn = session.finish_turn(restart, new, generation.text, hash_before, limit)
         if final is None:
             session.unsent.append(turn)
             return None

@@ -129,6 +129,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "collection_top_k": settings.collection_top_k,
         "text_prior": settings.text_prior,
         "prefix_cache_bytes": settings.prefix_cache_bytes,
+        "max_turn_encoding_bytes": settings.max_turn_encoding_bytes,
         # One store for the engine's encodings and the server's session records: the memory
         # service, or the embedded store under --data-dir.
         "memory_store_url": settings.memory_store_url,

@@ -85,6 +85,9 @@ class ServerSettings(BaseSettings):
     # later prompt of the same tenant starting with the same tokens reads only the rest. An LRU
     # by bytes, in host memory; 0 keeps none.
     prefix_cache_bytes: int = Field(default=8 * 1024**3, ge=0)
+    # A session turn's encodings are stored up to this size (about 46 KB per token for the
+    # embedded model), so a restore needs no forward; a larger turn is stored as its tokens.
+    max_turn_encoding_bytes: int = Field(default=64 * 1024**2, ge=0)
 
     memory_store_url: str | None = None
     data_dir: str = "./data"

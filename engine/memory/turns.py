@@ -38,6 +38,11 @@ class TurnEncoding:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its keys and values."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
     def pieces(self) -> list[tuple[slice, dict[str, Any]]]:
         """[start, end) of each commit in the tokens, with its strategy state."""
         out, start = [], 0

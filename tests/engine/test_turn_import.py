@@ -149,3 +149,15 @@ async def test_a_request_past_the_memory_room_is_refused_and_changes_nothing(mak
     stream = engine.generate("ok", question, ANSWER, session_id="s", memory_room=1000)
     last = [d async for d in stream][-1]
     assert last.turns[0].tokens <= 1000
+
+
+async def test_a_turn_past_the_encoding_limit_goes_out_as_its_tokens(make_engine):
+    a, b = make_engine(max_turn_encoding_bytes=1024), make_engine()
+    for engine in (a, b):
+        await engine.create_session("s", SPECS["segments"])
+        await read(engine, "s", DOCUMENT)
+    messages, turns = await conversation(a, "s", ["Room 3?"])
+    assert turns[0].encoding is None and turns[0].tokens > 0
+    await b.import_turn("s", turns[0])  # read again
+    follow = [*messages, {"role": "user", "content": "Room 5?"}]
+    assert (await ask(a, "a-next", follow))[0] == (await ask(b, "b-next", follow))[0]
