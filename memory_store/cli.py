@@ -1,6 +1,7 @@
 """`longserve memory-store`: argument wiring for server/cli.py, which owns the `longserve` command.
 
     longserve memory-store --port 8001 (--redis-url redis://host:6379/0 | --data-dir DIR)
+    longserve memory-store --redis-url redis+cluster://:PASSWORD@node1:6379,node2:6379
 
 Flags override LONGSERVE_MEMORY_STORE_* environment variables; unset flags leave them alone.
 """
@@ -18,7 +19,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port (default 8001)")
     backend = parser.add_mutually_exclusive_group()
-    backend.add_argument("--redis-url", default=None, help="redis:// URL of the Redis backend")
+    backend.add_argument(
+        "--redis-url",
+        default=None,
+        help="the Redis backend: redis://[:password@]host:port/db (also rediss://, unix://), or "
+        "a Redis Cluster: redis+cluster://[:password@]host:port[,host:port...] (rediss+cluster:// "
+        "for TLS); on a cluster each write waits for a replica "
+        "(LONGSERVE_MEMORY_STORE_REDIS_MIN_REPLICAS_ACK)",
+    )
     backend.add_argument("--data-dir", default=None, help="directory of the embedded backend")
     parser.add_argument("--max-blob-bytes", type=int, default=None, help="largest request body")
     parser.add_argument("--log-level", default=None, help="debug, info, warning, error")

@@ -11,6 +11,11 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from memory_store.backends import DEFAULT_PIECE_BYTES, Backend, build_backend
+from memory_store.backends.redis_connections import (
+    SERVER_SCHEMES,
+    is_cluster_url,
+    parse_cluster_url,
+)
 from memory_store.retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
@@ -24,7 +29,15 @@ def default_data_dir() -> Path:
 
 
 class MemoryStoreSettings(BaseSettings):
-    """One of `redis_url` / `data_dir`; neither means the embedded backend in `default_data_dir()`."""
+    """One of `redis_url` / `data_dir`; neither means the embedded backend in `default_data_dir()`.
+
+    `redis_url` is one server (`redis://`, `rediss://`, `unix://`) or a Redis Cluster
+    (`redis+cluster://[:password@]host:port[,host:port...]`, `rediss+cluster://` for TLS; any
+    reachable node will do, the rest of the cluster is discovered).
+    `redis_min_replicas_ack`: replicas that must have a write before it is acknowledged (WAIT),
+    so that a failover keeps it; unset means 1 on a cluster and 0 on one server. Set 0 for a
+    cluster without replicas.
+    """
 
     model_config = SettingsConfigDict(env_prefix="LONGSERVE_MEMORY_STORE_", frozen=True)
 
@@ -34,6 +47,8 @@ class MemoryStoreSettings(BaseSettings):
     data_dir: Path | None = None
     max_blob_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)
     redis_piece_bytes: int = Field(default=DEFAULT_PIECE_BYTES, ge=1024, le=512 * 1024 * 1024)
+    redis_min_replicas_ack: int | None = Field(default=None, ge=0, le=16)
+    redis_replica_ack_timeout_s: float = Field(default=1.0, gt=0, lt=5)  # below the socket timeout
     retry_attempts: int = Field(default=4, ge=1, le=20)
     retry_base_delay_s: float = Field(default=0.05, gt=0)
     embedder_device: str = "cpu"
@@ -44,10 +59,13 @@ class MemoryStoreSettings(BaseSettings):
     def _one_backend(self) -> MemoryStoreSettings:
         if self.redis_url is not None and self.data_dir is not None:
             raise ValueError("set redis_url or data_dir, not both")
-        if self.redis_url is not None and not self.redis_url.startswith(
-            ("redis://", "rediss://", "unix://")
-        ):
-            raise ValueError("redis_url must be a redis://, rediss:// or unix:// URL")
+        if self.redis_url is not None:
+            if is_cluster_url(self.redis_url):
+                parse_cluster_url(self.redis_url)  # InvalidStoreRequest is a ValueError
+            elif not self.redis_url.startswith(SERVER_SCHEMES):
+                raise ValueError(
+                    "redis_url must be a redis://, rediss://, unix:// or redis+cluster:// URL"
+                )
         return self
 
     @property
@@ -67,6 +85,10 @@ class MemoryStoreSettings(BaseSettings):
         retry = RetryPolicy(attempts=self.retry_attempts, base_delay_s=self.retry_base_delay_s)
         if self.redis_url is not None:
             return build_backend(
-                redis_url=self.redis_url, piece_bytes=self.redis_piece_bytes, retry=retry
+                redis_url=self.redis_url,
+                piece_bytes=self.redis_piece_bytes,
+                retry=retry,
+                min_replicas_ack=self.redis_min_replicas_ack,
+                replica_ack_timeout_s=self.redis_replica_ack_timeout_s,
             )
         return build_backend(data_dir=self.data_dir or default_data_dir())

@@ -3,7 +3,7 @@
 - `EmbeddedBackend(data_dir)` (`embedded.py`): one directory per tag, one file per key, written
   atomically.
 - `RedisBackend(url)` (`redis.py`): one Redis hash tag per tag, blobs in pieces published
-  atomically.
+  atomically; on one server or a Redis Cluster (`redis+cluster://`, `redis_connections.py`).
 
 `Backend` and the record `Serializer` are in `base.py`; keys in `memory_store.keys`; retries in
 `memory_store.retry`. Names from those modules are re-exported here for older import paths.
@@ -44,11 +44,19 @@ def build_backend(
     data_dir: str | os.PathLike[str] | None = None,
     piece_bytes: int = DEFAULT_PIECE_BYTES,
     retry: RetryPolicy | None = None,
+    min_replicas_ack: int | None = None,
+    replica_ack_timeout_s: float = 1.0,
 ) -> Backend:
-    """Exactly one of `redis_url` / `data_dir`."""
+    """Exactly one of `redis_url` / `data_dir`; the other arguments are for Redis."""
     if (redis_url is None) == (data_dir is None):
         raise InvalidStoreRequest("give exactly one of redis_url and data_dir")
     if redis_url is not None:
-        return RedisBackend(redis_url, piece_bytes=piece_bytes, retry=retry)
+        return RedisBackend(
+            redis_url,
+            piece_bytes=piece_bytes,
+            retry=retry,
+            min_replicas_ack=min_replicas_ack,
+            replica_ack_timeout_s=replica_ack_timeout_s,
+        )
     assert data_dir is not None
     return EmbeddedBackend(data_dir)
