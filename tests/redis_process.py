@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from tests.helpers import free_port
@@ -26,12 +27,21 @@ def find_redis_server() -> str | None:
 
 
 class RedisProcess:
-    """A redis-server we own: start, kill -9, restart on the same port and directory."""
+    """A redis-server we own: start, kill -9, restart on the same port and directory.
+    `extra_args` go after ours (a cluster node's options)."""
 
-    def __init__(self, binary: str, directory: Path) -> None:
+    def __init__(
+        self,
+        binary: str,
+        directory: Path,
+        *,
+        port: int | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> None:
         self.binary = binary
         self.dir = directory
-        self.port = free_port()
+        self.port = port or free_port()
+        self.extra_args = tuple(extra_args)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -49,6 +59,7 @@ class RedisProcess:
             "--appendfsync", "always",
             "--daemonize", "no",
             "--logfile", str(self.dir / "redis.log"),
+            *self.extra_args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10

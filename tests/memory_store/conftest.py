@@ -1,4 +1,5 @@
-"""Fixtures: the backends, embedded and on Redis (over the root conftest's redis_server)."""
+"""Fixtures: the backends, embedded, on Redis and on a Redis Cluster (over the root conftest's
+redis_server and redis_cluster)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from memory_store.backends import Backend, EmbeddedBackend, RedisBackend
 from memory_store.retry import RetryPolicy
+from tests.redis_cluster import RedisClusterProcesses
 from tests.redis_process import RedisProcess
 
 FAST_RETRY = RetryPolicy(attempts=3, base_delay_s=0.02, max_delay_s=0.1)
@@ -27,15 +29,27 @@ async def redis_backend(redis_server: RedisProcess) -> AsyncIterator[RedisBacken
 
 
 @pytest.fixture
+async def redis_cluster_backend(
+    redis_cluster: RedisClusterProcesses,
+) -> AsyncIterator[RedisBackend]:
+    """On the cluster, every write waits for one replica (the default there)."""
+    backend = RedisBackend(
+        redis_cluster.url, piece_bytes=64 * 1024, retry=FAST_RETRY, socket_timeout_s=2.0
+    )
+    yield backend
+    await backend.close()
+
+
+@pytest.fixture
 async def embedded_backend(tmp_path: Path) -> AsyncIterator[EmbeddedBackend]:
     backend = EmbeddedBackend(tmp_path / "store")
     yield backend
     await backend.close()
 
 
-@pytest.fixture(params=["embedded", "redis"])
+@pytest.fixture(params=["embedded", "redis", "redis-cluster"])
 def backend(request: pytest.FixtureRequest) -> Backend:
-    name = "embedded_backend" if request.param == "embedded" else "redis_backend"
+    name = f"{request.param.replace('-', '_')}_backend"
     return request.getfixturevalue(name)  # type: ignore[no-any-return]
 
 
