@@ -20,6 +20,13 @@ SECRETS = {
     "GRAFANA_ADMIN_PASSWORD": "test-grafana-password",
 }
 CORE_SERVICES = {"proxy", "server", "memory-store", "redis", "prometheus", "grafana"}
+REDIS_CLUSTER_NODES = [f"redis-node-{i}" for i in range(1, 7)]
+PROFILED_SERVICES = {  # service -> the profile that starts it
+    "server-gpu": "gpu",
+    "memory-store-cluster": "cluster",
+    "redis-cluster-init": "cluster",
+    **dict.fromkeys(REDIS_CLUSTER_NODES, "cluster"),
+}
 
 
 def compose_command() -> list[str]:

@@ -1,4 +1,5 @@
-"""The rendered docker-compose.yml, once per test module: plain, and with the gpu profile."""
+"""The rendered docker-compose.yml, once per test module: plain, and with the gpu and cluster
+profiles."""
 
 from __future__ import annotations
 
@@ -17,3 +18,8 @@ def compose() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def compose_gpu() -> dict[str, Any]:
     return rendered("--profile", "gpu")
+
+
+@pytest.fixture(scope="module")
+def compose_cluster() -> dict[str, Any]:
+    return rendered("--profile", "cluster")

@@ -1,11 +1,18 @@
 """docker-compose.yml, as `docker-compose config` renders it: the stack, its health checks and
-start order, commands and secrets, scaling, and the gpu profile."""
+start order, commands and secrets, scaling, and the gpu and cluster profiles."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from tests.deploy.compose_config import CORE_SERVICES, SECRETS, compose_config
+from memory_store.settings import MemoryStoreSettings
+from tests.deploy.compose_config import (
+    CORE_SERVICES,
+    PROFILED_SERVICES,
+    REDIS_CLUSTER_NODES,
+    SECRETS,
+    compose_config,
+)
 
 
 def _depends_on(service: dict[str, Any]) -> dict[str, str]:
@@ -29,11 +36,11 @@ def _command(service: dict[str, Any]) -> list[str]:
 def test_compose_has_the_stack_with_health_checks(compose: dict[str, Any]) -> None:
     services = compose["services"]
     # docker-compose 1.x renders profiled services too; Compose v2 leaves them out.
-    assert CORE_SERVICES <= set(services) <= CORE_SERVICES | {"server-gpu"}
+    assert CORE_SERVICES <= set(services) <= CORE_SERVICES | set(PROFILED_SERVICES)
     for name in CORE_SERVICES:
         assert not services[name].get("profiles"), f"{name} must start without a profile"
-    if "server-gpu" in services:
-        assert services["server-gpu"]["profiles"] == ["gpu"]
+    for name in set(services) - CORE_SERVICES:
+        assert services[name]["profiles"] == [PROFILED_SERVICES[name]], name
     for name in CORE_SERVICES:
         assert _healthcheck_text(services[name]), name
     for name in ("server", "memory-store"):
@@ -97,6 +104,8 @@ def test_compose_scales_without_host_port_conflicts(compose: dict[str, Any]) -> 
     # Replicas of these are reached by service name; a fixed host port would break --scale.
     for name in ("server", "memory-store", "redis"):
         assert "ports" not in services[name], f"{name} must not publish a host port"
+    for name in set(PROFILED_SERVICES) & set(services):
+        assert "ports" not in services[name], f"{name} must not publish a host port"
     assert len(services["proxy"]["ports"]) == 1
 
 
@@ -109,7 +118,7 @@ def test_compose_refuses_to_start_without_secrets() -> None:
 
 def test_compose_gpu_profile_reserves_a_gpu(compose_gpu: dict[str, Any]) -> None:
     services = compose_gpu["services"]
-    assert set(services) == CORE_SERVICES | {"server-gpu"}
+    assert CORE_SERVICES | {"server-gpu"} <= set(services) <= CORE_SERVICES | set(PROFILED_SERVICES)
     gpu = services["server-gpu"]
     assert gpu["profiles"] == ["gpu"]
     assert gpu["build"]["args"]["DEVICE"] == "cuda"
@@ -122,3 +131,53 @@ def test_compose_gpu_profile_reserves_a_gpu(compose_gpu: dict[str, Any]) -> None
     assert "ports" not in gpu
     # Under the `server` name, the proxy and Prometheus find GPU replicas with the CPU ones.
     assert "server" in gpu["networks"]["default"]["aliases"]
+
+
+def test_compose_cluster_profile_runs_the_memory_store_on_a_redis_cluster(
+    compose_cluster: dict[str, Any],
+) -> None:
+    services = compose_cluster["services"]
+    password = SECRETS["REDIS_PASSWORD"]
+    assert {"memory-store-cluster", "redis-cluster-init", *REDIS_CLUSTER_NODES} <= set(services)
+
+    volumes = set()
+    for name in REDIS_CLUSTER_NODES:
+        node = services[name]
+        command = " ".join(_command(node))
+        for option in ("--cluster-enabled yes", "--appendonly yes", "--appendfsync always",
+                       f"--requirepass {password}", f"--masterauth {password}"):  # fmt: skip
+            assert option in command, (name, option)
+        assert node["environment"]["REDISCLI_AUTH"] == password
+        assert "redis-cli" in _healthcheck_text(node)
+        [volume] = node["volumes"]
+        volumes.add(volume.split(":")[0] if isinstance(volume, str) else volume["source"])
+    assert (
+        volumes
+        == {f"{name}-data" for name in REDIS_CLUSTER_NODES}
+        <= set(compose_cluster["volumes"])
+    )
+
+    init = services["redis-cluster-init"]
+    assert _depends_on(init) == dict.fromkeys(REDIS_CLUSTER_NODES, "service_healthy")
+    assert init["environment"]["REDISCLI_AUTH"] == password
+    assert init["environment"]["REDIS_CLUSTER_NODES"].split() == [
+        f"{name}:6379" for name in REDIS_CLUSTER_NODES
+    ]
+    assert init["restart"] == "no"
+    assert any("deploy/redis-cluster-init.sh" in str(v) for v in init["volumes"])
+
+    store = services["memory-store-cluster"]
+    assert store["image"] == services["server"]["image"]
+    assert _command(store) == _command(services["memory-store"])
+    assert _depends_on(store) == {"redis-cluster-init": "service_completed_successfully"}
+    assert "memory-store" in store["networks"]["default"]["aliases"]  # what the servers call
+    settings = MemoryStoreSettings(
+        redis_url=store["environment"]["LONGSERVE_MEMORY_STORE_REDIS_URL"],
+        redis_min_replicas_ack=store["environment"][
+            "LONGSERVE_MEMORY_STORE_REDIS_MIN_REPLICAS_ACK"
+        ],
+    )
+    assert settings.redis_url == (
+        f"redis+cluster://:{password}@redis-node-1:6379,redis-node-2:6379,redis-node-3:6379"
+    )
+    assert settings.redis_min_replicas_ack == 1
