@@ -223,8 +223,8 @@ class SessionCollections:
         prompt_ids, new, restart = self._sessions.turn_prompt(session, prompt, prompt_ids)
         if memory_room is not None:
             freed = session.held.tokens - session.documents_held.tokens if restart else 0
-            closing = len(self._sessions.decoding.turn_end) if new is not None else 0
-            check_memory_room(len(prompt_ids) + sampling.max_tokens + closing - freed, memory_room)
+            ending = len(self._sessions.decoding.turn_end) if new is not None else 0
+            check_memory_room(len(prompt_ids) + sampling.max_tokens + ending - freed, memory_room)
         if restart:
             session.restart()
         fork = session.memory.fork()

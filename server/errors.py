@@ -177,6 +177,17 @@ def session_busy(message: str) -> APIError:
     return APIError(409, message, param="session_id", code="session_busy")
 
 
+def session_conflict(session_id: str) -> APIError:
+    """A turn answered on a copy of the session another replica had moved past: 409."""
+    return APIError(
+        409,
+        f"Session '{session_id}' changed on another replica while this answer was made; the "
+        "answer was not kept. Retry: the request will read the session as it is now.",
+        param="session_id",
+        code="session_conflict",
+    )
+
+
 def limit_reached(code: str, message: str) -> APIError:
     """A per-tenant quota (session_limit, document_limit, memory_limit...): 429, no Retry-After,
     since waiting alone does not free it."""

@@ -29,7 +29,7 @@ from typing import Any
 
 from engine.protocol import SessionTurn
 from memory_store.client import KeySpace, MemoryStoreClient
-from memory_store.errors import InvalidStoreRequest, NotFound
+from memory_store.errors import InvalidStoreRequest, NotFound, StoreError
 from server.auth import tenant_session_id
 
 SESSION_KEY = "session"
@@ -134,6 +134,10 @@ class TurnRecord:
             turn_tokens=int(meta["turn_tokens"]),
         )
         return cls(at=float(meta["at"]), turn=turn, encoded=bool(meta.get("encoded")))
+
+
+class TurnConflict(StoreError):
+    """Another replica stored a different turn under the same seq."""
 
 
 def turn_key(seq: int) -> str:
@@ -241,12 +245,31 @@ class SessionStore:
         )
 
     async def save_turn(self, tenant: str, session_id: str, record: TurnRecord) -> None:
-        """The turn's encodings, then its record: a record is never there without them."""
+        """The turn's encodings, then its record: a record is never there without them.
+        TurnConflict when another replica stored a different turn under its seq (this one
+        was taken on a stale copy of the session). The check and the write are two calls:
+        session affinity keeps two replicas off one session, this catches what slips by."""
         namespace = self._namespace(tenant, session_id)
         key = turn_key(record.seq)
+        try:
+            held = await self.client.get_record(namespace, key)
+        except NotFound:
+            held = None
+        if held is not None:
+            if held.get("hash_after") == record.turn.hash_after:
+                return  # this very turn, stored by an earlier try
+            raise TurnConflict(f"turn {record.seq} of session {session_id} was taken elsewhere")
         if record.turn.encoding is not None:
             await self.client.put_blob(namespace, TURN_KV_PREFIX + key, record.turn.encoding)
         await self.client.put_record(namespace, key, record.to_meta())
+
+    async def has_turn(self, tenant: str, session_id: str, seq: int) -> bool:
+        """Whether the store holds turn `seq` (a held copy at seq - 1 is then stale)."""
+        try:
+            await self.client.get_record(self._namespace(tenant, session_id), turn_key(seq))
+        except NotFound:
+            return False
+        return True
 
     async def load_turn_encoding(self, tenant: str, session_id: str, seq: int) -> bytes | None:
         """A stored turn's encodings; None when they are gone."""

@@ -28,6 +28,7 @@ from server.sessions.quotas import check_session_count
 from server.sessions.records import SessionStore
 from server.sessions.restore import SessionRestorer
 from server.sessions.sweeper import SessionSweeper
+from server.sessions.turns import stale
 from server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,10 @@ class SessionRegistry:
             if await self.gone_from_store(session):
                 await self.remove(session, "The session was deleted.")
                 raise session_not_found(session_id)
-            return session
+            if not await stale(self, session):
+                return session
+            # another replica took turns on it meanwhile: this copy is behind, restore
+            await self.remove(session, "another replica took turns on it")
         if self.store is None:
             raise session_not_found(session_id)
         return await self.restorer.restore(tenant, session_id)

@@ -108,8 +108,8 @@ class SessionRestorer:
             except NotFound:
                 doc.update(status="failed", error="The document's text is no longer stored.")
         await registry.engine.create_session(session.engine_id, memory)
-        # Ready documents and attached collections, in the order they filled the memory.
-        events: list[tuple[float, DocumentRecord | CollectionRecord]] = [
+        # Ready documents, attached collections and turns, in the order they filled the memory.
+        events: list[tuple[float, DocumentRecord | CollectionRecord | TurnRecord]] = [
             (d.created_at, d) for d in record.documents
         ]
         events += [(c.attached_at, c) for c in record.collections]

@@ -8,8 +8,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from engine.protocol import SessionTurn
+from memory_store.errors import StoreError
+from server.errors import session_conflict
 from server.sessions.models import Session
 from server.sessions.quotas import memory_tokens
+from server.sessions.records import TurnConflict
 
 if TYPE_CHECKING:
     from server.sessions.registry import SessionRegistry
@@ -35,5 +38,21 @@ async def record_turns(
             session.unsaved.clear()
             return
         while session.unsaved:
-            await store.save_turn(session.tenant, session.id, session.unsaved[0])
+            try:
+                await store.save_turn(session.tenant, session.id, session.unsaved[0])
+            except TurnConflict as exc:  # answered on a stale copy: forget it, never ack
+                await registry.remove(session, "it changed on another replica")
+                raise session_conflict(session.id) from exc
             session.unsaved.pop(0)
+
+
+async def stale(registry: SessionRegistry, session: Session) -> bool:
+    """Whether another replica took a turn on the session after this copy's last one."""
+    store = registry.store
+    if store is None:
+        return False
+    try:
+        return await store.has_turn(session.tenant, session.id, session.seq + 1)
+    except StoreError as exc:
+        logger.debug("could not check session %s's turns: %s", session.id, exc)
+        return False

@@ -98,6 +98,7 @@ class FakeEngine:
         self.running: set[str] = set()
         self.sessions: set[str] = set()
         self.turns: dict[str, tuple[int, int, int]] = {}  # session -> seq, turns, turn tokens
+        self.hashes: dict[str, str] = {}  # session -> its memory's hash after its last turn
         self.imported: list[tuple[str, SessionTurn]] = []
         self.overloaded = False
         self.dead = False
@@ -161,9 +162,11 @@ class FakeEngine:
                 raise MemoryBudgetExceeded(f"needs {grows}, room {memory_room}", grows, memory_room)
         return self._run(request_id, prompt, sampling, memory, session_id)
 
-    def _turn(self, session_id: str, tokens: int, answer: str) -> SessionTurn:
-        """Like the real engine's: each finished request on a session takes one turn."""
+    def _turn(self, session_id: str, request_id: str, tokens: int, answer: str) -> SessionTurn:
+        """Like the real engine's: each finished request on a session takes one turn; the
+        memory's hash chains every request read."""
         seq, held, held_tokens = self.turns.get(session_id, (0, 0, 0))
+        before = self.hashes.get(session_id, "h0")
         turn = SessionTurn(
             seq=seq + 1,
             restart=False,
@@ -171,23 +174,24 @@ class FakeEngine:
             answer=answer,
             token_ids=list(range(tokens)),
             commits=[tokens],
-            hash_before=f"h{seq}",
-            hash_after=f"h{seq + 1}",
+            hash_before=before,
+            hash_after=f"{before}/{request_id}",
             turns=held + 1,
             turn_tokens=held_tokens + tokens,
             encoding=b"fake-encoding-%d" % (seq + 1),
         )
         self.turns[session_id] = (turn.seq, turn.turns, turn.turn_tokens)
+        self.hashes[session_id] = str(turn.hash_after)
         return turn
 
     async def import_turn(self, session_id: str, turn: SessionTurn) -> None:
         if session_id not in self.sessions:
             raise SessionNotFound(f"no session {session_id!r}")
-        seq = self.turns.get(session_id, (0, 0, 0))[0]
-        if turn.hash_before != f"h{seq}":
+        if turn.hash_before != self.hashes.get(session_id, "h0"):
             raise InvalidRequest(f"turn {turn.seq} does not follow", param="turn")
         self.imported.append((session_id, turn))
         self.turns[session_id] = (turn.seq, turn.turns, turn.turn_tokens)
+        self.hashes[session_id] = str(turn.hash_after)
 
     def _words(self, prompt: Prompt, sampling: SamplingParams) -> tuple[list[str], bool]:
         """The words to emit and whether the last one is followed by EOS."""
@@ -254,7 +258,7 @@ class FakeEngine:
                 done = finish is not None  # the consumer may close us at this last yield
                 turns: tuple[SessionTurn, ...] = ()
                 if done and session_id is not None:
-                    turns = (self._turn(session_id, prompt_tokens + emitted, text),)
+                    turns = (self._turn(session_id, request_id, prompt_tokens + emitted, text),)
                 yield GenerationDelta(
                     piece,
                     [1000 + i],
@@ -303,6 +307,7 @@ class FakeEngine:
         self.session_memory.pop(session_id, None)
         self.attached.pop(session_id, None)
         self.turns.pop(session_id, None)
+        self.hashes.pop(session_id, None)
         self.dropped.append(session_id)
 
     def ingest(self, request_id: str, session_id: str, text: str) -> AsyncIterator[IngestProgress]:

@@ -91,3 +91,48 @@ async def test_a_chat_past_the_memory_budget_is_refused_and_changes_nothing(
             },
         )
         assert response.status_code == 200, response.text
+
+
+async def test_a_replica_behind_the_store_restores_before_answering(tmp_path: Path) -> None:
+    encodings: dict[str, int] = {}
+    async with (
+        replica(embedded_client(tmp_path / "s"), encodings) as a,
+        replica(embedded_client(tmp_path / "s"), encodings) as b,
+    ):
+        session_id, _ = await create_with_document(a)
+        assert (await a.chat(session_id)).status_code == 200  # turn 1 on A
+        assert (await b.chat(session_id)).status_code == 200  # B restores it: turn 2
+        assert (await a.chat(session_id)).status_code == 200  # A is behind: restores, turn 3
+        engine_id = tenant_session_id(a.tenant, session_id)
+        assert [t.seq for sid, t in a.engine.imported if sid == engine_id] == [1, 2]
+        record = await SessionStore(embedded_client(tmp_path / "s")).load(a.tenant, session_id)
+        assert record is not None and [t.seq for t in record.turns] == [1, 2, 3]
+        chain = [t.turn for t in record.turns]
+        assert all(x.hash_after == y.hash_before for x, y in zip(chain, chain[1:], strict=False))
+
+
+async def test_a_turn_taken_on_a_stale_copy_is_never_acknowledged(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Two replicas answer one session at once (the staleness check raced): the second to
+    store its turn gets 409, its copy is dropped, and a retry reads the session as it is."""
+    import server.sessions.registry as registry_module
+
+    async def never_stale(_registry, _session) -> bool:
+        return False
+
+    encodings: dict[str, int] = {}
+    async with (
+        replica(embedded_client(tmp_path / "s"), encodings) as a,
+        replica(embedded_client(tmp_path / "s"), encodings) as b,
+    ):
+        session_id, _ = await create_with_document(a)
+        assert (await a.chat(session_id)).status_code == 200  # turn 1 on A
+        assert (await b.chat(session_id)).status_code == 200  # turn 2 on B
+        monkeypatch.setattr(registry_module, "stale", never_stale)
+        error_of(await a.chat(session_id), 409, "session_conflict")
+        assert a.app.state.sessions.held(a.tenant, session_id) is None
+        monkeypatch.undo()
+        assert (await a.chat(session_id)).status_code == 200  # restored: turn 3
+        record = await SessionStore(embedded_client(tmp_path / "s")).load(a.tenant, session_id)
+        assert record is not None and [t.seq for t in record.turns] == [1, 2, 3]
