@@ -190,6 +190,7 @@ BENCHMARKS = (
     "structured",
     "json_recall",
     "peers",
+    "soak",
 )
 
 

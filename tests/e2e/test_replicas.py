@@ -164,13 +164,31 @@ def session_object(server: ServerProcess, session_id: str) -> dict:
     return response.json()
 
 
+@pytest.fixture(params=["redis", "redis-cluster"])
+def any_memory_service(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[MemoryServiceProcess]:
+    """The memory service on a single Redis, then on a 3-primary Redis Cluster."""
+    if request.param == "redis":
+        url = request.getfixturevalue("redis_server").url
+    else:
+        url = request.getfixturevalue("redis_cluster").url
+    service = MemoryServiceProcess(tmp_path, url)
+    service.start()
+    try:
+        yield service
+    finally:
+        service.kill()
+
+
 @pytest.mark.timeout(1800)
 def test_turns_survive_kill_9_of_the_replica_that_took_them(
-    tmp_path: Path, memory_service: MemoryServiceProcess
+    tmp_path: Path, any_memory_service: MemoryServiceProcess
 ) -> None:
     """Three turns on A; A is killed with -9; the fourth turn, on B, refers to the third answer
     and gets the tokens a replica that lived the conversation answers (B itself, on a second
     session that lives it), without B reading the document with the model."""
+    memory_service = any_memory_service
     a = start_server(tmp_path, "--memory-store", memory_service.url)
     b = start_server(tmp_path, "--memory-store", memory_service.url)
     try:
