@@ -60,7 +60,7 @@ def build_app(
         settings=settings,
         metrics=app_metrics,
         sessions=registry,
-        responses=ResponseStore(settings.max_stored_responses),
+        responses=ResponseStore(settings.max_stored_responses, store),
     )
     app.state.sessions = registry
     app.state.memory_store = session_store

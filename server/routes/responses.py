@@ -35,12 +35,12 @@ async def responses_create(
 async def responses_get(
     response_id: str, serving: Serving, tenant: str = Depends(require_tenant)
 ) -> dict[str, Any]:
-    return serving.responses.get(tenant, response_id).body
+    return (await serving.responses.get(tenant, response_id)).body
 
 
 @router.delete("/responses/{response_id}")
 async def responses_delete(
     response_id: str, serving: Serving, tenant: str = Depends(require_tenant)
 ) -> dict[str, Any]:
-    serving.responses.delete(tenant, response_id)
+    await serving.responses.delete(tenant, response_id)
     return {"id": response_id, "object": "response.deleted", "deleted": True}

@@ -47,7 +47,8 @@ async def create_response(
     history: list[ChatMessage] = []
     if body.previous_response_id:
         try:
-            history = list(ctx.responses.get(tenant, body.previous_response_id).messages)
+            previous = await ctx.responses.get(tenant, body.previous_response_id)
+            history = list(previous.messages)
         except APIError as e:
             e.param = "previous_response_id"
             raise
@@ -61,16 +62,16 @@ async def create_response(
     await check_prompt_length(ctx, jobs[0].prompt, chars, "input")
     base = response_base(body, response_id, model)
 
-    def keep(done: dict[str, Any], answer: ChatMessage) -> None:
+    async def keep(done: dict[str, Any], answer: ChatMessage) -> None:
         if body.store is not False:
-            ctx.responses.put(tenant, StoredResponse(done, [*history, *new, answer]))
+            await ctx.responses.put(tenant, StoredResponse(done, [*history, *new, answer]))
 
     async def gather(streams: ChoiceStreams) -> dict[str, Any]:
         completion = await chat_gather(streams, response_id, model, tools)
         choice = completion.choices[0]
         output, answer = answer_of(choice.message.content or "", choice.message.tool_calls)
         done = completed(base, output, choice.finish_reason, completion.usage)
-        keep(done, answer)
+        await keep(done, answer)
         return done
 
     def stream(streams: ChoiceStreams, _: bool) -> AsyncIterator[Any]:
@@ -322,7 +323,7 @@ async def stream_events(
             yield event("response.function_call_arguments.done", **at, arguments=arguments)
         yield event("response.output_item.done", output_index=index, item=done_item)
     done = completed(base, output, finish_reason, usage.usage())
-    keep(done, answer)
+    await keep(done, answer)
     kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
     yield event(kind, response=done)
 
