@@ -8,7 +8,12 @@ tokens after the first over the time after the first. One JSON line per request,
 median decode tokens/s of each, their ratio (target: constrained >= 0.9x free), and how many
 constrained answers parsed as JSON matching the schema's required keys.
 
+With --session-tokens N the requests run on a session holding N tokens of installed
+documentation (read through memory, then each request a new chat after it), so both kinds
+decode on the memory path.
+
     longserve bench structured --rounds 3
+    longserve bench structured --rounds 3 --session-tokens 4096
 """
 
 from __future__ import annotations
@@ -42,8 +47,12 @@ SCHEMA = {
 FORMAT = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
 
 
-async def one(client, model: str, prompt: str, max_tokens: int, constrained: bool) -> dict:
+async def one(
+    client, model: str, prompt: str, max_tokens: int, constrained: bool, session: str | None
+) -> dict:
     extra = {} if constrained else {"ignore_eos": True}
+    if session is not None:
+        extra["session_id"] = session
     fmt = {"response_format": FORMAT} if constrained else {}
     started = time.perf_counter()
     first = last = None
@@ -87,13 +96,16 @@ async def run(args: argparse.Namespace) -> None:
     with served(args.base_url, serve_args=model_args(args), ready_timeout=300) as base:
         client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=args.api_key, max_retries=0)
         model = (await client.models.list()).data[0].id
-        await one(client, model, PROMPTS[0], 8, True)  # warm-up: both paths once
-        await one(client, model, PROMPTS[0], 8, False)
+        session = None
+        if args.session_tokens:
+            session = await asyncio.to_thread(session_with_document, base, args)
+        await one(client, model, PROMPTS[0], 8, True, session)  # warm-up: both paths once
+        await one(client, model, PROMPTS[0], 8, False, session)
         lines = []
         for _ in range(args.rounds):
             for prompt in PROMPTS:
                 for constrained in (False, True):
-                    line = await one(client, model, prompt, args.max_tokens, constrained)
+                    line = await one(client, model, prompt, args.max_tokens, constrained, session)
                     print(json.dumps({"bench": "structured", **line}), flush=True)
                     lines.append(line)
         await client.close()
@@ -106,6 +118,7 @@ async def run(args: argparse.Namespace) -> None:
     valid = [x["valid"] for x in lines if x["constrained"]]
     summary = {
         "bench": "structured",
+        "path": f"session ({args.session_tokens} tokens)" if args.session_tokens else "plain",
         "n": len(valid),
         "free_decode_tok_s": free,
         "constrained_decode_tok_s": constrained,
@@ -113,6 +126,22 @@ async def run(args: argparse.Namespace) -> None:
         "constrained_valid": f"{sum(valid)}/{len(valid)}",
     }
     print(json.dumps(summary))
+
+
+def session_with_document(base: str, args: argparse.Namespace) -> str:
+    """A session holding about --session-tokens tokens of installed documentation, read."""
+    import httpx
+
+    from bench.recall import upload
+    from bench.recall_corpus import filler, load_token_counter
+
+    counter = load_token_counter(args.model)
+    text = "\n\n".join(p for p, _ in filler("manpages", "structured", args.session_tokens, counter))
+    headers = {"Authorization": f"Bearer {args.api_key}"}
+    with httpx.Client(base_url=f"{base}/v1", headers=headers, timeout=600) as http:
+        session_id, tokens, _ = upload(http, {"strategy": "segments"}, text, timeout=1800)
+    print(json.dumps({"bench": "structured", "session_tokens": tokens}), flush=True)
+    return session_id
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -123,6 +152,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key", default="bench")
     parser.add_argument("--model", help="--model of the started server (default: embedded)")
     parser.add_argument("--device", help="--device of the started server")
+    parser.add_argument(
+        "--session-tokens", type=int, default=0, help="run on a session holding this many tokens"
+    )
     args = parser.parse_args(argv)
     asyncio.run(run(args))
 
