@@ -5,8 +5,9 @@ started here (or a running one on loopback, --base-url). For each prompt, a free
 (exactly --max-tokens tokens) and a json_schema request (up to --max-tokens, ending where the
 JSON closes) alternate, so both see the same machine. Decode tokens/s of a request: its
 tokens after the first over the time after the first. One JSON line per request, then the
-median decode tokens/s of each, their ratio (target: constrained >= 0.9x free), and how many
-constrained answers parsed as JSON matching the schema's required keys.
+median decode tokens/s of each, their ratio (target: constrained >= 0.9x free), how many
+constrained answers parsed as JSON matching the schema's required keys, and how many were cut
+by --max-tokens (finish_reason "length", the only way a constrained answer is not valid).
 
 With --session-tokens N the requests run on a session holding N tokens of installed
 documentation (read through memory, then each request a new chat after it), so both kinds
@@ -56,7 +57,7 @@ async def one(
     fmt = {"response_format": FORMAT} if constrained else {}
     started = time.perf_counter()
     first = last = None
-    text, tokens = [], 0
+    text, tokens, finish = [], 0, None
     stream = await client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": prompt}],
@@ -68,6 +69,8 @@ async def one(
         **fmt,
     )
     async for chunk in stream:
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
         if chunk.choices and chunk.choices[0].delta.content:
             last = time.perf_counter()
             first = first or last
@@ -78,6 +81,7 @@ async def one(
     line = {
         "constrained": constrained,
         "tokens": tokens,
+        "finish_reason": finish,
         "ttft_s": round((first or started) - started, 3),
         "decode_tok_s": round((tokens - 1) / decode, 2) if decode > 0 else None,
     }
@@ -116,6 +120,7 @@ async def run(args: argparse.Namespace) -> None:
 
     free, constrained = median(False), median(True)
     valid = [x["valid"] for x in lines if x["constrained"]]
+    cut = sum(1 for x in lines if x["constrained"] and x["finish_reason"] == "length")
     summary = {
         "bench": "structured",
         "path": f"session ({args.session_tokens} tokens)" if args.session_tokens else "plain",
@@ -124,6 +129,7 @@ async def run(args: argparse.Namespace) -> None:
         "constrained_decode_tok_s": constrained,
         "ratio": round(constrained / free, 3),
         "constrained_valid": f"{sum(valid)}/{len(valid)}",
+        "constrained_cut_by_max_tokens": cut,  # finish_reason "length": the JSON is unfinished
     }
     print(json.dumps(summary))
 
