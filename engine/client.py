@@ -110,6 +110,7 @@ class LocalEngine:
             can_batch=_can_batch,
             housekeeping=self._offload_idle_sessions if offload_after > 0 else None,
             housekeeping_interval_s=min(max(offload_after / 4, 0.01), 10.0),
+            decode_share=self.config.decode_share,
         )
         self._memory_sessions = MemorySessions(
             self.loaded.model,

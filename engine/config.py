@@ -35,6 +35,9 @@ class EngineConfig:
     or no encoder installed, leaves the memory knobs prior_k/prior_u without effect.
     prefix_cache_bytes: memories kept for long prompts' reuse (engine/prefix_cache.py), an LRU
     by bytes in host memory; 0 keeps none.
+    decode_share: while a request is being read, the share of device time the decode steps of
+    the other running requests get (the worker runs several decode steps per reading chunk);
+    0 runs one decode step per reading chunk.
     max_turn_encoding_bytes: a session turn's encodings go to the memory store up to this size
     (about 46 KB per token for SmolLM2 in fp32); a larger turn is stored as its tokens, which
     a restore reads again.
@@ -59,6 +62,7 @@ class EngineConfig:
     text_prior: bool = True
     prefix_cache_bytes: int = 8 * 1024**3
     max_turn_encoding_bytes: int = 64 * 1024**2
+    decode_share: float = 0.25
 
     def __post_init__(self) -> None:
         if self.model is not None and not self.model.strip():
@@ -108,6 +112,8 @@ class EngineConfig:
             raise ValueError(
                 f"prefix_cache_bytes must be an integer >= 0, got {self.prefix_cache_bytes!r}"
             )
+        if not 0.0 <= self.decode_share < 1.0:
+            raise ValueError(f"decode_share must be in [0, 1), got {self.decode_share!r}")
         if not isinstance(self.max_turn_encoding_bytes, int) or self.max_turn_encoding_bytes < 0:
             raise ValueError("max_turn_encoding_bytes must be an integer >= 0")
         if not self.session_offload_after_s >= 0:

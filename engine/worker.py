@@ -3,9 +3,11 @@
 Jobs are iterators: each `next()` is one unit of device work (a prefill or ingest chunk, one
 decode token). The thread admits up to max_running_requests jobs from a bounded waiting queue.
 Each iteration of its loop (vLLM-style) runs one step of one job that cannot batch (a prefill or
-ingest chunk, or a memory-session token; the least recently stepped first, so a long ingestion
-never starves a chat) and then ONE batched step of every job whose next step can batch (a
-decode token, on any path: the engine's `can_batch`), through the engine's `run_batch`. Jobs that use the same session
+ingest chunk; the least recently stepped first, so a long ingestion never starves a chat) and
+then ONE batched step of every job whose next step can batch (a decode token, on any path: the
+engine's `can_batch`), through the engine's `run_batch`. With a `decode_share`, a reading step
+of t seconds is followed by batched steps only, for t * share / (1 - share) seconds, so streams
+beside a long read get several tokens per reading chunk instead of one. Jobs that use the same session
 run one at a time, in arrival order. A job's outputs go to its `Collector`, which hands them to
 the asyncio loop with `call_soon_threadsafe`; no torch runs in async code.
 
@@ -118,8 +120,15 @@ class Worker:
         can_batch: Callable[[Any], bool] | None = None,
         housekeeping: Callable[[], None] | None = None,
         housekeeping_interval_s: float = 1.0,
+        decode_share: float = 0.0,
     ) -> None:
+        if not 0.0 <= decode_share < 1.0:
+            raise ValueError("decode_share must be in [0, 1)")
         self.max_waiting = max_waiting
+        # while jobs read (steps that run alone), batched decode steps get this share of the
+        # device time: after a reading step of t seconds they run for up to t*share/(1-share)
+        self._decode_ratio = decode_share / (1.0 - decode_share)
+        self._batch_credit = 0.0
         self.max_running = max_running
         self._run_batch = run_batch
         # whether a job's steps are at a step that may join a batch
@@ -357,13 +366,20 @@ class Worker:
                 live.append(job)
         batch = [job for job in live if self._run_batch is not None and self._can_batch(job.steps)]
         alone = [job for job in live if job not in batch]
-        if alone:
+        if not batch:
+            self._batch_credit = 0.0
+        if alone and self._batch_credit <= 0.0:
             job = min(alone, key=lambda j: j.last_turn)
             self._turn += 1
             job.last_turn = self._turn
+            started = time.perf_counter()
             self._step(job)
+            if batch:  # decode steps are owed their share of that step's time
+                self._batch_credit = (time.perf_counter() - started) * self._decode_ratio
         if batch:
+            started = time.perf_counter()
             self._step_batch(batch)
+            self._batch_credit -= time.perf_counter() - started
 
     def _shutdown_jobs(self) -> None:
         with self._cond:

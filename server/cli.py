@@ -130,6 +130,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "text_prior": settings.text_prior,
         "prefix_cache_bytes": settings.prefix_cache_bytes,
         "max_turn_encoding_bytes": settings.max_turn_encoding_bytes,
+        "decode_share": settings.decode_share,
         # One store for the engine's encodings and the server's session records: the memory
         # service, or the embedded store under --data-dir.
         "memory_store_url": settings.memory_store_url,

@@ -88,6 +88,9 @@ class ServerSettings(BaseSettings):
     # A session turn's encodings are stored up to this size (about 46 KB per token for the
     # embedded model), so a restore needs no forward; a larger turn is stored as its tokens.
     max_turn_encoding_bytes: int = Field(default=64 * 1024**2, ge=0)
+    # While a long prompt or document is read, the decode steps of the other running requests
+    # get this share of the device (several tokens per reading chunk); 0: one per chunk.
+    decode_share: float = Field(default=0.25, ge=0.0, lt=1.0)
 
     memory_store_url: str | None = None
     data_dir: str = "./data"

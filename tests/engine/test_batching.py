@@ -6,6 +6,7 @@ so bit equality is not expected).
 """
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -320,3 +321,51 @@ async def test_worker_fails_only_the_failing_job_of_a_batch(whole_batch_fails):
         assert good.alone == 0 and good.batched == 5
     assert worker.is_alive()
     worker.stop()
+
+
+class Reading:
+    """Steps that cannot batch (a long read), each taking `seconds`; records when they ran."""
+
+    batch_ready = False
+
+    def __init__(self, n, seconds, log):
+        self.n, self.seconds, self.log, self.i = n, seconds, log, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.i == self.n:
+            raise StopIteration
+        time.sleep(self.seconds)
+        self.i += 1
+        self.log.append("read")
+        return None
+
+    def close(self):
+        self.i = self.n
+
+
+@pytest.mark.parametrize(("share", "per_read"), [(0.0, (1, 1)), (0.5, (2, 12))])
+async def test_decode_steps_get_their_share_beside_a_read(share, per_read):
+    """A read of 40 ms steps beside a stream of 10 ms batched steps: with share 0 one decode
+    step follows each reading step; with share 0.5 decode steps run for as long as the reading
+    step did (about four of them)."""
+    log: list[str] = []
+
+    def run_batch(steps_list):
+        time.sleep(0.01)
+        log.append("decode")
+        return [steps.produce() for steps in steps_list]
+
+    loop = asyncio.get_running_loop()
+    worker = Worker(max_waiting=8, max_running=8, run_batch=run_batch, decode_share=share)
+    reading, stream = Collector(loop), Collector(loop)
+    worker.submit(Job("read", Reading(6, 0.04, log), reading))
+    worker.submit(Job("stream", FakeSteps(200), stream))
+    await drain(reading)
+    worker.abort("stream")
+    worker.stop()
+    reads = [i for i, what in enumerate(log) if what == "read"]
+    between = [b - a - 1 for a, b in zip(reads, reads[1:], strict=False)]
+    assert all(per_read[0] <= n <= per_read[1] for n in between), between
