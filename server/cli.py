@@ -192,6 +192,7 @@ BENCHMARKS = (
     "json_recall",
     "peers",
     "soak",
+    "decode_floor",
 )
 
 

@@ -1,0 +1,74 @@
+"""How far one plain decode step is from reading the model's weights once.
+
+In process, on the engine's own plain path (a KV cache, the model's forward): a --context-token
+prompt is read, then --steps single-token decode steps are timed. Then the same weight matrices
+are multiplied by one token's activations, nothing else, which is the floor a decode step
+cannot go under without fewer weight bytes. One JSON line per --dtypes entry: the step, the
+bare matmuls, the weights' MB and the bandwidth they imply, and the share of the step that is
+not weight matmuls (Python, dispatch, norms, rotary, attention, sampling-side work).
+
+    longserve bench decode_floor --dtypes float32 bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from engine.config import EngineConfig
+from engine.generate import KVCacheState
+from engine.loader import load_model
+
+
+def measure(dtype: str, args: argparse.Namespace) -> dict:
+    loaded = load_model(EngineConfig(model=args.model, device="cpu", dtype=dtype))
+    model = loaded.model
+    state = KVCacheState(model, args.context_tokens + args.steps + 16)
+    prompt = torch.arange(args.context_tokens) % 1000 + 100  # ids of ordinary tokens
+    with torch.inference_mode():
+        state.prefill(prompt)
+        for i in range(3):
+            state.step(200 + i)
+        started = time.perf_counter()
+        for i in range(args.steps):
+            state.step(300 + i)
+        step = (time.perf_counter() - started) / args.steps
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        x = {m.in_features: torch.randn(1, m.in_features, dtype=model.dtype) for m in linears}
+        for m in linears:  # warm-up
+            torch.nn.functional.linear(x[m.in_features], m.weight)
+        started = time.perf_counter()
+        for _ in range(args.steps // 4 or 1):
+            for m in linears:
+                torch.nn.functional.linear(x[m.in_features], m.weight)
+        bare = (time.perf_counter() - started) / (args.steps // 4 or 1)
+    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    return {
+        "bench": "decode_floor",
+        "dtype": dtype,
+        "context_tokens": args.context_tokens,
+        "step_ms": round(step * 1000, 2),
+        "tok_s": round(1 / step, 1),
+        "bare_matmuls_ms": round(bare * 1000, 2),
+        "weights_mb": round(weight_bytes / 1e6),
+        "weights_gb_s": round(weight_bytes / bare / 1e9, 1),
+        "not_matmul_share": round(1 - bare / step, 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--context-tokens", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--model", help="default: the embedded model")
+    args = parser.parse_args(argv)
+    for dtype in args.dtypes:
+        print(json.dumps(measure(dtype, args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
