@@ -7,7 +7,7 @@ cannot go under without fewer weight bytes. One JSON line per --dtypes entry: th
 bare matmuls, the weights' MB and the bandwidth they imply, and the share of the step that is
 not weight matmuls (Python, dispatch, norms, rotary, attention, sampling-side work).
 
-    longserve bench decode_floor --dtypes float32 bfloat16
+    longserve bench decode_floor --dtypes float32 bfloat16 float32+bfloat16-linears
 """
 
 from __future__ import annotations
@@ -21,10 +21,17 @@ import torch
 from engine.config import EngineConfig
 from engine.generate import KVCacheState
 from engine.loader import load_model
+from engine.weights import LowPrecisionLinear
 
 
 def measure(dtype: str, args: argparse.Namespace) -> dict:
-    loaded = load_model(EngineConfig(model=args.model, device="cpu", dtype=dtype))
+    """dtype: the model's ("float32", "bfloat16"), or "float32+bfloat16-linears"."""
+    model_dtype, _, linears = dtype.partition("+")
+    linear_dtype = linears.removesuffix("-linears") or "auto"
+    config = EngineConfig(
+        model=args.model, device="cpu", dtype=model_dtype, linear_dtype=linear_dtype
+    )
+    loaded = load_model(config)
     model = loaded.model
     state = KVCacheState(model, args.context_tokens + args.steps + 16)
     prompt = torch.arange(args.context_tokens) % 1000 + 100  # ids of ordinary tokens
@@ -36,14 +43,16 @@ def measure(dtype: str, args: argparse.Namespace) -> dict:
         for i in range(args.steps):
             state.step(300 + i)
         step = (time.perf_counter() - started) / args.steps
-        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        x = {m.in_features: torch.randn(1, m.in_features, dtype=model.dtype) for m in linears}
+        linears = [
+            m for m in model.modules() if isinstance(m, torch.nn.Linear | LowPrecisionLinear)
+        ]
+        x = {m: torch.randn(1, m.in_features, dtype=m.weight.dtype) for m in linears}
         for m in linears:  # warm-up
-            torch.nn.functional.linear(x[m.in_features], m.weight)
+            torch.nn.functional.linear(x[m], m.weight)
         started = time.perf_counter()
         for _ in range(args.steps // 4 or 1):
             for m in linears:
-                torch.nn.functional.linear(x[m.in_features], m.weight)
+                torch.nn.functional.linear(x[m], m.weight)
         bare = (time.perf_counter() - started) / (args.steps // 4 or 1)
     weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     return {
@@ -61,7 +70,9 @@ def measure(dtype: str, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument(
+        "--dtypes", nargs="+", default=["float32", "bfloat16", "float32+bfloat16-linears"]
+    )
     parser.add_argument("--context-tokens", type=int, default=512)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--model", help="default: the embedded model")

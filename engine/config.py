@@ -35,6 +35,9 @@ class EngineConfig:
     or no encoder installed, leaves the memory knobs prior_k/prior_u without effect.
     prefix_cache_bytes: memories kept for long prompts' reuse (engine/prefix_cache.py), an LRU
     by bytes in host memory; 0 keeps none.
+    linear_dtype: the precision the linear layers keep their weights in and multiply in
+    (engine/weights.py); "auto" keeps the model's dtype. "bfloat16" on a float32 CPU model
+    halves the bytes a decode step reads; everything else stays in the model's dtype.
     decode_share: while a request is being read, the share of device time the decode steps of
     the other running requests get (the worker runs several decode steps per reading chunk);
     0 runs one decode step per reading chunk.
@@ -63,6 +66,7 @@ class EngineConfig:
     prefix_cache_bytes: int = 8 * 1024**3
     max_turn_encoding_bytes: int = 64 * 1024**2
     decode_share: float = 0.25
+    linear_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.model is not None and not self.model.strip():
@@ -112,6 +116,8 @@ class EngineConfig:
             raise ValueError(
                 f"prefix_cache_bytes must be an integer >= 0, got {self.prefix_cache_bytes!r}"
             )
+        if self.linear_dtype not in DTYPES:
+            raise ValueError(f"linear_dtype must be one of {DTYPES}, got {self.linear_dtype!r}")
         if not 0.0 <= self.decode_share < 1.0:
             raise ValueError(f"decode_share must be in [0, 1), got {self.decode_share!r}")
         if not isinstance(self.max_turn_encoding_bytes, int) or self.max_turn_encoding_bytes < 0:

@@ -108,6 +108,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.attention import use_longserve_attention
+    from engine.weights import lower_linear_weights
 
     source, kwargs, default_id = _source(config.model)
     device = resolve_device(config.device)
@@ -116,6 +117,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
     tokenizer = _from_pretrained(AutoTokenizer, source, kwargs, "tokenizer")
     model = _from_pretrained(AutoModelForCausalLM, source, {**kwargs, "dtype": dtype}, "model")
     model = model.to(device=device, dtype=dtype).eval()
+    if config.linear_dtype not in ("auto", str(dtype).removeprefix("torch.")):
+        lowered = lower_linear_weights(model, _DTYPES[config.linear_dtype])
+        logger.info("%d linear layers keep their weights in %s", lowered, config.linear_dtype)
     use_longserve_attention(model)
 
     trained_len = getattr(model.config, "max_position_embeddings", None)

@@ -48,6 +48,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="auto, cpu, cuda, cuda:1 ...")
     parser.add_argument("--dtype", help="auto, float32, bfloat16, float16")
     parser.add_argument(
+        "--linear-dtype", help="the linear layers' weight precision: auto (the model's), bfloat16"
+    )
+    parser.add_argument(
         "--api-key",
         action="append",
         dest="api_keys",
@@ -78,6 +81,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         "served_model_name",
         "device",
         "dtype",
+        "linear_dtype",
         "api_keys",
         "max_waiting_requests",
         "max_running_requests",
@@ -122,6 +126,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "served_model_name": settings.served_model_name,
         "device": settings.device,
         "dtype": settings.dtype,
+        "linear_dtype": settings.linear_dtype,
         "max_waiting_requests": settings.max_waiting_requests,
         "max_running_requests": settings.max_running_requests,
         "session_offload_after_s": settings.session_offload_after_seconds,

@@ -39,6 +39,9 @@ class ServerSettings(BaseSettings):
     served_model_name: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    # Linear layers' weights in this precision ("auto": the model's dtype); bfloat16 on a
+    # float32 CPU model halves what a decode step reads (engine/weights.py).
+    linear_dtype: str = "auto"
     max_waiting_requests: int = Field(default=64, ge=1)
     max_running_requests: int = Field(default=8, ge=1)
 

@@ -54,8 +54,8 @@ async def make_engine(tiny_loaded):
 
     engines = []
 
-    def make(**config) -> LocalEngine:
-        engine = LocalEngine(EngineConfig(device="cpu", **config), loaded=tiny_loaded)
+    def make(loaded: LoadedModel | None = None, **config) -> LocalEngine:
+        engine = LocalEngine(EngineConfig(device="cpu", **config), loaded=loaded or tiny_loaded)
         engines.append(engine)
         return engine
 

@@ -1,0 +1,44 @@
+"""Linear weights in bfloat16 on a float32 model (engine/weights.py): every linear layer is
+swapped, the rest stays float32, logits stay within bf16 rounding of the float32 ones, and the
+engine serves with it. On the tiny random Llama."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import EngineConfig
+from engine.loader import load_model
+from engine.protocol import SamplingParams
+from engine.store import model_fingerprint
+from engine.weights import LowPrecisionLinear
+
+
+def test_linear_weights_in_bf16_keep_the_rest_in_fp32(tiny_model_dir, tiny_loaded):
+    lowered = load_model(EngineConfig(model=str(tiny_model_dir), linear_dtype="bfloat16"))
+    model = lowered.model
+    linears = [m for m in model.modules() if isinstance(m, LowPrecisionLinear)]
+    assert len(linears) == 2 * 7 + 1  # q k v o gate up down per layer, and the output head
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert all(m.weight.dtype == torch.bfloat16 for m in linears)
+    assert model.model.embed_tokens.weight.dtype == torch.float32  # the head's copy is its own
+    assert next(model.parameters()).dtype == torch.float32  # what memories and caches follow
+    ids = torch.arange(40)[None] + 100
+    with torch.inference_mode():
+        want = tiny_loaded.model(input_ids=ids).logits
+        got = model(input_ids=ids).logits
+    assert got.dtype == torch.float32
+    error = (got - want).abs().max() / want.abs().max()
+    assert 0 < error < 0.02, error  # bf16 keeps 8 bits of mantissa
+    assert model_fingerprint("m", model) != model_fingerprint("m", tiny_loaded.model)
+
+
+async def test_the_engine_serves_with_bf16_linears(make_engine, tiny_model_dir, small_memory_spec):
+    loaded = load_model(EngineConfig(model=str(tiny_model_dir), linear_dtype="bfloat16"))
+    engine = make_engine(loaded=loaded)
+    sampling = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    plain = [d async for d in engine.generate("plain", "Hello there", sampling)]
+    assert plain[-1].completion_tokens == 5
+    await engine.create_session("s", small_memory_spec)
+    messages = [{"role": "user", "content": "word " * 120}]
+    on_memory = [d async for d in engine.generate("s1", messages, sampling, session_id="s")]
+    assert on_memory[-1].completion_tokens == 5
