@@ -6,6 +6,7 @@ growth on the tiny random model."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from engine.chat_template import assistant_turn_end, encode_chat
 from engine.protocol import SamplingParams
@@ -49,11 +50,15 @@ def test_a_continuation_keeps_contents_as_text(tokenizer):
 
 
 async def ask(engine, request_id, messages, session_id="s"):
-    """One chat request on the session; (answer text, last delta, memory tokens it added)."""
+    """One chat request on the session; (answer text, last delta, memory tokens it added). The
+    last delta comes back holding every token id of the answer (a session's last delta itself
+    carries none: it goes out once the turn is closed)."""
     memory = engine._memory_sessions.sessions[session_id].memory
     before = memory.num_tokens
     deltas = await collect(engine.generate(request_id, messages, ANSWER, session_id=session_id))
-    return "".join(d.text for d in deltas), deltas[-1], memory.num_tokens - before
+    ids = [i for d in deltas for i in d.token_ids]
+    last = dataclasses.replace(deltas[-1], token_ids=ids)
+    return "".join(d.text for d in deltas), last, memory.num_tokens - before
 
 
 def closing_tokens(engine, last):
