@@ -173,8 +173,12 @@ class MemorySession:
 
     def import_turn(self, turn: SessionTurn) -> None:
         """Take a turn another replica's session took: the memory must stand where it began."""
-        if turn.restart:
-            if self.documents_end is None or not self.memory.can_rewind(self.documents_end):
+        # a restart, said or not: a new chat that was aborted went back to the documents
+        # and left no turn, so the next turn begins at their end
+        ends = self.documents_end
+        begins_there = ends is not None and ends.state_hash == turn.hash_before
+        if turn.restart or (begins_there and self.memory.state_hash != turn.hash_before):
+            if ends is None or not self.memory.can_rewind(ends):
                 raise InvalidRequest("the turn restarts a chat this memory cannot go back to")
             self.restart()
         if self.memory.state_hash != turn.hash_before:

@@ -161,3 +161,24 @@ async def test_a_turn_past_the_encoding_limit_goes_out_as_its_tokens(make_engine
     await b.import_turn("s", turns[0])  # read again
     follow = [*messages, {"role": "user", "content": "Room 5?"}]
     assert (await ask(a, "a-next", follow))[0] == (await ask(b, "b-next", follow))[0]
+
+
+async def test_a_turn_after_an_aborted_new_chat_imports(make_engine):
+    """An aborted new chat sends the memory back to the documents and leaves no turn; the next
+    turn begins there, and an import follows it back too."""
+    a, b = make_engine(), make_engine()
+    for engine in (a, b):
+        await engine.create_session("s", SPECS["segments"])
+        await read(engine, "s", DOCUMENT)
+    _, first = await conversation(a, "s", ["Room 3?"])
+    long = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    stream = a.generate("new", [{"role": "user", "content": "Other?"}], long, session_id="s")
+    await anext(stream)
+    await a.abort("new")
+    assert [d async for d in stream][-1].finish_reason == "abort"
+    _, second = await conversation(a, "s", ["Room 9?"])
+    assert not second[0].restart and second[0].seq == 2
+    for turn in first + second:
+        await b.import_turn("s", turn)
+    for x, y in zip(frame_tensors(a, "s"), frame_tensors(b, "s"), strict=True):
+        assert torch.equal(x, y)
