@@ -285,3 +285,27 @@ def _can_batch(steps: Any) -> bool:
     """Whether a job's steps are at a decode step of a Generation (any path)."""
     generation = running_generation(steps)
     return generation is not None and generation.batch_ready
+
+
+def start_engine(config: EngineConfig, store: MemoryStoreClient | None = None) -> LocalEngine:
+    """A LocalEngine built on a thread that ends once it is built, so that the device thread is
+    the only live thread that has run parallel torch work. Loading runs OpenMP parallel
+    regions; the team a live thread keeps outnumbers this machine's cores next to the device
+    thread's, libgomp then stops spinning between regions, and every small matmul of a
+    decode step waits to wake its threads: a step took 30 ms instead of 19 ms here
+    (docs/decisions/034)."""
+    built: dict[str, Any] = {}
+
+    def build() -> None:
+        try:
+            built["engine"] = LocalEngine(config, store=store)
+        except BaseException as e:  # re-raised on the caller's thread
+            built["error"] = e
+
+    loader = threading.Thread(target=build, name="longserve-load")
+    loader.start()
+    loader.join()
+    if "error" in built:
+        raise built["error"]
+    engine: LocalEngine = built["engine"]
+    return engine

@@ -116,7 +116,7 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         return EXIT_BAD_CONFIG
 
-    from engine.client import LocalEngine
+    from engine.client import start_engine
     from engine.config import EngineConfig
     from server.app import build_app
     from server.drain import serve
@@ -147,7 +147,7 @@ def run_serve(args: argparse.Namespace) -> int:
     store = memory_store_client(settings)
     # httpx.AsyncClient is bound to one event loop and the engine calls its store from its own:
     # only the in-process (embedded) client is shared; over HTTP the engine builds its own.
-    engine = LocalEngine(config, store=None if settings.memory_store_url else store)
+    engine = start_engine(config, store=None if settings.memory_store_url else store)
     app = build_app(settings, engine, store=store)
     started = serve(app, app.state.drain, settings.host, settings.port, args.log_level)
     return 0 if started else EXIT_STARTUP_FAILURE

@@ -42,3 +42,20 @@ async def test_the_engine_serves_with_bf16_linears(make_engine, tiny_model_dir, 
     messages = [{"role": "user", "content": "word " * 120}]
     on_memory = [d async for d in engine.generate("s1", messages, sampling, session_id="s")]
     assert on_memory[-1].completion_tokens == 5
+
+
+async def test_start_engine_builds_off_thread_and_raises_its_errors(tiny_model_dir, tmp_path):
+    import pytest
+
+    from engine.client import start_engine
+    from engine.loader import ModelLoadError
+
+    engine = start_engine(EngineConfig(model=str(tiny_model_dir), device="cpu"))
+    try:
+        sampling = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        deltas = [d async for d in engine.generate("r", "Hello", sampling)]
+        assert deltas[-1].completion_tokens == 3
+    finally:
+        await engine.shutdown()
+    with pytest.raises((ModelLoadError, OSError, ValueError)):
+        start_engine(EngineConfig(model=str(tmp_path / "missing"), device="cpu"))
