@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.conversation import check_memory_room
 from engine.generate import Generation, MemoryState
 from engine.prior_query import prior_query
 from engine.protocol import (
@@ -221,10 +220,8 @@ class SessionCollections:
         if session is None:
             raise SessionNotFound(f"session {session_id!r} has no memory")
         prompt_ids, new, restart = self._sessions.turn_prompt(session, prompt, prompt_ids)
-        if memory_room is not None:
-            freed = session.held.tokens - session.documents_held.tokens if restart else 0
-            ending = len(self._sessions.decoding.turn_end) if new is not None else 0
-            check_memory_room(len(prompt_ids) + sampling.max_tokens + ending - freed, memory_room)
+        ending = len(self._sessions.decoding.turn_end) if new is not None else 0
+        session.check_room(len(prompt_ids) + sampling.max_tokens + ending, restart, memory_room)
         if restart:
             session.restart()
         fork = session.memory.fork()

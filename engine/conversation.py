@@ -118,6 +118,13 @@ class MemorySession:
         self.turns, self.rendered = [], list(self.documents_rendered)
         self.held = self.documents_held
 
+    def check_room(self, grows: int, restart: bool, room: int | None) -> None:
+        """A request may grow the memory by `grows` tokens, after a `restart` frees the
+        conversation held; MemoryBudgetExceeded when that passes `room` (None: no budget)."""
+        if room is not None:
+            freed = self.held.tokens - self.documents_held.tokens if restart else 0
+            check_memory_room(grows - freed, room)
+
     @property
     def selected(self) -> list[Collection]:
         """Collections searched per request (too large to load whole)."""

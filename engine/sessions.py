@@ -20,7 +20,7 @@ import torch
 from engine.chat_template import Turn, encode_chat, encode_document, message_turns
 from engine.collections import SessionCollections
 from engine.config import EngineConfig
-from engine.conversation import MemorySession, check_memory_room
+from engine.conversation import MemorySession
 from engine.generate import Generation, MemoryState
 from engine.grammar import Grammars
 from engine.memory.session import STRATEGIES, MemoryMark, SessionMemory
@@ -326,9 +326,7 @@ class MemorySessions:
         held = session.restart_tokens if restart else session.memory.num_tokens
         grows = len(prompt_ids) + sampling.max_tokens + len(after)
         self.check_memory_cap(held + grows)
-        if memory_room is not None:
-            freed = session.held.tokens - session.documents_held.tokens if restart else 0
-            check_memory_room(grows - freed, memory_room)
+        session.check_room(grows, restart, memory_room)
         if restart:
             session.restart()
         mark, hash_before = session.begin_turn()

@@ -82,6 +82,16 @@ def model_not_found(model: str) -> APIError:
     )
 
 
+def response_not_found(response_id: str) -> APIError:
+    """An unknown stored response, or another tenant's (the same answer)."""
+    return APIError(
+        404,
+        f"No response found with id '{response_id}'.",
+        param="response_id",
+        code="response_not_found",
+    )
+
+
 def invalid_api_key(message: str) -> APIError:
     return APIError(
         401,

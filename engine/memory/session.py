@@ -371,15 +371,7 @@ class SessionMemory:
     def take_turn(self) -> TurnEncoding:
         """What was committed since `start_turn`, in commits; recording stops."""
         turn, self._turn = self._turn or [], None
-        enc = TurnEncoding(metas=[state for _, _, _, state in turn])
-        for ids, _, _, _ in turn:
-            enc.commits.append(len(ids))
-            enc.token_ids += ids
-        if turn:
-            for layer in range(len(self._frame.layers)):
-                enc.keys.append(torch.cat([k[layer] for _, k, _, _ in turn], dim=1).cpu())
-                enc.values.append(torch.cat([v[layer] for _, _, v, _ in turn], dim=1).cpu())
-        return enc
+        return TurnEncoding.of_commits(turn)
 
     def import_turn(self, enc: TurnEncoding) -> None:
         """Commit a recorded turn's pieces as they were committed, with no model forward."""

@@ -34,6 +34,21 @@ class TurnEncoding:
     values: list[torch.Tensor] = field(default_factory=list)
     metas: list[dict[str, Any]] = field(default_factory=list)
 
+    @classmethod
+    def of_commits(
+        cls, commits: list[tuple[list[int], list[torch.Tensor], list[torch.Tensor], dict[str, Any]]]
+    ) -> TurnEncoding:
+        """From recorded commits: (ids, keys and values per layer, strategy state) each."""
+        enc = cls(metas=[state for _, _, _, state in commits])
+        for ids, _, _, _ in commits:
+            enc.commits.append(len(ids))
+            enc.token_ids += ids
+        if commits:
+            layers = range(len(commits[0][1]))
+            enc.keys = [torch.cat([k[i] for _, k, _, _ in commits], dim=1).cpu() for i in layers]
+            enc.values = [torch.cat([v[i] for _, _, v, _ in commits], dim=1).cpu() for i in layers]
+        return enc
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

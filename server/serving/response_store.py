@@ -16,7 +16,7 @@ from typing import Any
 
 from memory_store.client import MemoryStoreClient
 from memory_store.errors import NotFound, StoreError
-from server.errors import APIError
+from server.errors import response_not_found
 from server.protocol import ChatMessage
 
 logger = logging.getLogger(__name__)
@@ -34,15 +34,6 @@ class StoredResponse:
     def from_record(cls, record: dict[str, Any]) -> StoredResponse:
         messages = [ChatMessage.model_validate(m) for m in record["messages"]]
         return cls(body=dict(record["body"]), messages=messages)
-
-
-def _not_found(response_id: str) -> APIError:
-    return APIError(
-        404,
-        f"No response found with id '{response_id}'.",
-        param="response_id",
-        code="response_not_found",
-    )
 
 
 class ResponseStore:
@@ -66,15 +57,15 @@ class ResponseStore:
         local = held.get(response_id)
         if self.store is None or (tenant, response_id) in self._local_only:
             if local is None:
-                raise _not_found(response_id)  # another tenant's id reads as unknown too
+                raise response_not_found(response_id)  # another tenant's id reads as unknown too
             return local
         if not response_id.startswith("resp_"):
-            raise _not_found(response_id)
+            raise response_not_found(response_id)
         try:
             record = await self.store.get_record(self._namespace(tenant), response_id)
         except NotFound:
             held.pop(response_id, None)  # deleted through another replica
-            raise _not_found(response_id) from None
+            raise response_not_found(response_id) from None
         except StoreError:
             if local is None:
                 raise
@@ -83,7 +74,7 @@ class ResponseStore:
             return StoredResponse.from_record(record)
         except (KeyError, TypeError, ValueError) as e:
             logger.warning("stored response %s is unreadable: %s", response_id, e)
-            raise _not_found(response_id) from e
+            raise response_not_found(response_id) from e
 
     async def put(self, tenant: str, stored: StoredResponse) -> None:
         held = self._by_tenant.setdefault(tenant, collections.OrderedDict())

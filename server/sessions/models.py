@@ -141,8 +141,12 @@ class Session:
         for turn in turns:
             if turn.seq <= self.seq:
                 continue  # seen already
-            self.seq, self.turns, self.turn_tokens = turn.seq, turn.turns, turn.turn_tokens
+            self.hold_turn(turn)
             self.unsaved.append(TurnRecord(at=at, turn=turn))
+
+    def hold_turn(self, turn: SessionTurn) -> None:
+        """The memory holds `turn` now: the counts are the ones it reported."""
+        self.seq, self.turns, self.turn_tokens = turn.seq, turn.turns, turn.turn_tokens
 
     @property
     def engine_id(self) -> str:

@@ -167,7 +167,7 @@ class SessionRestorer:
         except InvalidRequest as exc:
             logger.warning("turn %d of session %s not restored: %s", turn.seq, session.id, exc)
             return
-        session.seq, session.turns, session.turn_tokens = turn.seq, turn.turns, turn.turn_tokens
+        session.hold_turn(turn)
 
     async def _reingest(self, session: Session, doc: Document, text: str) -> None:
         """Read a ready document into a restored session's memory, before anyone sees it."""

@@ -68,27 +68,16 @@ async def test_a_chat_past_the_memory_budget_is_refused_and_changes_nothing(
     async with replica(store, {}, max_memory_tokens_per_tenant=200) as a:
         session_id, _ = await create_with_document(a)
         before = (await a.http.get(f"/v1/sessions/{session_id}")).json()
+        ask = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
         response = await a.http.post(
-            "/v1/chat/completions",
-            json={
-                "model": MODEL,
-                "messages": [{"role": "user", "content": "hi"}],
-                "session_id": session_id,
-                "max_tokens": 1000,
-            },
+            "/v1/chat/completions", json={**ask, "session_id": session_id, "max_tokens": 1000}
         )
         error_of(response, 429, "memory_limit")
         assert (await a.http.get(f"/v1/sessions/{session_id}")).json() == before
         record = await SessionStore(store).load(a.tenant, session_id)
         assert record is not None and record.turns == ()
         response = await a.http.post(
-            "/v1/chat/completions",
-            json={
-                "model": MODEL,
-                "messages": [{"role": "user", "content": "hi"}],
-                "session_id": session_id,
-                "max_tokens": 4,
-            },
+            "/v1/chat/completions", json={**ask, "session_id": session_id, "max_tokens": 4}
         )
         assert response.status_code == 200, response.text
 
