@@ -8,7 +8,12 @@ planted value. Then, unless --no-verify, the same turns (the same messages, answ
 go to a second server with the prefix cache off (LONGSERVE_PREFIX_CACHE_BYTES=0), and the last
 line gives each turn's time relative to turn 1 and whether every answer matched.
 
-    longserve bench prefix --length 32768 --turns 3
+With --replicas N, the chat goes to N servers in turn (turn t to replica t mod N), as behind a
+proxy without affinity: each on one memory service over Redis, with the prefix cache's
+write-through on (LONGSERVE_PREFIX_CACHE_STORE=1, engine/prefix_store.py), so a turn on another
+replica imports what the first one read.
+
+    longserve bench prefix --length 32768 --turns 3 [--replicas 2]
 """
 
 from __future__ import annotations
@@ -16,7 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 from bench.recall_corpus import build_document, load_token_counter
 from bench.recall_tasks import is_correct, make_trial
@@ -31,16 +40,21 @@ def conversation(args: argparse.Namespace) -> tuple[str, list]:
     return doc.text, list(trial.questions[: args.turns])
 
 
-def chat(base: str, model: str, document: str, questions: list, answers: list[str] | None,
-         max_tokens: int) -> list[dict]:  # fmt: skip
-    """Ask the questions turn by turn, resending everything; with `answers` (a verification
-    run) the conversation carries those answers instead of this server's own."""
+def chat(bases: list[str], model: str, document: str, questions: list,
+         answers: list[str] | None, max_tokens: int) -> list[dict]:  # fmt: skip
+    """Ask the questions turn by turn, resending everything, turn t to bases[t mod N]; with
+    `answers` (a verification run) the conversation carries those answers instead of the
+    servers' own."""
     import openai
 
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="bench", timeout=3600, max_retries=0)
+    clients = [
+        openai.OpenAI(base_url=f"{base}/v1", api_key="bench", timeout=3600, max_retries=0)
+        for base in bases
+    ]
     messages: list[dict] = []
     out = []
     for turn, question in enumerate(questions):
+        client = clients[turn % len(clients)]
         text = question.turns[0]
         messages.append({"role": "user", "content": f"{document}\n\n{text}" if turn == 0 else text})
         started = time.perf_counter()
@@ -54,6 +68,7 @@ def chat(base: str, model: str, document: str, questions: list, answers: list[st
         out.append(
             {
                 "turn": turn + 1,
+                "replica": turn % len(clients),
                 "seconds": round(seconds, 2),
                 "prompt_tokens": usage.prompt_tokens if usage is not None else 0,
                 "cached_tokens": details.cached_tokens if details is not None else 0,
@@ -72,6 +87,27 @@ def model_id(base: str) -> str:
     return httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
 
 
+@contextmanager
+def replicas(args: argparse.Namespace) -> Iterator[list[str]]:
+    """args.replicas servers on one memory service over one redis-server, writing through."""
+    from bench.soak import MemoryService, Redis
+
+    with tempfile.TemporaryDirectory(prefix="longserve-prefix-") as tmp, ExitStack() as stack:
+        root = Path(tmp)
+        (root / "redis").mkdir()
+        redis = Redis(False, root / "redis")
+        stack.callback(redis.stop)
+        service = MemoryService(redis.url, root / "memory-store.log")
+        service.start()
+        stack.callback(service.kill)
+        serve = ["--memory-store", service.url, *model_args(args)]
+        env = {"LONGSERVE_PREFIX_CACHE_STORE": "1"}
+        yield [
+            stack.enter_context(served(None, serve_args=serve, env=env, ready_timeout=600))
+            for _ in range(args.replicas)
+        ]
+
+
 def run(args: argparse.Namespace) -> None:
     document, questions = conversation(args)
     runs = {}
@@ -80,9 +116,14 @@ def run(args: argparse.Namespace) -> None:
         settings.append(("no_cache", {"LONGSERVE_PREFIX_CACHE_BYTES": "0"}))
     answers: list[str] | None = None
     for name, env in settings:
-        base_url = args.base_url if name == "cache" else None
-        with served(base_url, serve_args=model_args(args), env=env) as base:
-            turns = chat(base, model_id(base), document, questions, answers, args.max_tokens)
+        if name == "cache" and args.replicas > 1:
+            servers = replicas(args)
+        else:
+            base_url = args.base_url if name == "cache" else None
+            servers = served(base_url, serve_args=model_args(args), env=env)
+        with servers as bases:
+            bases = bases if isinstance(bases, list) else [bases]
+            turns = chat(bases, model_id(bases[0]), document, questions, answers, args.max_tokens)
         answers = [t["answer"] for t in turns]
         runs[name] = turns
         for turn in turns:
@@ -93,6 +134,7 @@ def run(args: argparse.Namespace) -> None:
         "bench": "prefix",
         "summary": True,
         "length": args.length,
+        "replicas": args.replicas,
         "kind": args.kind,
         "turn_seconds": [t["seconds"] for t in cached],
         "vs_turn1": [round(t["seconds"] / first, 3) for t in cached],
@@ -120,11 +162,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--no-verify", action="store_true", help="skip the no-cache server")
     parser.add_argument("--base-url", help="a running server on loopback (with the cache)")
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="N > 1: N servers sharing one memory store"
+    )
     parser.add_argument("--model")
     parser.add_argument("--device")
     args = parser.parse_args(argv)
     if args.turns < 1:
         raise SystemExit("--turns must be at least 1")
+    if args.replicas < 1 or (args.replicas > 1 and args.base_url):
+        raise SystemExit("--replicas must be at least 1, and starts its own servers")
     run(args)
 
 

@@ -39,6 +39,7 @@ from engine.protocol import (
     SessionTurn,
 )
 from engine.sessions import Decoding, MemorySessions, SessionKind
+from engine.prefix_store import PrefixStoreStats
 from engine.store import StoreBridge, model_fingerprint
 from engine.stream import aborted_delta, submit
 from engine.worker import Worker
@@ -235,6 +236,8 @@ class LocalEngine:
     def stats(self) -> EngineStats:
         sessions = list(self._memory_sessions.sessions.values())
         prefixes = self._memory_sessions.prefixes.stats()
+        shared = self._memory_sessions.prefix_store
+        stored = shared.stats() if shared is not None else PrefixStoreStats()
         return EngineStats(
             num_requests_running=self._worker.num_running,
             num_requests_waiting=self._worker.num_waiting,
@@ -247,6 +250,10 @@ class LocalEngine:
             prefix_cache_evictions=prefixes.evictions,
             prefix_cache_entries=prefixes.entries,
             prefix_cache_bytes=prefixes.bytes,
+            prefix_cache_store_hits=stored.hits,
+            prefix_cache_store_tokens_imported=stored.tokens_imported,
+            prefix_cache_store_chunks_written=stored.chunks_written,
+            prefix_cache_store_failures=stored.failures,
             grammars_compiled=self._grammars.compiled,
             grammar_cache_hits=self._grammars.cache_hits,
             grammar_compile_seconds=self._grammars.compile_seconds_total,

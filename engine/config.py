@@ -35,6 +35,10 @@ class EngineConfig:
     or no encoder installed, leaves the memory knobs prior_k/prior_u without effect.
     prefix_cache_bytes: memories kept for long prompts' reuse (engine/prefix_cache.py), an LRU
     by bytes in host memory; 0 keeps none.
+    prefix_cache_store: with a memory store, long prompts' documents are also read with
+    write-through to it, chunk by chunk (fp16, about 23 KB per token for SmolLM2), so a later
+    prompt on any replica imports what it shares with them (engine/prefix_store.py). The store
+    keeps those chunks as it keeps uploaded documents'.
     linear_dtype: the precision the linear layers keep their weights in and multiply in
     (engine/weights.py); "auto" keeps the model's dtype. "bfloat16" on a float32 CPU model
     halves the bytes a decode step reads; everything else stays in the model's dtype.
@@ -64,6 +68,7 @@ class EngineConfig:
     collection_top_k: int = 16
     text_prior: bool = True
     prefix_cache_bytes: int = 8 * 1024**3
+    prefix_cache_store: bool = False
     max_turn_encoding_bytes: int = 64 * 1024**2
     decode_share: float = 0.25
     linear_dtype: str = "auto"

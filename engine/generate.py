@@ -80,6 +80,17 @@ class KVCacheState:
         ids = input_ids.to(self._device, dtype=torch.long).view(1, -1)  # (1, T)
         return forward_kv(self._model, [self], ids)[0]  # (vocab,)
 
+    def _read_document(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._write is None:
+            return self.memory.append(ids, document=True)
+        unit, writer = self._write
+        for start in range(0, ids.numel(), unit):
+            piece = ids[start : start + unit]
+            logits, encoding = self.memory.ingest_chunk(piece)
+            if piece.numel() == unit:
+                writer(self.memory.state_hash, encoding)
+        return logits
+
     def step(self, token_id: int) -> torch.Tensor:
         return self.prefill(torch.tensor([token_id], dtype=torch.long))
 
@@ -128,7 +139,9 @@ class MemoryState:
     reads an uploaded document, and once read it moves to memory (SessionMemory.end_document),
     so the question reaches it through retrieval. read: tokens of the prompt the memory holds
     already (a reused prefix; engine/prefix_cache.py); prefill gets the rest. keep: (point,
-    callback) calls callback(memory) once the document has been read up to point."""
+    callback) calls callback(memory) once the document has been read up to point. write:
+    (unit, writer) reads the document with write-through (engine/prefix_store.py), one
+    `unit`-token forward at a time, and calls writer(chain hash, encoding) for each whole one."""
 
     def __init__(
         self,
@@ -138,12 +151,14 @@ class MemoryState:
         *,
         read: int = 0,
         keep: tuple[int, Callable[[Any], None]] | None = None,
+        write: tuple[int, Callable[[str, Any], None]] | None = None,
     ) -> None:
         self.memory = memory  # engine.memory.session.SessionMemory
         self.strategy = strategy
         self._document_end = document_end
         self._read = read
         self._keep = keep
+        self._write = write
 
     @property
     def num_tokens(self) -> int:
@@ -159,16 +174,27 @@ class MemoryState:
         document, rest = ids[: end - start], ids[end - start :]
         if self._keep is not None and start < self._keep[0] <= start + document.numel():
             (point, callback), self._keep = self._keep, None
-            logits = self.memory.append(document[: point - start], document=True)
+            logits = self._read_document(document[: point - start])
             callback(self.memory)
             document = document[point - start :]
         if document.numel():
-            logits = self.memory.append(document, document=True)
+            logits = self._read_document(document)
         if self._read < end:
             return logits
         self._document_end = None
         self.memory.end_document()
         return self.memory.append(rest) if rest.numel() else logits
+
+    def _read_document(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._write is None:
+            return self.memory.append(ids, document=True)
+        unit, writer = self._write
+        for start in range(0, ids.numel(), unit):
+            piece = ids[start : start + unit]
+            logits, encoding = self.memory.ingest_chunk(piece)
+            if piece.numel() == unit:
+                writer(self.memory.state_hash, encoding)
+        return logits
 
     def step(self, token_id: int) -> torch.Tensor:
         return self.prefill(torch.tensor([token_id], dtype=torch.long))

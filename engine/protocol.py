@@ -261,6 +261,11 @@ class EngineStats:
     prefix_cache_evictions: int = 0
     prefix_cache_entries: int = 0
     prefix_cache_bytes: int = 0
+    # ... through the memory store (engine/prefix_store.py), counters since start
+    prefix_cache_store_hits: int = 0
+    prefix_cache_store_tokens_imported: int = 0
+    prefix_cache_store_chunks_written: int = 0
+    prefix_cache_store_failures: int = 0
     # structured outputs (engine/grammar.py): grammars compiled and reused since start
     grammars_compiled: int = 0
     grammar_cache_hits: int = 0

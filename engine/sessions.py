@@ -25,6 +25,7 @@ from engine.generate import Generation, MemoryState
 from engine.grammar import Grammars
 from engine.memory.session import STRATEGIES, MemoryMark, SessionMemory
 from engine.prefix_cache import PrefixCache, reading_units
+from engine.prefix_store import PrefixStore
 from engine.prior_query import prior_encoder, prior_query
 from engine.protocol import (
     CollectionAttachment,
@@ -140,6 +141,11 @@ class MemorySessions:
         self._ingest_ids: set[str] = set()  # running ingestions (drop fails them)
         self.collections = SessionCollections(self, worker, store, model_fingerprint)
         self.prefixes = PrefixCache(config.prefix_cache_bytes)  # long prompts' reused memories
+        self.prefix_store = (  # ... and the same through the memory store, for every replica
+            PrefixStore(store, model_fingerprint)
+            if store is not None and config.prefix_cache_store
+            else None
+        )
 
     def __contains__(self, session_id: object) -> bool:
         return session_id in self.sessions
@@ -270,19 +276,29 @@ class MemorySessions:
     ) -> Generator[GenerationDelta | None, None, None]:
         """A long prompt: its body (before the question's tail) is a document, read in whole
         chunks, from a memory kept for an earlier prompt of `scope` that started with the same
-        chunks when there is one (engine/prefix_cache.py)."""
+        chunks when there is one (engine/prefix_cache.py), then from the memory store's chunks
+        of the same chain (engine/prefix_store.py)."""
         memory = self.new_memory(spec)
         body = memory.config.tail_start(len(prompt_ids))  # the document, before the question
         document_end = body if 0 < body < len(prompt_ids) else None
         step, unit = reading_units(memory.config.chunk_size, self.decoding.prefill_chunk_tokens)
-        reused, keep = 0, None
+        reused, keep, write = 0, None, None
         if document_end is not None:
             memory, reused = self.prefixes.start(scope, memory, prompt_ids, document_end, unit)
+            shared = self.prefix_store
+            if shared is not None and not memory.reads_by_question(unit):
+                where = shared.fingerprint(memory, scope, unit)
+                reused = yield from shared.restore(
+                    memory, prompt_ids, reused, document_end, unit, where
+                )
+                write = (unit, shared.writer(where))
             point = self.prefixes.keep_point(memory, document_end, unit)
             if point is not None and point > reused:
                 keep = (point, lambda read: self.prefixes.put(scope, read))
         memory.set_query(prior_query(prompt))
-        state = MemoryState(memory, spec.strategy, document_end, read=reused, keep=keep)
+        state = MemoryState(
+            memory, spec.strategy, document_end, read=reused, keep=keep, write=write
+        )
         yield from Generation(
             state,
             prompt_ids,

@@ -134,6 +134,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "collection_top_k": settings.collection_top_k,
         "text_prior": settings.text_prior,
         "prefix_cache_bytes": settings.prefix_cache_bytes,
+        "prefix_cache_store": settings.prefix_cache_store,
         "max_turn_encoding_bytes": settings.max_turn_encoding_bytes,
         "decode_share": settings.decode_share,
         # One store for the engine's encodings and the server's session records: the memory

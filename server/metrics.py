@@ -131,6 +131,22 @@ class _EngineStatsCollector(Collector):
             ("prefix_cache_misses", "Long prompts that found no kept memory.", "misses"),
             ("prefix_cache_tokens_reused", "Prompt tokens not read again.", "tokens_reused"),
             ("prefix_cache_evictions", "Kept memories evicted (LRU by bytes).", "evictions"),
+            ("prefix_cache_store_hits", "Long prompts that imported stored chunks.", "store_hits"),
+            (
+                "prefix_cache_store_tokens_imported",
+                "Prompt tokens imported from the memory store.",
+                "store_tokens_imported",
+            ),
+            (
+                "prefix_cache_store_chunks_written",
+                "Long prompts' chunks written to the memory store.",
+                "store_chunks_written",
+            ),
+            (
+                "prefix_cache_store_failures",
+                "Prefix store calls that failed (the request went on without it).",
+                "store_failures",
+            ),
         )
         for name, doc, field in counters:
             yield CounterMetricFamily(

@@ -88,6 +88,10 @@ class ServerSettings(BaseSettings):
     # later prompt of the same tenant starting with the same tokens reads only the rest. An LRU
     # by bytes, in host memory; 0 keeps none.
     prefix_cache_bytes: int = Field(default=8 * 1024**3, ge=0)
+    # ... and, with this on, through the memory store too, for every replica: long prompts'
+    # documents are written there chunk by chunk (fp16, about 23 KB per token for the embedded
+    # model, kept as uploaded documents are), and a prompt on any replica imports its prefix.
+    prefix_cache_store: bool = False
     # A session turn's encodings are stored up to this size (about 46 KB per token for the
     # embedded model), so a restore needs no forward; a larger turn is stored as its tokens.
     max_turn_encoding_bytes: int = Field(default=64 * 1024**2, ge=0)

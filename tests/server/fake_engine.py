@@ -414,6 +414,9 @@ class FakeEngine:
             prefix_cache_tokens_reused=4096,
             prefix_cache_entries=1,
             prefix_cache_bytes=1 << 20,
+            prefix_cache_store_hits=1,
+            prefix_cache_store_tokens_imported=2048,
+            prefix_cache_store_chunks_written=8,
         )
 
     async def shutdown(self) -> None:

@@ -33,6 +33,10 @@ async def test_metrics_move(client: httpx.AsyncClient, engine: FakeEngine) -> No
     assert before[("longserve:prefix_cache_evictions_total", ())] == 0
     assert before[("longserve:prefix_cache_entries", ())] == 1
     assert before[("longserve:prefix_cache_bytes", ())] == 1 << 20
+    assert before[("longserve:prefix_cache_store_hits_total", ())] == 1
+    assert before[("longserve:prefix_cache_store_tokens_imported_total", ())] == 2048
+    assert before[("longserve:prefix_cache_store_chunks_written_total", ())] == 8
+    assert before[("longserve:prefix_cache_store_failures_total", ())] == 0
 
     body = {
         "model": MODEL,

@@ -1,0 +1,122 @@
+"""Long prompts' prefix memories through the memory store, for every replica (docs/decisions/035).
+
+The prefix cache (engine/prefix_cache.py) keeps memories in one replica's host memory, so a
+chat whose next turn lands on another replica reads its document again. With
+EngineConfig.prefix_cache_store, a long prompt's document is read with write-through, as a
+session reads an upload (SessionMemory.ingest_chunk: each chunk's encodings exported in fp16,
+and the fp16 copy committed): every whole chunk goes to the store under the prefix chain hash
+h_j = chain_hash(h_{j-1}, chunk_j). A later prompt on any replica imports the stored chunks of
+its own chain, one after another, with no forward, and reads only the rest.
+
+Keys. Chunks are content-addressed like a session's documents, under a fingerprint of (model,
+memory configuration, reading unit, scope): tenants never share a stored memory.
+
+A store failure never fails the request: a lookup that fails reads from where it got, a write
+that fails stops this request's writes. Device thread only, except `stats`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.protocol import StoreUnavailableError
+from engine.store import StoreBridge, session_fingerprint
+from memory_store.client import ChunkEncoding, chain_hash
+from memory_store.errors import NotFound
+
+if TYPE_CHECKING:
+    from engine.memory.session import SessionMemory
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefixStoreStats:
+    hits: int = 0  # long prompts that imported at least one stored chunk
+    tokens_imported: int = 0  # prompt tokens imported from the store, summed over hits
+    chunks_written: int = 0  # chunks this replica wrote
+    failures: int = 0  # store calls that failed (the request went on without the store)
+
+
+class PrefixStore:
+    def __init__(self, bridge: StoreBridge, model_fingerprint: str) -> None:
+        self._bridge = bridge
+        self._model_fingerprint = model_fingerprint
+        self._hits = self._imported = self._written = self._failures = 0
+
+    def stats(self) -> PrefixStoreStats:
+        return PrefixStoreStats(self._hits, self._imported, self._written, self._failures)
+
+    def fingerprint(self, memory: SessionMemory, scope: str | None, unit: int) -> str:
+        """Where this memory's prefix chunks live: model, memory config, unit and scope."""
+        record = f"prefix|{session_fingerprint(self._model_fingerprint, memory)}|{unit}|{scope}"
+        return hashlib.sha256(record.encode()).hexdigest()
+
+    def restore(
+        self,
+        memory: SessionMemory,
+        ids: torch.Tensor,
+        start: int,
+        document_end: int,
+        unit: int,
+        fingerprint: str,
+    ) -> Generator[None, None, int]:
+        """Import into `memory` (which holds ids[:start], start a multiple of unit) the stored
+        chunks that continue it, in whole units before document_end; yields after each chunk
+        (one unit of device work) and returns the tokens the memory now holds."""
+        flat = ids.reshape(-1).cpu().numpy()
+        done = start
+        while done + unit < document_end:
+            piece = flat[done : done + unit]
+            h = chain_hash(memory.state_hash, piece)
+            try:
+                encoding = self._bridge.get_chunk(fingerprint, h)
+            except NotFound:
+                break
+            except StoreUnavailableError as e:
+                self._failed("reading", e)
+                break
+            if list(encoding.token_ids) != piece.tolist():
+                break  # a hash collision: read it instead
+            memory.import_chunk(encoding)
+            done += unit
+            yield None
+        if done > start:
+            self._hits += 1
+            self._imported += done - start
+        return done
+
+    def writer(self, fingerprint: str) -> ChunkWriter:
+        """What one request's reading calls with each whole chunk it read."""
+        return ChunkWriter(self, fingerprint)
+
+    def _failed(self, what: str, error: StoreUnavailableError) -> None:
+        self._failures += 1
+        logger.warning("prefix memory store %s failed; going on without it: %s", what, error)
+
+
+class ChunkWriter:
+    """Puts one request's chunks, keyed by the chain hash the memory holds after each; after a
+    failure it puts nothing more (the chain would have a hole)."""
+
+    def __init__(self, store: PrefixStore, fingerprint: str) -> None:
+        self._store = store
+        self._fingerprint = fingerprint
+        self._broken = False
+
+    def __call__(self, h: str, encoding: ChunkEncoding) -> None:
+        if self._broken:
+            return
+        try:
+            written = self._store._bridge.put_chunk(self._fingerprint, h, encoding)
+        except StoreUnavailableError as e:
+            self._broken = True
+            self._store._failed("writing", e)
+            return
+        self._store._written += int(written)
