@@ -24,6 +24,7 @@ from engine.generate import Generation, KVCacheState, running_generation, step_b
 from engine.grammar import Grammars
 from engine.larimar import LarimarSessions
 from engine.loader import LoadedModel, load_model
+from engine.prefix_store import PrefixStoreStats
 from engine.protocol import (
     CollectionAttachment,
     EngineHealth,
@@ -39,7 +40,6 @@ from engine.protocol import (
     SessionTurn,
 )
 from engine.sessions import Decoding, MemorySessions, SessionKind
-from engine.prefix_store import PrefixStoreStats
 from engine.store import StoreBridge, model_fingerprint
 from engine.stream import aborted_delta, submit
 from engine.worker import Worker

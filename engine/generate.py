@@ -80,17 +80,6 @@ class KVCacheState:
         ids = input_ids.to(self._device, dtype=torch.long).view(1, -1)  # (1, T)
         return forward_kv(self._model, [self], ids)[0]  # (vocab,)
 
-    def _read_document(self, ids: torch.Tensor) -> torch.Tensor:
-        if self._write is None:
-            return self.memory.append(ids, document=True)
-        unit, writer = self._write
-        for start in range(0, ids.numel(), unit):
-            piece = ids[start : start + unit]
-            logits, encoding = self.memory.ingest_chunk(piece)
-            if piece.numel() == unit:
-                writer(self.memory.state_hash, encoding)
-        return logits
-
     def step(self, token_id: int) -> torch.Tensor:
         return self.prefill(torch.tensor([token_id], dtype=torch.long))
 

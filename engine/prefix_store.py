@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections import deque
 from collections.abc import Generator
+from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +37,8 @@ if TYPE_CHECKING:
     from engine.memory.session import SessionMemory
 
 logger = logging.getLogger(__name__)
+
+IN_FLIGHT = 4  # store calls one request keeps going while the device reads or imports
 
 
 @dataclass(frozen=True)
@@ -69,24 +74,37 @@ class PrefixStore:
     ) -> Generator[None, None, int]:
         """Import into `memory` (which holds ids[:start], start a multiple of unit) the stored
         chunks that continue it, in whole units before document_end; yields after each chunk
-        (one unit of device work) and returns the tokens the memory now holds."""
+        (one unit of device work) and returns the tokens the memory now holds. The next
+        IN_FLIGHT chunks are fetched while one is imported."""
         flat = ids.reshape(-1).cpu().numpy()
+        pieces = [flat[end - unit : end] for end in range(start + unit, document_end, unit)]
+        hashes, h = [], memory.state_hash
+        for piece in pieces:
+            h = chain_hash(h, piece)
+            hashes.append(h)
+        bridge = self._bridge
+        fetches: deque[Future[ChunkEncoding]] = deque()
         done = start
-        while done + unit < document_end:
-            piece = flat[done : done + unit]
-            h = chain_hash(memory.state_hash, piece)
-            try:
-                encoding = self._bridge.get_chunk(fingerprint, h)
-            except NotFound:
-                break
-            except StoreUnavailableError as e:
-                self._failed("reading", e)
-                break
-            if list(encoding.token_ids) != piece.tolist():
-                break  # a hash collision: read it instead
-            memory.import_chunk(encoding)
-            done += unit
-            yield None
+        try:
+            for i, piece in enumerate(pieces):
+                while len(fetches) < IN_FLIGHT and i + len(fetches) < len(pieces):
+                    h = hashes[i + len(fetches)]
+                    fetches.append(bridge.submit(partial(bridge.client.get_chunk, fingerprint, h)))
+                try:
+                    encoding = bridge.wait("get_chunk", fetches.popleft())
+                except NotFound:
+                    break
+                except StoreUnavailableError as e:
+                    self._failed("reading", e)
+                    break
+                if list(encoding.token_ids) != piece.tolist():
+                    break  # a hash collision: read it instead
+                memory.import_chunk(encoding)
+                done += unit
+                yield None
+        finally:
+            for future in fetches:
+                future.cancel()
         if done > start:
             self._hits += 1
             self._imported += done - start
@@ -102,21 +120,41 @@ class PrefixStore:
 
 
 class ChunkWriter:
-    """Puts one request's chunks, keyed by the chain hash the memory holds after each; after a
+    """Puts one request's chunks, keyed by the chain hash the memory holds after each, without
+    waiting for them (at most IN_FLIGHT at once: then it waits for the oldest); after a
     failure it puts nothing more (the chain would have a hole)."""
 
     def __init__(self, store: PrefixStore, fingerprint: str) -> None:
         self._store = store
         self._fingerprint = fingerprint
+        self._puts: deque[Future[bool]] = deque()
         self._broken = False
 
     def __call__(self, h: str, encoding: ChunkEncoding) -> None:
+        bridge = self._store._bridge
+        while self._puts and (self._puts[0].done() or len(self._puts) >= IN_FLIGHT):
+            self._settle(self._puts.popleft())
         if self._broken:
             return
         try:
-            written = self._store._bridge.put_chunk(self._fingerprint, h, encoding)
+            put = bridge.submit(partial(bridge.client.put_chunk, self._fingerprint, h, encoding))
         except StoreUnavailableError as e:
-            self._broken = True
-            self._store._failed("writing", e)
+            self._fail(e)
             return
-        self._store._written += int(written)
+        put.add_done_callback(self._count)
+        self._puts.append(put)
+
+    def _settle(self, put: Future[bool]) -> None:
+        try:
+            self._store._bridge.wait("put_chunk", put)
+        except StoreUnavailableError as e:
+            self._fail(e)
+
+    def _fail(self, error: StoreUnavailableError) -> None:
+        if not self._broken:
+            self._broken = True
+            self._store._failed("writing", error)
+
+    def _count(self, put: Future[bool]) -> None:
+        if not put.cancelled() and put.exception() is None and put.result():
+            self._store._written += 1

@@ -22,6 +22,7 @@ the rest of the document is still read into memory and the job ends with
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -87,9 +88,17 @@ class StoreBridge:
         return cls(client, timeout_s=config.memory_store_timeout_s)
 
     def _call(self, op: str, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        return self.wait(op, self.submit(make))
+
+    def submit(self, make: Callable[[], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
+        """Start a client call on the bridge's loop and return at once (`wait` for it)."""
         if self._loop.is_closed():
             raise StoreUnavailableError("the memory store client is closed")
-        future = asyncio.run_coroutine_threadsafe(make(), self._loop)
+        return asyncio.run_coroutine_threadsafe(make(), self._loop)
+
+    def wait(self, op: str, future: concurrent.futures.Future[T]) -> T:
+        """A submitted call's result; NotFound passes through, other store failures (and no
+        answer within timeout_s) raise StoreUnavailableError."""
         try:
             return future.result(self.timeout_s)
         except NotFound:
