@@ -12,6 +12,7 @@ attention. Reading a document pins nothing.
 
 from __future__ import annotations
 
+import base64
 import copy
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +24,25 @@ import torch
 if TYPE_CHECKING:
     from engine.memory.frame import FrameState
     from memory_store.client import TextEncoder
+
+
+PRIOR_META = "prior_embd"  # a stored chunk's meta: EmbD of the blocks its commit added
+
+
+def pack_rows(rows: np.ndarray) -> dict[str, Any]:
+    """float32 rows (n, dim) as JSON (a chunk encoding's meta)."""
+    rows = np.ascontiguousarray(rows, dtype="<f4")
+    return {"shape": list(rows.shape), "b64": base64.b64encode(rows.tobytes()).decode("ascii")}
+
+
+def unpack_rows(packed: Any) -> np.ndarray:
+    """pack_rows' rows back; an empty (0, 0) array when `packed` is not such a record."""
+    try:
+        n, dim = (int(x) for x in packed["shape"])
+        data = base64.b64decode(packed["b64"], validate=True)
+        return np.frombuffer(data, dtype="<f4").reshape(n, dim).astype(np.float32)
+    except (KeyError, TypeError, ValueError):
+        return np.zeros((0, 0), dtype=np.float32)
 
 
 class TextPrior:
@@ -43,6 +63,7 @@ class TextPrior:
         self._ids: list[np.ndarray] = []  # every token read, in order (joined lazily)
         self._num_ids = 0
         self._emb = np.zeros((0, 0), dtype=np.float32)  # EmbD of blocks 0, 1, ... (lazily)
+        self._given: np.ndarray | None = None  # EmbD of the next commit's blocks, from a store
         self._query: np.ndarray | None = None
         self._rows: tuple[tuple[int, int], torch.Tensor] | None = None  # memory state -> rows
         self.seconds = 0.0
@@ -79,9 +100,28 @@ class TextPrior:
 
     def embed(self, frame: FrameState) -> None:
         """EmbD of every block the frame's memory holds now (those not embedded yet)."""
-        if frame.n_memory:
-            dropped = frame.num_tokens - frame.n_sinks - frame.n_local - frame.n_memory
-            self._embedded(frame.n_sinks, (dropped + frame.n_memory) // self.block)
+        try:
+            if frame.n_memory:
+                dropped = frame.num_tokens - frame.n_sinks - frame.n_local - frame.n_memory
+                self._embedded(frame.n_sinks, (dropped + frame.n_memory) // self.block)
+        finally:
+            self._given = None
+
+    @property
+    def num_embedded(self) -> int:
+        return int(self._emb.shape[0])
+
+    def embedded_since(self, count: int) -> np.ndarray:
+        """EmbD of the blocks embedded after the first `count`: what a commit added, to store
+        with its chunk."""
+        return self._emb[count:].copy()
+
+    def give(self, rows: np.ndarray) -> None:
+        """EmbD (n, dim) that the next `embed` takes for the blocks it adds, when they are n
+        (a chunk imported from the store brings what its first reader computed)."""
+        dim = self._emb.shape[1] if self._emb.size else getattr(self.encoder, "dim", None)
+        if rows.ndim == 2 and rows.shape[1] == dim:
+            self._given = np.asarray(rows, dtype=np.float32)
 
     def rows(self, frame: FrameState) -> torch.Tensor | None:
         """Memory rows (R,) that the request's question pins, or None: ascending, or (by
@@ -114,7 +154,10 @@ class TextPrior:
     def _embedded(self, sinks: int, blocks: int) -> np.ndarray:
         """EmbD of memory blocks 0..blocks-1 (block b: tokens sinks + b*block onwards)."""
         have = self._emb.shape[0]
-        if have < blocks:
+        given, self._given = self._given, None
+        if have < blocks and given is not None and given.shape[0] == blocks - have:
+            self._emb = np.concatenate((self._emb, given)) if have else given.copy()
+        if have < blocks and self._emb.shape[0] < blocks:
             started = time.perf_counter()
             ids = np.concatenate(self._ids) if len(self._ids) > 1 else self._ids[0]
             self._ids = [ids]

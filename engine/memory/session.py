@@ -31,7 +31,7 @@ from engine.memory.config import (
     parse_memory_spec,
 )
 from engine.memory.frame import FrameMark, FrameState
-from engine.memory.prior import TextPrior
+from engine.memory.prior import PRIOR_META, TextPrior, pack_rows, unpack_rows
 from engine.memory.rotary import RotaryTable
 from engine.memory.selector import Selector
 from engine.memory.turns import TurnEncoding
@@ -335,7 +335,10 @@ class SessionMemory:
             except BaseException:
                 self._frame.abort()
                 raise
+            embedded = self.prior.num_embedded if self.prior is not None else 0
             self._commit(ids)
+        if self.prior is not None:  # EmbD of the blocks this chunk moved to memory
+            encoding.meta[PRIOR_META] = pack_rows(self.prior.embedded_since(embedded))
         self._last_logits = logits
         return logits, encoding
 
@@ -414,6 +417,8 @@ class SessionMemory:
             [torch.from_numpy(np.array(v, dtype=np.float16)) for v in encoding.values],
         )
         self._selector.import_chunk_state(encoding.meta, forwarded)
+        if not forwarded and self.prior is not None and PRIOR_META in encoding.meta:
+            self.prior.give(unpack_rows(encoding.meta[PRIOR_META]))
 
     def _chunks(self, total: int, tail: bool = True) -> list[tuple[int, int]]:
         """[start, end) of each forward: chunk_size pieces, the last `tail` tokens apart."""

@@ -192,3 +192,39 @@ def test_every_strategy_takes_the_prior(tiny_loaded, strategy):
     row = 120 - 8
     assert memory._frame.last_selected
     assert all(row in head for idx in memory._frame.last_selected.values() for head in idx.tolist())
+
+
+class CountingEncoder(WordEncoder):
+    def __init__(self) -> None:
+        self.texts = 0
+
+    def embed(self, texts):
+        self.texts += len(texts)
+        return super().embed(texts)
+
+
+def test_a_chunk_imported_from_the_store_brings_its_blocks_embd(tiny_loaded):
+    # what the first reader embedded goes with each chunk; an importer embeds nothing
+    spec = MemorySpec("segments", {**SPEC, "prior_k": 1, "prior_u": 0})
+    doc = torch.randint(100, 5000, (300,), generator=torch.Generator().manual_seed(3))
+    reader_encoder, importer_encoder = CountingEncoder(), CountingEncoder()
+    reader = SessionMemory(tiny_loaded.model, spec)
+    reader.attach_prior(reader_encoder, words)
+    encodings = [reader.ingest_chunk(doc[s : s + 32])[1] for s in range(0, 300, 32)]
+    assert reader_encoder.texts > 0
+    importer = SessionMemory(tiny_loaded.model, spec)
+    importer.attach_prior(importer_encoder, words)
+    for encoding in encodings:
+        importer.import_chunk(encoding)
+    assert importer_encoder.texts == 0
+    assert reader.prior is not None and importer.prior is not None
+    np.testing.assert_array_equal(importer.prior._emb, reader.prior._emb)
+
+    # a chunk stored without them (an older writer) is embedded on import, the same
+    bare = SessionMemory(tiny_loaded.model, spec)
+    bare.attach_prior(WordEncoder(), words)
+    for encoding in encodings:
+        encoding.meta.pop("prior_embd")
+        bare.import_chunk(encoding)
+    assert bare.prior is not None
+    np.testing.assert_array_equal(bare.prior._emb, reader.prior._emb)
