@@ -7,7 +7,8 @@ cannot go under without fewer weight bytes. One JSON line per --dtypes entry: th
 bare matmuls, the weights' MB and the bandwidth they imply, and the share of the step that is
 not weight matmuls (Python, dispatch, norms, rotary, attention, sampling-side work).
 
-    longserve bench decode_floor --dtypes float32 bfloat16 float32+bfloat16-linears
+    longserve bench decode_floor --dtypes float32 bfloat16 float32+bfloat16-linears \
+        float32+int4-linears
 """
 
 from __future__ import annotations
@@ -15,17 +16,36 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from engine.config import EngineConfig
 from engine.generate import KVCacheState
 from engine.loader import load_model
-from engine.weights import LowPrecisionLinear
+from engine.weights import Int4Linear, LowPrecisionLinear
+
+
+def bare_matmul(m: Any) -> Callable[[], torch.Tensor]:
+    """The layer's weight times one token, nothing else: the int4 kernel for Int4Linear."""
+    if isinstance(m, Int4Linear):
+        x = torch.randn(1, m.in_features, dtype=torch.bfloat16)
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        return lambda: mm(x, m.packed, m.group, m.scales_and_zeros)
+    weight = m.weight
+    x = torch.randn(1, m.in_features, dtype=weight.dtype)
+    return lambda: torch.nn.functional.linear(x, weight)
+
+
+def weight_nbytes(m: Any) -> int:
+    """Bytes a decode step reads of the layer's weights."""
+    tensors = (m.packed, m.scales_and_zeros) if isinstance(m, Int4Linear) else (m.weight,)
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def measure(dtype: str, args: argparse.Namespace) -> dict:
-    """dtype: the model's ("float32", "bfloat16"), or "float32+bfloat16-linears"."""
+    """dtype: the model's ("float32", "bfloat16"), or "float32+bfloat16-linears" and the like."""
     model_dtype, _, linears = dtype.partition("+")
     linear_dtype = linears.removesuffix("-linears") or "auto"
     config = EngineConfig(
@@ -43,18 +63,17 @@ def measure(dtype: str, args: argparse.Namespace) -> dict:
         for i in range(args.steps):
             state.step(300 + i)
         step = (time.perf_counter() - started) / args.steps
-        linears = [
-            m for m in model.modules() if isinstance(m, torch.nn.Linear | LowPrecisionLinear)
-        ]
-        x = {m: torch.randn(1, m.in_features, dtype=m.weight.dtype) for m in linears}
-        for m in linears:  # warm-up
-            torch.nn.functional.linear(x[m], m.weight)
+        kinds = torch.nn.Linear | LowPrecisionLinear | Int4Linear
+        layers = [m for m in model.modules() if isinstance(m, kinds)]
+        matmuls = [bare_matmul(m) for m in layers]
+        for matmul in matmuls:  # warm-up
+            matmul()
         started = time.perf_counter()
         for _ in range(args.steps // 4 or 1):
-            for m in linears:
-                torch.nn.functional.linear(x[m], m.weight)
+            for matmul in matmuls:
+                matmul()
         bare = (time.perf_counter() - started) / (args.steps // 4 or 1)
-    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    weight_bytes = sum(weight_nbytes(m) for m in layers)
     return {
         "bench": "decode_floor",
         "dtype": dtype,

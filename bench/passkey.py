@@ -133,7 +133,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model dir or hub id (default: embedded)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
-    parser.add_argument("--linear-dtype", default="auto", help="auto, or bfloat16 linear weights")
+    parser.add_argument(
+        "--linear-dtype", default="auto", help="auto, bfloat16 or int4 linear weights"
+    )
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
     parser.add_argument("--baseline-length", type=int, default=2048)
     parser.add_argument("-n", "--samples", type=int, default=10)

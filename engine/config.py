@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LINEAR_DTYPES = (*DTYPES, "int4")
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,9 @@ class EngineConfig:
     keeps those chunks as it keeps uploaded documents'.
     linear_dtype: the precision the linear layers keep their weights in and multiply in
     (engine/weights.py); "auto" keeps the model's dtype. "bfloat16" on a float32 CPU model
-    halves the bytes a decode step reads; everything else stays in the model's dtype.
+    halves the bytes a decode step reads; "int4" keeps them in 4-bit groups of 32 (the
+    embedded GGUF's Q4_1 grid; CPU only), the output head in bf16; everything else stays in
+    the model's dtype.
     decode_share: while a request is being read, the share of device time the decode steps of
     the other running requests get (the worker runs several decode steps per reading chunk);
     0 runs one decode step per reading chunk.
@@ -121,8 +124,10 @@ class EngineConfig:
             raise ValueError(
                 f"prefix_cache_bytes must be an integer >= 0, got {self.prefix_cache_bytes!r}"
             )
-        if self.linear_dtype not in DTYPES:
-            raise ValueError(f"linear_dtype must be one of {DTYPES}, got {self.linear_dtype!r}")
+        if self.linear_dtype not in LINEAR_DTYPES:
+            raise ValueError(
+                f"linear_dtype must be one of {LINEAR_DTYPES}, got {self.linear_dtype!r}"
+            )
         if not 0.0 <= self.decode_share < 1.0:
             raise ValueError(f"decode_share must be in [0, 1), got {self.decode_share!r}")
         if not isinstance(self.max_turn_encoding_bytes, int) or self.max_turn_encoding_bytes < 0:

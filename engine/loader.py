@@ -117,8 +117,11 @@ def load_model(config: EngineConfig) -> LoadedModel:
     tokenizer = _from_pretrained(AutoTokenizer, source, kwargs, "tokenizer")
     model = _from_pretrained(AutoModelForCausalLM, source, {**kwargs, "dtype": dtype}, "model")
     model = model.to(device=device, dtype=dtype).eval()
+    if config.linear_dtype == "int4" and device.type != "cpu":
+        raise ModelLoadError("linear_dtype int4 runs on the CPU only (torch's CPU int4 kernel)")
     if config.linear_dtype not in ("auto", str(dtype).removeprefix("torch.")):
-        lowered = lower_linear_weights(model, _DTYPES[config.linear_dtype])
+        target = "int4" if config.linear_dtype == "int4" else _DTYPES[config.linear_dtype]
+        lowered = lower_linear_weights(model, target)
         logger.info("%d linear layers keep their weights in %s", lowered, config.linear_dtype)
     use_longserve_attention(model)
 

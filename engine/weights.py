@@ -2,9 +2,10 @@
 
 A decode step on a CPU reads every weight once per token and little else: SmolLM2's 538 MB of
 fp32 linear weights take ~33 ms at this machine's ~16 GB/s, most of a ~40 ms step
-(`longserve bench decode_floor`). Halving the bytes (bf16) halves that part. Keeping the rest of
-the model (embeddings, norms, the KV cache, memory frames, attention) in fp32 matters: bf16
-attention over a 4K-token cache on this CPU was slower than fp32 (docs/decisions/033).
+(`longserve bench decode_floor`). Halving the bytes (bf16) halves that part; 4-bit weights
+(`Int4Linear`) read an eighth. Keeping the rest of the model (embeddings, norms, the KV cache,
+memory frames, attention) in fp32 matters: bf16 attention over a 4K-token cache on this CPU was
+slower than fp32 (docs/decisions/033, 036).
 """
 
 from __future__ import annotations
@@ -32,14 +33,81 @@ class LowPrecisionLinear(torch.nn.Module):
         return f"in={self.in_features}, out={self.out_features}, weight={self.weight.dtype}"
 
 
-def lower_linear_weights(model: torch.nn.Module, dtype: torch.dtype) -> int:
+GROUP = 32  # weights per scale and zero: Q4_1's block, so the embedded GGUF's grid is kept
+SMALL_M = 8  # rows up to which the int4 kernel beats bf16 GEMM here (decode steps, small batches)
+
+
+def quantize_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit codes of weight (N, K), per row and `group` inputs: w ~ (q - 8) s + z,
+    q in 0..15. Returns (q (N, K) int32, scales_and_zeros (K/group, N, 2) bf16), q rounded on
+    the bf16 grid itself. Q4_1 weights (w = q d + m, every block holding its min and max) come
+    back with the same codes."""
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // group, group)
+    low, high = w.amin(-1), w.amax(-1)  # (N, K/group)
+    scale = ((high - low) / 15).to(torch.bfloat16)
+    zero = (low + 8 * scale.float()).to(torch.bfloat16)
+    step = scale.float().clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+    q = ((w - zero.float()[..., None]) / step + 8).round().clamp(0, 15).to(torch.int32)
+    return q.reshape(n, k), torch.stack((scale, zero), -1).transpose(0, 1).contiguous()
+
+
+class Int4Linear(torch.nn.Module):
+    """y = x W^T (+ b) with W kept in 4-bit groups (`quantize_groups`). A forward of at most
+    SMALL_M rows multiplies the codes with torch's CPU int4 kernel in bf16; a larger one
+    (prefill) multiplies a bf16 copy of the same dequantized weights with the bf16 GEMM."""
+
+    packed: torch.Tensor  # the codes, in the CPU kernel's layout
+    dense: torch.Tensor  # the dequantized weights (N, K) in bf16
+
+    def __init__(self, linear: torch.nn.Linear, group: int = GROUP) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.group = (
+            linear.in_features, linear.out_features, group,
+        )  # fmt: skip
+        q, scales_and_zeros = quantize_groups(linear.weight.detach(), group)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        self.register_buffer("packed", packed)
+        self.scales_and_zeros = torch.nn.Parameter(scales_and_zeros, requires_grad=False)
+        sz = scales_and_zeros.float().transpose(0, 1)  # (N, K/group, 2)
+        codes = q.reshape(self.out_features, -1, group).float() - 8
+        dense = codes * sz[..., :1] + sz[..., 1:]
+        self.register_buffer("dense", dense.reshape(q.shape).to(torch.bfloat16))
+        bias = linear.bias
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if rows.shape[0] <= SMALL_M:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                rows, self.packed, self.group, self.scales_and_zeros
+            )
+        else:
+            y = F.linear(rows, self.dense)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, int4 groups of {self.group}"
+
+
+def lower_linear_weights(model: torch.nn.Module, dtype: torch.dtype | str) -> int:
     """Replace every nn.Linear of `model` whose weight is wider than `dtype`; returns how many.
-    A tied output head gets its own copy: the embedding stays as it was."""
+    A tied output head gets its own copy: the embedding stays as it was. dtype "int4": the
+    layers' weights go to 4-bit groups (Int4Linear, CPU only); the output head, and any layer
+    whose inputs do not split into groups, to bf16."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     swaps = []
     for parent in model.modules():
         for name, child in parent.named_children():
             if isinstance(child, torch.nn.Linear) and child.weight.dtype != dtype:
                 swaps.append((parent, name, child))
     for parent, name, child in swaps:
-        setattr(parent, name, LowPrecisionLinear(child, dtype))
+        if dtype != "int4":
+            setattr(parent, name, LowPrecisionLinear(child, dtype))  # type: ignore[arg-type]
+        elif child is head or child.in_features % GROUP:
+            setattr(parent, name, LowPrecisionLinear(child, torch.bfloat16))
+        else:
+            setattr(parent, name, Int4Linear(child))
     return len(swaps)

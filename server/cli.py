@@ -48,7 +48,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="auto, cpu, cuda, cuda:1 ...")
     parser.add_argument("--dtype", help="auto, float32, bfloat16, float16")
     parser.add_argument(
-        "--linear-dtype", help="the linear layers' weight precision: auto (the model's), bfloat16"
+        "--linear-dtype",
+        help="the linear layers' weight precision: auto (the model's), bfloat16, int4 (CPU)",
     )
     parser.add_argument(
         "--api-key",

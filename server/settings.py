@@ -40,7 +40,8 @@ class ServerSettings(BaseSettings):
     device: str = "auto"
     dtype: str = "auto"
     # Linear layers' weights in this precision ("auto": the model's dtype); bfloat16 on a
-    # float32 CPU model halves what a decode step reads (engine/weights.py).
+    # float32 CPU model halves what a decode step reads, int4 (CPU only) reads an eighth
+    # (engine/weights.py).
     linear_dtype: str = "auto"
     max_waiting_requests: int = Field(default=64, ge=1)
     max_running_requests: int = Field(default=8, ge=1)

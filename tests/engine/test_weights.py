@@ -10,7 +10,7 @@ from engine.config import EngineConfig
 from engine.loader import load_model
 from engine.protocol import SamplingParams
 from engine.store import model_fingerprint
-from engine.weights import LowPrecisionLinear
+from engine.weights import SMALL_M, Int4Linear, LowPrecisionLinear, quantize_groups
 
 
 def test_linear_weights_in_bf16_keep_the_rest_in_fp32(tiny_model_dir, tiny_loaded):
@@ -59,3 +59,55 @@ async def test_start_engine_builds_off_thread_and_raises_its_errors(tiny_model_d
         await engine.shutdown()
     with pytest.raises((ModelLoadError, OSError, ValueError)):
         start_engine(EngineConfig(model=str(tmp_path / "missing"), device="cpu"))
+
+
+def q4_1_weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight on a Q4_1 grid (w = q d + m per group of 32, each group holding codes 0 and
+    15, d and m fp16), centred as trained weights are; and its codes."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g)
+    q[..., 0], q[..., 1] = 0, 15
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.01 + 0.001).half().float()
+    m = (-7.5 * d + torch.randn(n, k // 32, 1, generator=g) * d).half().float()
+    return (q * d + m).reshape(n, k), q.reshape(n, k)
+
+
+def test_int4_codes_are_the_q4_1_grid_and_both_paths_multiply_them():
+    weight, codes = q4_1_weight(96, 128)
+    q, scales_and_zeros = quantize_groups(weight, 32)
+    assert torch.equal(q, codes.to(torch.int32))
+    assert scales_and_zeros.shape == (4, 96, 2) and scales_and_zeros.dtype == torch.bfloat16
+    linear = torch.nn.Linear(128, 96, bias=False)
+    linear.weight.data = weight
+    layer = Int4Linear(linear)
+    step = scales_and_zeros[..., 0].float().t().repeat_interleave(32, dim=1)  # (96, 128)
+    assert ((layer.dense.float() - weight).abs() / step).max() < 0.1  # bf16 scales and zeros
+    for rows in (1, SMALL_M, SMALL_M + 1, 64):  # the int4 kernel, then the bf16 copy
+        x = torch.randn(rows, 128)
+        want = x @ layer.dense.float().t()
+        got = layer(x)
+        assert got.dtype == torch.float32 and got.shape == (rows, 96)
+        assert (got - want).abs().max() / want.abs().max() < 0.02, rows
+
+
+def test_int4_linears_swap_the_layers_not_the_head(tiny_model_dir, tiny_loaded):
+    config = EngineConfig(model=str(tiny_model_dir), linear_dtype="int4")
+    model = load_model(config).model
+    assert len([m for m in model.modules() if isinstance(m, Int4Linear)]) == 2 * 7
+    head = model.get_output_embeddings()
+    assert isinstance(head, LowPrecisionLinear) and head.weight.dtype == torch.bfloat16
+    assert next(model.parameters()).dtype == torch.float32
+    bf16 = load_model(EngineConfig(model=str(tiny_model_dir), linear_dtype="bfloat16")).model
+    assert len({model_fingerprint("m", m) for m in (model, bf16, tiny_loaded.model)}) == 3
+
+
+async def test_the_engine_serves_with_int4_linears(make_engine, tiny_model_dir, small_memory_spec):
+    loaded = load_model(EngineConfig(model=str(tiny_model_dir), linear_dtype="int4"))
+    engine = make_engine(loaded=loaded)
+    sampling = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    plain = [d async for d in engine.generate("plain", "Hello there", sampling)]
+    assert plain[-1].completion_tokens == 5
+    await engine.create_session("s", small_memory_spec)
+    messages = [{"role": "user", "content": "word " * 120}]
+    on_memory = [d async for d in engine.generate("s1", messages, sampling, session_id="s")]
+    assert on_memory[-1].completion_tokens == 5
