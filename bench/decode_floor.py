@@ -8,7 +8,7 @@ bare matmuls, the weights' MB and the bandwidth they imply, and the share of the
 not weight matmuls (Python, dispatch, norms, rotary, attention, sampling-side work).
 
     longserve bench decode_floor --dtypes float32 bfloat16 float32+bfloat16-linears \
-        float32+int4-linears float32+int4-linears+bfloat16-kv
+        float32+int4-linears
 """
 
 from __future__ import annotations
@@ -45,19 +45,15 @@ def weight_nbytes(m: Any) -> int:
 
 
 def measure(dtype: str, args: argparse.Namespace) -> dict:
-    """dtype: the model's ("float32", "bfloat16"), then "+<precision>-linears" and
-    "+<precision>-kv" for the linear weights and the KV cache (e.g. "float32+int4-linears")."""
-    model_dtype, *parts = dtype.split("+")
-    options = {"linear_dtype": "auto", "kv_cache_dtype": "auto"}
-    for part in parts:  # "int4-linears", "bfloat16-kv"
-        precision, _, what = part.rpartition("-")
-        options[{"linears": "linear_dtype", "kv": "kv_cache_dtype"}[what]] = precision
-    config = EngineConfig(model=args.model, device="cpu", dtype=model_dtype, **options)
+    """dtype: the model's ("float32", "bfloat16"), or "float32+bfloat16-linears" and the like."""
+    model_dtype, _, linears = dtype.partition("+")
+    linear_dtype = linears.removesuffix("-linears") or "auto"
+    config = EngineConfig(
+        model=args.model, device="cpu", dtype=model_dtype, linear_dtype=linear_dtype
+    )
     loaded = load_model(config)
     model = loaded.model
-    kv = config.kv_cache_dtype
-    kv_dtype = None if kv == "auto" else getattr(torch, kv)
-    state = KVCacheState(model, args.context_tokens + args.steps + 16, kv_dtype)
+    state = KVCacheState(model, args.context_tokens + args.steps + 16)
     prompt = torch.arange(args.context_tokens) % 1000 + 100  # ids of ordinary tokens
     with torch.inference_mode():
         state.prefill(prompt)

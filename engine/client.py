@@ -84,8 +84,6 @@ class LocalEngine:
     ) -> None:
         self.config = config or EngineConfig()
         self.loaded = loaded or load_model(self.config)
-        kv_dtype = self.config.kv_cache_dtype
-        self._kv_dtype = None if kv_dtype == "auto" else getattr(torch, kv_dtype)
         self._tokenizer = self.loaded.tokenizer  # asyncio side: prompts
         self._device_tokenizer = copy.deepcopy(self.loaded.tokenizer)  # device thread
         self._tokenizer_lock = threading.Lock()
@@ -273,9 +271,7 @@ class LocalEngine:
         self, prompt_ids: torch.Tensor, sampling: SamplingParams, queued_at: float
     ) -> Generation:
         # Nothing runs until the worker steps it; its decode steps join the worker's batches.
-        state = KVCacheState(
-            self.loaded.model, len(prompt_ids) + sampling.max_tokens, self._kv_dtype
-        )
+        state = KVCacheState(self.loaded.model, max_tokens=len(prompt_ids) + sampling.max_tokens)
         return Generation(
             state,
             prompt_ids,

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LINEAR_DTYPES = (*DTYPES, "int4")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -46,9 +45,6 @@ class EngineConfig:
     halves the bytes a decode step reads; "int4" keeps them in 4-bit groups of 32 (the
     embedded GGUF's Q4_1 grid; CPU only), the output head in bf16; everything else stays in
     the model's dtype.
-    kv_cache_dtype: the precision plain requests' KV caches keep keys and values in; "auto"
-    is the model's. "bfloat16" on a float32 CPU model halves what a decode step reads of its
-    cache, and the step attends with bf16 matmuls (engine/kv_cache.py). Memories are unchanged.
     decode_share: while a request is being read, the share of device time the decode steps of
     the other running requests get (the worker runs several decode steps per reading chunk);
     0 runs one decode step per reading chunk.
@@ -79,7 +75,6 @@ class EngineConfig:
     max_turn_encoding_bytes: int = 64 * 1024**2
     decode_share: float = 0.25
     linear_dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.model is not None and not self.model.strip():
@@ -132,10 +127,6 @@ class EngineConfig:
         if self.linear_dtype not in LINEAR_DTYPES:
             raise ValueError(
                 f"linear_dtype must be one of {LINEAR_DTYPES}, got {self.linear_dtype!r}"
-            )
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
         if not 0.0 <= self.decode_share < 1.0:
             raise ValueError(f"decode_share must be in [0, 1), got {self.decode_share!r}")

@@ -66,13 +66,11 @@ class KVCacheState:
 
     strategy: str | None = None
 
-    def __init__(
-        self, model: Any, max_tokens: int | None = None, kv_dtype: torch.dtype | None = None
-    ) -> None:
+    def __init__(self, model: Any, max_tokens: int | None = None) -> None:
         require_longserve_attention(model)
         self._model = model
         self._device = next(model.parameters()).device
-        self.cache = KVCache(model, max_tokens, kv_dtype)
+        self.cache = KVCache(model, max_tokens)
 
     @property
     def num_tokens(self) -> int:

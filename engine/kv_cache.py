@@ -34,9 +34,7 @@ class KVCache:
     the cache as it was (`abort`), so the request can run the step again, alone.
     """
 
-    def __init__(
-        self, model: Any, max_tokens: int | None = None, dtype: torch.dtype | None = None
-    ) -> None:
+    def __init__(self, model: Any, max_tokens: int | None = None) -> None:
         cfg = model.config
         param = next(model.parameters())
         self.num_layers = int(cfg.num_hidden_layers)
@@ -44,7 +42,7 @@ class KVCache:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.head_dim = int(head_dim)
         self.max_tokens = max_tokens  # growth stops here (the request's prompt + max_tokens)
-        self._dtype, self._device = dtype or param.dtype, param.device
+        self._dtype, self._device = param.dtype, param.device
         self._buffer: torch.Tensor | None = None  # (layers, 2, kv_heads, capacity, head_dim)
         self.num_tokens = 0  # committed tokens
         self._pending = 0  # tokens of the forward in progress
@@ -141,14 +139,8 @@ def attend_cache(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
 ) -> torch.Tensor:
     """query (1, H, T, d) over keys/values (1, kv_heads, S, d), the last T keys being the
-    query's own tokens (causal among them) -> (1, H, T, d). Keys and values kept in a
-    narrower dtype than the query (a bf16 cache) are read as they are by a decode step
-    (`attend_narrow`), and widened for a prefill chunk."""
+    query's own tokens (causal among them) -> (1, H, T, d)."""
     num_new, num_keys = query.shape[2], keys.shape[2]
-    if keys.dtype != query.dtype:
-        if num_new == 1:
-            return attend_narrow(query, keys, values, scaling)
-        keys, values = keys.to(query.dtype), values.to(query.dtype)
     mask = None
     if num_new > 1:
         past = num_keys - num_new
@@ -163,18 +155,3 @@ def attend_cache(
         scale=scaling,
         enable_gqa=query.shape[1] != keys.shape[1],
     )
-
-
-def attend_narrow(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
-) -> torch.Tensor:
-    """One token's attention over a cache in a narrow dtype (bf16): the two matmuls in that
-    dtype, the softmax in fp32. On this CPU's AMX it reads a 4K-token bf16 cache of 30 layers in
-    6.8 ms, where fp32 SDPA over an fp32 cache took 11.2 (docs/decisions/036)."""
-    _, heads, _, dim = query.shape
-    kv_heads = keys.shape[1]
-    q = query.reshape(kv_heads, heads // kv_heads, dim).to(keys.dtype)  # heads grouped by KV head
-    scores = torch.matmul(q, keys[0].transpose(1, 2)).float() * scaling  # (kv, group, S)
-    weights = torch.softmax(scores, dim=-1).to(values.dtype)
-    out = torch.matmul(weights, values[0])  # (kv, group, d)
-    return out.to(query.dtype).reshape(1, heads, 1, dim)

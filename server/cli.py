@@ -52,9 +52,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="the linear layers' weight precision: auto (the model's), bfloat16, int4 (CPU)",
     )
     parser.add_argument(
-        "--kv-cache-dtype", help="plain requests' KV cache precision: auto (the model's), bfloat16"
-    )
-    parser.add_argument(
         "--api-key",
         action="append",
         dest="api_keys",
@@ -86,7 +83,6 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         "device",
         "dtype",
         "linear_dtype",
-        "kv_cache_dtype",
         "api_keys",
         "max_waiting_requests",
         "max_running_requests",
@@ -132,7 +128,6 @@ def run_serve(args: argparse.Namespace) -> int:
         "device": settings.device,
         "dtype": settings.dtype,
         "linear_dtype": settings.linear_dtype,
-        "kv_cache_dtype": settings.kv_cache_dtype,
         "max_waiting_requests": settings.max_waiting_requests,
         "max_running_requests": settings.max_running_requests,
         "session_offload_after_s": settings.session_offload_after_seconds,

@@ -43,9 +43,6 @@ class ServerSettings(BaseSettings):
     # float32 CPU model halves what a decode step reads, int4 (CPU only) reads an eighth
     # (engine/weights.py).
     linear_dtype: str = "auto"
-    # Plain requests' KV caches in this precision ("auto": the model's); bfloat16 halves what
-    # a decode step reads of its cache (engine/kv_cache.py).
-    kv_cache_dtype: str = "auto"
     max_waiting_requests: int = Field(default=64, ge=1)
     max_running_requests: int = Field(default=8, ge=1)
 
