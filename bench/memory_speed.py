@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--large", type=int, default=131072)
     parser.add_argument("--ingest-tokens", type=int, default=8192)
     parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--linear-dtype", default="auto", help="auto, bfloat16 or int4")
     parser.add_argument("--rounds", type=int, default=3, help="ingest vs bare forward rounds")
     parser.add_argument(
         "--parts",
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
 
-    loaded = load_model(EngineConfig(model=args.model))
+    loaded = load_model(EngineConfig(model=args.model, linear_dtype=args.linear_dtype))
     model, tokenizer = loaded.model, loaded.tokenizer
     device = next(model.parameters()).device
     needed = max(args.ingest_tokens, args.large if "decode" in args.parts else 0)
