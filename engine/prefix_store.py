@@ -156,5 +156,12 @@ class ChunkWriter:
             self._store._failed("writing", error)
 
     def _count(self, put: Future[bool]) -> None:
-        if not put.cancelled() and put.exception() is None and put.result():
-            self._store._written += 1
+        """On the bridge's loop, as each put ends: also the last ones, which the request
+        that made them no longer waits for."""
+        if put.cancelled():
+            return
+        error = put.exception()
+        if error is None:
+            self._store._written += int(put.result())
+        else:
+            self._fail(StoreUnavailableError(f"memory store put_chunk failed: {error!r}"))
