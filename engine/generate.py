@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -33,6 +33,9 @@ from engine.protocol import (
 )
 from engine.rows import DecodeRow, KVRow, decode_rows
 from engine.sampling import make_generator, sample_token, token_logprobs
+
+if TYPE_CHECKING:
+    from engine.prefix_store import ChunkWriter
 
 
 class DecodeState(Protocol):
@@ -130,7 +133,8 @@ class MemoryState:
     already (a reused prefix; engine/prefix_cache.py); prefill gets the rest. keep: (point,
     callback) calls callback(memory) once the document has been read up to point. write:
     (unit, writer) reads the document with write-through (engine/prefix_store.py), one
-    `unit`-token forward at a time, and calls writer(chain hash, encoding) for each whole one."""
+    `unit`-token forward at a time, calls writer(chain hash, encoding) for each whole one, and
+    writer.flush() once the document is read: its chunks are stored before the question is."""
 
     def __init__(
         self,
@@ -140,7 +144,7 @@ class MemoryState:
         *,
         read: int = 0,
         keep: tuple[int, Callable[[Any], None]] | None = None,
-        write: tuple[int, Callable[[str, Any], None]] | None = None,
+        write: tuple[int, ChunkWriter] | None = None,
     ) -> None:
         self.memory = memory  # engine.memory.session.SessionMemory
         self.strategy = strategy
@@ -171,6 +175,8 @@ class MemoryState:
         if self._read < end:
             return logits
         self._document_end = None
+        if self._write is not None:
+            self._write[1].flush()
         self.memory.end_document()
         return self.memory.append(rest) if rest.numel() else logits
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from collections import deque
 from collections.abc import Generator
 from concurrent.futures import Future
@@ -54,6 +55,7 @@ class PrefixStore:
         self._bridge = bridge
         self._model_fingerprint = model_fingerprint
         self._hits = self._imported = self._written = self._failures = 0
+        self._lock = threading.Lock()  # _written and _failures change on the bridge's loop too
 
     def stats(self) -> PrefixStoreStats:
         return PrefixStoreStats(self._hits, self._imported, self._written, self._failures)
@@ -115,20 +117,22 @@ class PrefixStore:
         return ChunkWriter(self, fingerprint)
 
     def _failed(self, what: str, error: StoreUnavailableError) -> None:
-        self._failures += 1
+        with self._lock:
+            self._failures += 1
         logger.warning("prefix memory store %s failed; going on without it: %s", what, error)
 
 
 class ChunkWriter:
     """Puts one request's chunks, keyed by the chain hash the memory holds after each, without
-    waiting for them (at most IN_FLIGHT at once: then it waits for the oldest); after a
-    failure it puts nothing more (the chain would have a hole)."""
+    waiting for them (at most IN_FLIGHT at once: then it waits for the oldest; `flush` waits
+    for all); after a failure it puts nothing more (the chain would have a hole)."""
 
     def __init__(self, store: PrefixStore, fingerprint: str) -> None:
         self._store = store
         self._fingerprint = fingerprint
         self._puts: deque[Future[bool]] = deque()
         self._broken = False
+        self._ended: set[Future[bool]] = set()  # puts already counted
 
     def __call__(self, h: str, encoding: ChunkEncoding) -> None:
         bridge = self._store._bridge
@@ -141,27 +145,39 @@ class ChunkWriter:
         except StoreUnavailableError as e:
             self._fail(e)
             return
-        put.add_done_callback(self._count)
+        put.add_done_callback(self._end)
         self._puts.append(put)
+
+    def flush(self) -> None:
+        """Wait for every put still in flight (the document is read)."""
+        while self._puts:
+            self._settle(self._puts.popleft())
 
     def _settle(self, put: Future[bool]) -> None:
         try:
             self._store._bridge.wait("put_chunk", put)
         except StoreUnavailableError as e:
             self._fail(e)
+        self._end(put)
 
     def _fail(self, error: StoreUnavailableError) -> None:
-        if not self._broken:
-            self._broken = True
+        with self._store._lock:
+            first, self._broken = not self._broken, True
+        if first:
             self._store._failed("writing", error)
 
-    def _count(self, put: Future[bool]) -> None:
-        """On the bridge's loop, as each put ends: also the last ones, which the request
-        that made them no longer waits for."""
-        if put.cancelled():
+    def _end(self, put: Future[bool]) -> None:
+        """Count a put once it has ended: when the request waits for it, or on the bridge's
+        loop as it ends (also the last ones, which no request waits for)."""
+        if not put.done() or put.cancelled():
             return
         error = put.exception()
-        if error is None:
-            self._store._written += int(put.result())
-        else:
+        with self._store._lock:  # the device thread and the bridge's loop both count
+            if put in self._ended:
+                self._ended.discard(put)  # the other caller counted it; forget it
+                return
+            self._ended.add(put)
+            if error is None:
+                self._store._written += int(put.result())
+        if error is not None:
             self._fail(StoreUnavailableError(f"memory store put_chunk failed: {error!r}"))
