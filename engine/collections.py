@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.generate import Generation, MemoryState
+from engine.generate import Generation
+from engine.memory_state import MemoryState
 from engine.prior_query import prior_query
 from engine.protocol import (
     CollectionAttachment,

@@ -65,6 +65,25 @@ class PrefixStore:
         record = f"prefix|{session_fingerprint(self._model_fingerprint, memory)}|{unit}|{scope}"
         return hashlib.sha256(record.encode()).hexdigest()
 
+    def start(
+        self,
+        scope: str | None,
+        memory: SessionMemory,
+        ids: torch.Tensor,
+        start: int,
+        document_end: int,
+        unit: int,
+    ) -> Generator[None, None, tuple[int, tuple[int, ChunkWriter] | None]]:
+        """For a long prompt of `scope` whose memory holds ids[:start]: import what the store
+        holds of the rest of its document (`restore`), and the writer its reading puts the
+        rest with (MemoryState's `write`). A memory that reads by the question (prefix_cache's
+        keep_point) neither imports nor writes."""
+        if memory.reads_by_question(unit):
+            return start, None
+        where = self.fingerprint(memory, scope, unit)
+        done = yield from self.restore(memory, ids, start, document_end, unit, where)
+        return done, (unit, ChunkWriter(self, where))
+
     def restore(
         self,
         memory: SessionMemory,
@@ -111,10 +130,6 @@ class PrefixStore:
             self._hits += 1
             self._imported += done - start
         return done
-
-    def writer(self, fingerprint: str) -> ChunkWriter:
-        """What one request's reading calls with each whole chunk it read."""
-        return ChunkWriter(self, fingerprint)
 
     def _failed(self, what: str, error: StoreUnavailableError) -> None:
         with self._lock:

@@ -21,9 +21,10 @@ from engine.chat_template import Turn, encode_chat, encode_document, message_tur
 from engine.collections import SessionCollections
 from engine.config import EngineConfig
 from engine.conversation import MemorySession
-from engine.generate import Generation, MemoryState
+from engine.generate import Generation
 from engine.grammar import Grammars
 from engine.memory.session import STRATEGIES, MemoryMark, SessionMemory
+from engine.memory_state import MemoryState
 from engine.prefix_cache import PrefixCache, reading_units
 from engine.prefix_store import PrefixStore
 from engine.prior_query import prior_encoder, prior_query
@@ -285,13 +286,10 @@ class MemorySessions:
         reused, keep, write = 0, None, None
         if document_end is not None:
             memory, reused = self.prefixes.start(scope, memory, prompt_ids, document_end, unit)
-            shared = self.prefix_store
-            if shared is not None and not memory.reads_by_question(unit):
-                where = shared.fingerprint(memory, scope, unit)
-                reused = yield from shared.restore(
-                    memory, prompt_ids, reused, document_end, unit, where
+            if self.prefix_store is not None:
+                reused, write = yield from self.prefix_store.start(
+                    scope, memory, prompt_ids, reused, document_end, unit
                 )
-                write = (unit, shared.writer(where))
             point = self.prefixes.keep_point(memory, document_end, unit)
             if point is not None and point > reused:
                 keep = (point, lambda read: self.prefixes.put(scope, read))

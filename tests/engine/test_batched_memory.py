@@ -11,8 +11,9 @@ import random
 import pytest
 import torch
 
-from engine.generate import Generation, KVCacheState, MemoryState, decode_batch, step_batch
+from engine.generate import Generation, KVCacheState, decode_batch, step_batch
 from engine.memory.session import SessionMemory
+from engine.memory_state import MemoryState
 from engine.protocol import MemorySpec, SamplingParams
 
 FRAME = {"sinks": 8, "local_window": 32, "chunk_size": 32, "block": 16}

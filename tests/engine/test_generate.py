@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from engine.generate import Generation, KVCacheState, MemoryState
+from engine.generate import Generation, KVCacheState
 from engine.memory.session import SessionMemory
+from engine.memory_state import MemoryState
 from engine.protocol import SamplingParams
 
 

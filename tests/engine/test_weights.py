@@ -4,6 +4,7 @@ engine serves with it. On the tiny random Llama."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.config import EngineConfig
@@ -32,8 +33,11 @@ def test_linear_weights_in_bf16_keep_the_rest_in_fp32(tiny_model_dir, tiny_loade
     assert model_fingerprint("m", model) != model_fingerprint("m", tiny_loaded.model)
 
 
-async def test_the_engine_serves_with_bf16_linears(make_engine, tiny_model_dir, small_memory_spec):
-    loaded = load_model(EngineConfig(model=str(tiny_model_dir), linear_dtype="bfloat16"))
+@pytest.mark.parametrize("linear_dtype", ["bfloat16", "int4"])
+async def test_the_engine_serves_with_lower_precision_linears(
+    make_engine, tiny_model_dir, small_memory_spec, linear_dtype
+):
+    loaded = load_model(EngineConfig(model=str(tiny_model_dir), linear_dtype=linear_dtype))
     engine = make_engine(loaded=loaded)
     sampling = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     plain = [d async for d in engine.generate("plain", "Hello there", sampling)]
@@ -99,15 +103,3 @@ def test_int4_linears_swap_the_layers_not_the_head(tiny_model_dir, tiny_loaded):
     assert next(model.parameters()).dtype == torch.float32
     bf16 = load_model(EngineConfig(model=str(tiny_model_dir), linear_dtype="bfloat16")).model
     assert len({model_fingerprint("m", m) for m in (model, bf16, tiny_loaded.model)}) == 3
-
-
-async def test_the_engine_serves_with_int4_linears(make_engine, tiny_model_dir, small_memory_spec):
-    loaded = load_model(EngineConfig(model=str(tiny_model_dir), linear_dtype="int4"))
-    engine = make_engine(loaded=loaded)
-    sampling = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    plain = [d async for d in engine.generate("plain", "Hello there", sampling)]
-    assert plain[-1].completion_tokens == 5
-    await engine.create_session("s", small_memory_spec)
-    messages = [{"role": "user", "content": "word " * 120}]
-    on_memory = [d async for d in engine.generate("s1", messages, sampling, session_id="s")]
-    assert on_memory[-1].completion_tokens == 5
