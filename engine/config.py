@@ -43,8 +43,12 @@ class EngineConfig:
     linear_dtype: the precision the linear layers keep their weights in and multiply in
     (engine/weights.py); "auto" keeps the model's dtype. "bfloat16" on a float32 CPU model
     halves the bytes a decode step reads; "int4" keeps them in 4-bit groups of 32 (the
-    embedded GGUF's Q4_1 grid; CPU only), the output head in bf16; everything else stays in
+    embedded GGUF's Q4_1 grid; CPU only), the output head in int8 rows (the GGUF's is Q8_0);
+    everything else stays in
     the model's dtype.
+    lean_decode: decode steps of plain (non-memory) requests on a Llama-family model run
+    engine/decode_step.py's lean step instead of transformers' forward (the same function in
+    far fewer eager ops); False keeps transformers' forward for every step.
     decode_share: while a request is being read, the share of device time the decode steps of
     the other running requests get (the worker runs several decode steps per reading chunk);
     0 runs one decode step per reading chunk.
@@ -75,6 +79,7 @@ class EngineConfig:
     max_turn_encoding_bytes: int = 64 * 1024**2
     decode_share: float = 0.25
     linear_dtype: str = "auto"
+    lean_decode: bool = True
 
     def __post_init__(self) -> None:
         if self.model is not None and not self.model.strip():

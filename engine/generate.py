@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.attention import KV_KWARG, require_longserve_attention
+from engine.decode_step import decoder_of
 from engine.detokenize import Detokenizer, token_bytes, token_text
 from engine.grammar import Constraint, Grammars
 from engine.kv_cache import KVBatch, KVCache
@@ -82,6 +83,9 @@ class KVCacheState:
         return forward_kv(self._model, [self], ids)[0]  # (vocab,)
 
     def step(self, token_id: int) -> torch.Tensor:
+        decoder = decoder_of(self._model)
+        if decoder is not None:
+            return decoder.forward([self.cache], [token_id])[0]
         return self.prefill(torch.tensor([token_id], dtype=torch.long))
 
     def pop_retrieval_seconds(self) -> float:

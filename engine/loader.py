@@ -108,6 +108,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.attention import use_longserve_attention
+    from engine.decode_step import attach_decoder
     from engine.weights import lower_linear_weights
 
     source, kwargs, default_id = _source(config.model)
@@ -124,6 +125,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
         lowered = lower_linear_weights(model, target)
         logger.info("%d linear layers keep their weights in %s", lowered, config.linear_dtype)
     use_longserve_attention(model)
+    if config.lean_decode:
+        attach_decoder(model)
 
     trained_len = getattr(model.config, "max_position_embeddings", None)
     max_model_len = config.max_model_len or trained_len

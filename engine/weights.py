@@ -59,6 +59,7 @@ class Int4Linear(torch.nn.Module):
 
     packed: torch.Tensor  # the codes, in the CPU kernel's layout
     dense: torch.Tensor  # the dequantized weights (N, K) in bf16
+    bias: torch.nn.Parameter | None
 
     def __init__(self, linear: torch.nn.Linear, group: int = GROUP) -> None:
         super().__init__()
@@ -90,12 +91,67 @@ class Int4Linear(torch.nn.Module):
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int4 groups of {self.group}"
 
+    @classmethod
+    def fused(cls, parts: list[Int4Linear]) -> Int4Linear | None:
+        """The parts' rows in one Int4Linear (see fuse_linears), or None where the packed rows
+        of the parts do not concatenate into the kernel's layout for the whole."""
+        if len({(p.in_features, p.group) for p in parts}) != 1:
+            return None
+        fused = cls.__new__(cls)
+        torch.nn.Module.__init__(fused)
+        fused.in_features, fused.group = parts[0].in_features, parts[0].group
+        fused.out_features = sum(p.out_features for p in parts)
+        fused.register_buffer("packed", torch.cat([p.packed for p in parts]))
+        sz = torch.cat([p.scales_and_zeros.detach() for p in parts], 1).contiguous()
+        fused.scales_and_zeros = torch.nn.Parameter(sz, requires_grad=False)
+        fused.register_buffer("dense", torch.cat([p.dense for p in parts]))
+        fused.bias = None
+        probe = torch.randn(1, fused.in_features, dtype=torch.bfloat16)
+        want = torch.cat([p(probe) for p in parts], -1)
+        if not torch.allclose(fused(probe), want, rtol=1e-2, atol=1e-2 * float(want.abs().max())):
+            return None  # the CPU layout packs rows in blocks the parts do not fill
+        start = 0
+        for p in parts:
+            p.dense = fused.dense[start : start + p.out_features]
+            start += p.out_features
+        return fused
+
+
+class Int8Linear(torch.nn.Module):
+    """y = x W^T with W kept as int8 rows and one bf16 scale per row (symmetric). The output
+    head under int4: the GGUF keeps it in Q8_0 (8 bits, a scale per 32 weights), and it is the
+    largest single read of a decode step (49152 x 576 for SmolLM2). A forward of at most
+    SMALL_M rows uses torch's CPU int8 kernel; a larger one dequantizes into bf16 first."""
+
+    codes: torch.Tensor  # (N, K) int8
+    scales: torch.Tensor  # (N,) bf16
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().float()
+        scale = (weight.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        codes = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scale.to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if rows.shape[0] <= SMALL_M:
+            y = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
+        else:
+            y = F.linear(rows, self.codes.to(torch.bfloat16) * self.scales[:, None])
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, int8 rows"
+
 
 def lower_linear_weights(model: torch.nn.Module, dtype: torch.dtype | str) -> int:
     """Replace every nn.Linear of `model` whose weight is wider than `dtype`; returns how many.
     A tied output head gets its own copy: the embedding stays as it was. dtype "int4": the
-    layers' weights go to 4-bit groups (Int4Linear, CPU only); the output head, and any layer
-    whose inputs do not split into groups, to bf16."""
+    layers' weights go to 4-bit groups (Int4Linear, CPU only), the output head to int8 rows
+    (Int8Linear), any layer whose inputs do not split into groups to bf16."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     swaps = []
@@ -106,8 +162,47 @@ def lower_linear_weights(model: torch.nn.Module, dtype: torch.dtype | str) -> in
     for parent, name, child in swaps:
         if dtype != "int4":
             setattr(parent, name, LowPrecisionLinear(child, dtype))  # type: ignore[arg-type]
-        elif child is head or child.in_features % GROUP:
+        elif child is head and child.bias is None:
+            setattr(parent, name, Int8Linear(child))
+        elif child.in_features % GROUP:
             setattr(parent, name, LowPrecisionLinear(child, torch.bfloat16))
         else:
             setattr(parent, name, Int4Linear(child))
     return len(swaps)
+
+
+def fuse_linears(parts: list[torch.nn.Module]) -> torch.nn.Module:
+    """One bias-free linear whose output is the parts' outputs side by side (q|k|v, gate|up),
+    so a decode step makes one call where it made len(parts). The parts keep working and keep
+    no copy of their own: their weights become views of the fused rows. Int4 parts whose packed
+    rows do not concatenate (the CPU layout packs rows in blocks) come back unfused."""
+    kinds = {type(p) for p in parts}
+    if len(kinds) != 1 or any(getattr(p, "bias", None) is not None for p in parts):
+        return _Concat(parts)
+    kind = kinds.pop()
+    if kind is Int4Linear:
+        return Int4Linear.fused(parts) or _Concat(parts)  # type: ignore[arg-type]
+    if kind not in (torch.nn.Linear, LowPrecisionLinear):
+        return _Concat(parts)
+    weights: list[torch.Tensor] = [p.weight.detach() for p in parts]  # type: ignore[operator]
+    weight = torch.cat(weights)
+    start = 0
+    for p, w in zip(parts, weights, strict=True):
+        p.weight = torch.nn.Parameter(weight[start : start + w.shape[0]], requires_grad=False)
+        start += w.shape[0]
+    fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    fused.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if kind is LowPrecisionLinear:  # the same arithmetic: cast in, multiply, cast back
+        return LowPrecisionLinear(fused, weight.dtype)
+    return fused
+
+
+class _Concat(torch.nn.Module):
+    """The parts called one by one, outputs concatenated (where they cannot be fused)."""
+
+    def __init__(self, parts: list[torch.nn.Module]) -> None:
+        super().__init__()
+        self.parts = torch.nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], -1)

@@ -128,6 +128,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "device": settings.device,
         "dtype": settings.dtype,
         "linear_dtype": settings.linear_dtype,
+        "lean_decode": settings.lean_decode,
         "max_waiting_requests": settings.max_waiting_requests,
         "max_running_requests": settings.max_running_requests,
         "session_offload_after_s": settings.session_offload_after_seconds,

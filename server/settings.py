@@ -43,6 +43,9 @@ class ServerSettings(BaseSettings):
     # float32 CPU model halves what a decode step reads, int4 (CPU only) reads an eighth
     # (engine/weights.py).
     linear_dtype: str = "auto"
+    # Plain requests' decode steps on a Llama-family model skip transformers' forward
+    # (engine/decode_step.py); false keeps it for every step.
+    lean_decode: bool = True
     max_waiting_requests: int = Field(default=64, ge=1)
     max_running_requests: int = Field(default=8, ge=1)
 

@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.loader import load_model
 from engine.protocol import SamplingParams
 from engine.store import model_fingerprint
-from engine.weights import SMALL_M, Int4Linear, LowPrecisionLinear, quantize_groups
+from engine.weights import SMALL_M, Int4Linear, Int8Linear, LowPrecisionLinear, quantize_groups
 
 
 def test_linear_weights_in_bf16_keep_the_rest_in_fp32(tiny_model_dir, tiny_loaded):
@@ -94,12 +94,12 @@ def test_int4_codes_are_the_q4_1_grid_and_both_paths_multiply_them():
         assert (got - want).abs().max() / want.abs().max() < 0.02, rows
 
 
-def test_int4_linears_swap_the_layers_not_the_head(tiny_model_dir, tiny_loaded):
+def test_int4_linears_swap_the_layers_and_the_head_goes_to_int8(tiny_model_dir, tiny_loaded):
     config = EngineConfig(model=str(tiny_model_dir), linear_dtype="int4")
     model = load_model(config).model
     assert len([m for m in model.modules() if isinstance(m, Int4Linear)]) == 2 * 7
     head = model.get_output_embeddings()
-    assert isinstance(head, LowPrecisionLinear) and head.weight.dtype == torch.bfloat16
+    assert isinstance(head, Int8Linear) and head.codes.dtype == torch.int8  # GGUF's is Q8_0
     assert next(model.parameters()).dtype == torch.float32
     bf16 = load_model(EngineConfig(model=str(tiny_model_dir), linear_dtype="bfloat16")).model
     assert len({model_fingerprint("m", m) for m in (model, bf16, tiny_loaded.model)}) == 3

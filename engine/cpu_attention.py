@@ -1,0 +1,61 @@
+"""The CPU decode-attention kernel (engine/csrc/decode_attention.cpp), built on first use.
+
+`decode_attention(query, keys, values, scale)` attends one decode token of every head to a KV
+cache: query (kv_heads, group, d), keys/values (kv_heads, S, d) views with contiguous rows (a
+KVCache's), float32. It splits the keys into chunks across torch's intra-op threads and merges
+the chunks by log-sum-exp. torch's SDPA on this shape reads the cache at about a quarter of the
+memory bandwidth (docs/decisions/037-lean-decode-step.md).
+
+The kernel is compiled with torch's C++ extension builder (ninja and a C++ compiler) into
+torch's extension cache, once per machine. `load_kernel()` returns None, with a warning, where
+that is impossible; callers then use SDPA.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+_lock = threading.Lock()
+_kernel: Any = None
+_tried = False
+MIN_CHUNK = 256  # keys per task below which splitting costs more than it spreads
+
+
+def load_kernel() -> Any | None:
+    """The compiled extension module, building it on the first call; None if it cannot be."""
+    global _kernel, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                from torch.utils.cpp_extension import load
+
+                _kernel = load(
+                    name="longserve_decode_attention",
+                    sources=[str(_SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                    extra_ldflags=["-fopenmp"],
+                    verbose=False,
+                )
+            except Exception as exc:  # no compiler or ninja: SDPA does the work instead
+                logger.warning("decode-attention kernel unavailable (%s); using SDPA", exc)
+                _kernel = None
+        return _kernel
+
+
+def decode_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """query (kv_heads, group, d), keys/values (kv_heads, S, d) -> (kv_heads, group, d)."""
+    kernel = load_kernel()
+    assert kernel is not None, "decode_attention without a kernel: check load_kernel() first"
+    splits = max(1, min(4 * torch.get_num_threads(), keys.shape[1] // MIN_CHUNK))
+    return kernel.decode_attention(query.contiguous(), keys, values, scale, splits)

@@ -1,0 +1,153 @@
+"""A lean decode step for Llama-family models: the next token of every plain-KV row, without
+transformers' module tree.
+
+A decode token on a CPU is a few milliseconds of arithmetic wrapped in thousands of small eager
+ops: transformers' forward builds masks, position embeddings and per-layer casts, and calls seven
+linears per layer. `LeanDecoder.forward` computes the same function directly from the model's
+own weights (docs/decisions/037-lean-decode-step.md):
+
+    per layer   rms_norm -> one q|k|v linear -> rotary (a cached cos/sin row) -> each row
+                writes its KVCache and attends to it -> o linear -> residual -> rms_norm
+                -> one gate|up linear -> silu * up -> down linear -> residual
+
+Attention on a float32 CPU model is engine/cpu_attention.py's split-key kernel (SDPA where
+it cannot be built, and on other devices).
+
+The fused linears share their weights with the model's (the model's projections become views of
+the fused rows), so nothing is kept twice. Memory rows, prefill and every model that is not a
+plain Llama go through transformers' forward as before; `attach_decoder` decides once, at load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.cpu_attention import decode_attention, load_kernel
+from engine.kv_cache import KVCache
+from engine.weights import fuse_linears
+
+DECODER_ATTR = "longserve_decoder"  # the model attribute holding its LeanDecoder, if any
+
+
+def unsupported(model: Any) -> str | None:
+    """Why `LeanDecoder` cannot reproduce this model's forward, or None if it can."""
+    cfg = model.config
+    if type(model).__name__ != "LlamaForCausalLM":
+        return f"{type(model).__name__} is not LlamaForCausalLM"
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+        return "biased projections"
+    if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "pretraining_tp", 1) != 1:
+        return "an activation or tensor-parallel split other than Llama's"
+    return None
+
+
+class LeanDecoder:
+    """One decode token for B plain-KV rows of a LlamaForCausalLM (`unsupported` is None)."""
+
+    def __init__(self, model: Any) -> None:
+        cfg, inner = model.config, model.model
+        self.hidden = int(cfg.hidden_size)
+        self.heads = int(cfg.num_attention_heads)
+        self.kv_heads = int(cfg.num_key_value_heads or cfg.num_attention_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or self.hidden // self.heads)
+        self.eps = float(cfg.rms_norm_eps)
+        self.embed, self.rotary, self.head = inner.embed_tokens, inner.rotary_emb, model.lm_head
+        self.norm = inner.norm.weight
+        self.layers = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(
+                (
+                    layer.input_layernorm.weight,
+                    fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj]),
+                    attn.o_proj,
+                    layer.post_attention_layernorm.weight,
+                    fuse_linears([mlp.gate_proj, mlp.up_proj]),
+                    mlp.down_proj,
+                )
+            )
+        self.scaling = float(inner.layers[0].self_attn.scaling)
+        self._cos = self._sin = torch.empty(0)  # (positions, head_dim), grown on demand
+        on_cpu = self.norm.device.type == "cpu" and self.norm.dtype == torch.float32
+        self._kernel = on_cpu and load_kernel() is not None  # else SDPA
+
+    def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin rows (B, 1, head_dim) for positions (B,): x*cos + roll(x)*sin
+        is transformers' x*cos + rotate_half(x)*sin."""
+        needed = int(positions.max()) + 1
+        if needed > self._cos.shape[0]:
+            size = max(needed, 2 * self._cos.shape[0], 1024)
+            ids = torch.arange(size, device=self.norm.device).view(1, -1)
+            cos, sin = self.rotary(self.norm.new_zeros(1), ids)  # (1, size, head_dim)
+            half = self.head_dim // 2
+            self._cos, self._sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1)
+        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+
+    def _attend(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        """query (kv_heads, group, d) over keys/values (kv_heads, S, d) -> (kv_heads, group, d)."""
+        if self._kernel:
+            return decode_attention(query, keys, values, self.scaling)
+        return F.scaled_dot_product_attention(
+            query[None], keys[None], values[None], scale=self.scaling
+        )[0]
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # Llama's RMSNorm in six small ops (F.rms_norm on the CPU takes twice as long)
+        return x * (x.square().mean(-1, keepdim=True) + self.eps).rsqrt() * weight
+
+    @torch.inference_mode()
+    def forward(self, caches: Sequence[KVCache], token_ids: Sequence[int]) -> torch.Tensor:
+        """Append token_ids[b] to caches[b] for every b; logits (B, vocab). On failure no cache
+        has changed."""
+        device = self.norm.device
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)  # (B,)
+        positions = [cache.begin(1) for cache in caches]
+        try:
+            logits = self._forward(caches, ids, torch.tensor(positions, device=device))
+        except BaseException:
+            for cache in caches:
+                cache.abort()
+            raise
+        for cache in caches:
+            cache.commit()
+        return logits
+
+    def _forward(
+        self, caches: Sequence[KVCache], ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
+        group = heads // kv_heads
+        rows = ids.shape[0]
+        cos, sin = self._rotation(positions)
+        x = self.embed(ids)  # (B, hidden)
+        for layer, (w_in, qkv, o_proj, w_post, gate_up, down) in enumerate(self.layers):
+            qkv_out = qkv(self._rms(x, w_in)).view(rows, heads + 2 * kv_heads, d)
+            qk = qkv_out[:, : heads + kv_heads]
+            qk = qk * cos + qk.roll(d // 2, -1) * sin  # (B, heads + kv_heads, d)
+            value = qkv_out[:, heads + kv_heads :]
+            out = []
+            for b, cache in enumerate(caches):
+                keys, values = cache.write(layer, qk[b, heads:, None], value[b, :, None])
+                query = qk[b, :heads].view(kv_heads, group, d)  # a kv head's queries as rows
+                out.append(self._attend(query, keys, values).view(1, heads * d))
+            x = x + o_proj(out[0] if rows == 1 else torch.cat(out))
+            gate, up = gate_up(self._rms(x, w_post)).chunk(2, -1)
+            x = x + down(F.silu(gate) * up)
+        return self.head(self._rms(x, self.norm)).float()  # (B, vocab)
+
+
+def attach_decoder(model: Any) -> LeanDecoder | None:
+    """Give the model a LeanDecoder (the attribute DECODER_ATTR) if it can have one."""
+    decoder = None if unsupported(model) else LeanDecoder(model)
+    setattr(model, DECODER_ATTR, decoder)
+    return decoder
+
+
+def decoder_of(model: Any) -> LeanDecoder | None:
+    return getattr(model, DECODER_ATTR, None)
