@@ -7,7 +7,7 @@ the chunks by log-sum-exp. torch's SDPA on this shape reads the cache at about a
 memory bandwidth (docs/decisions/037-lean-decode-step.md).
 
 The kernel is compiled with torch's C++ extension builder (ninja and a C++ compiler) into
-torch's extension cache, once per machine. `load_kernel()` returns None, with a warning, where
+torch's extension cache (TORCH_EXTENSIONS_DIR), once per CPU capability. `load_kernel()` returns None, with a warning, where
 that is impossible; callers then use SDPA.
 """
 
@@ -26,6 +26,9 @@ _SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
 _lock = threading.Lock()
 _kernel: Any = None
 _tried = False
+# Vector extensions by torch's own CPU capability, never -march=native: a build cached in an
+# image must run on any machine that reports the same capability.
+_ARCH = {"AVX2": ["-march=x86-64-v3"], "AVX512": ["-march=x86-64-v4"]}
 MIN_CHUNK = 256  # keys per task below which splitting costs more than it spreads
 
 
@@ -38,10 +41,11 @@ def load_kernel() -> Any | None:
             try:
                 from torch.utils.cpp_extension import load
 
+                capability = torch.backends.cpu.get_cpu_capability()
                 _kernel = load(
-                    name="longserve_decode_attention",
+                    name=f"longserve_decode_attention_{capability.lower()}",
                     sources=[str(_SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                    extra_cflags=["-O3", *_ARCH.get(capability, []), "-fopenmp", "-ffast-math"],
                     extra_ldflags=["-fopenmp"],
                     verbose=False,
                 )
