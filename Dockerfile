@@ -62,6 +62,21 @@ COPY bench ./bench
 RUN pip install --no-cache-dir --no-deps . \
  && longserve --help > /dev/null
 
+# The CPU decode-attention kernel (engine/cpu_attention.py), built here from the installed
+# package (`python -P`: not /src) for both x86 vector levels torch may report at run time. The runtime
+# image has no compiler: where neither build matches, the engine uses SDPA instead.
+ENV TORCH_EXTENSIONS_DIR=/opt/torch_extensions
+# hadolint ignore=DL3008
+RUN mkdir -p "${TORCH_EXTENSIONS_DIR}" \
+ && if [ "${DEVICE}" = cpu ] && [ "$(uname -m)" = x86_64 ]; then \
+      apt-get update -qq \
+   && apt-get install -y -qq --no-install-recommends g++ \
+   && for cap in avx2 avx512; do \
+        ATEN_CPU_CAPABILITY="${cap}" python -P -c "from engine.cpu_attention import load_kernel; load_kernel()"; \
+      done \
+   && rm -rf /var/lib/apt/lists/*; \
+    fi
+
 
 FROM ${PYTHON_IMAGE} AS runtime
 
@@ -80,6 +95,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 \
     HF_HOME=/data/.cache/huggingface \
+    TORCH_EXTENSIONS_DIR=/opt/torch_extensions \
     LONGSERVE_DEVICE=${DEVICE} \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     HEALTHCHECK_PORT=8000
@@ -91,6 +107,8 @@ RUN groupadd --system --gid 10001 longserve \
  && chown longserve:longserve /data
 
 COPY --from=builder /opt/venv /opt/venv
+# writable by the server: torch's extension loader takes a lock file beside each build
+COPY --from=builder --chown=10001:10001 /opt/torch_extensions /opt/torch_extensions
 
 WORKDIR /data
 USER 10001:10001

@@ -7,6 +7,11 @@ cannot go under without fewer weight bytes. One JSON line per --dtypes entry: th
 bare matmuls, the weights' MB and the bandwidth they imply, and the share of the step that is
 not weight matmuls (Python, dispatch, norms, rotary, attention, sampling-side work).
 
+The step is the engine's: the lean decode step where the model has one (engine/decode_step.py),
+and `transformers_step_ms` the same step through transformers' forward, on a second cache.
+`attention_ms` times one token's attention over the --context-tokens cache for every layer,
+with the CPU kernel (engine/cpu_attention.py) and with SDPA.
+
     longserve bench decode_floor --dtypes float32 bfloat16 float32+bfloat16-linears \
         float32+int4-linears
 """
@@ -14,15 +19,20 @@ not weight matmuls (Python, dispatch, norms, rotary, attention, sampling-side wo
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from engine.config import EngineConfig
-from engine.generate import KVCacheState
+from engine.cpu_attention import decode_attention, load_kernel
+from engine.decode_step import decoder_of
+from engine.generate import KVCacheState, forward_kv
+from engine.kv_cache import KVCache
 from engine.loader import load_model
 from engine.weights import Int4Linear, LowPrecisionLinear
 
@@ -44,6 +54,32 @@ def weight_nbytes(m: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def timed_steps(step: Callable[[int], Any], steps: int) -> float:
+    """Seconds per call of step(token), after 3 warm-up calls."""
+    for i in range(3):
+        step(200 + i)
+    started = time.perf_counter()
+    for i in range(steps):
+        step(300 + i)
+    return (time.perf_counter() - started) / steps
+
+
+def attention_ms(cache: KVCache, model: Any, steps: int) -> dict[str, float]:
+    """One token's attention over every layer's cached keys: the CPU kernel and SDPA."""
+    cfg = model.config
+    kv_heads, d = cache.kv_heads, cache.head_dim
+    query = torch.randn(kv_heads, cfg.num_attention_heads // kv_heads, d, dtype=cache._dtype)
+    layers = [cache.layer_view(layer) for layer in range(cache.num_layers)]
+    ways = {"sdpa": lambda q, k, v: F.scaled_dot_product_attention(q[None], k[None], v[None])}
+    if cache._dtype == torch.float32 and load_kernel() is not None:
+        ways["kernel"] = lambda q, k, v: decode_attention(q, k, v, d**-0.5)
+    out = {}
+    for name, attend in ways.items():
+        every_layer = functools.partial(lambda f, _: [f(query, k, v) for k, v in layers], attend)
+        out[name] = round(timed_steps(every_layer, steps) * 1000, 2)
+    return out
+
+
 def measure(dtype: str, args: argparse.Namespace) -> dict:
     """dtype: the model's ("float32", "bfloat16"), or "float32+bfloat16-linears" and the like."""
     model_dtype, _, linears = dtype.partition("+")
@@ -54,15 +90,13 @@ def measure(dtype: str, args: argparse.Namespace) -> dict:
     loaded = load_model(config)
     model = loaded.model
     state = KVCacheState(model, args.context_tokens + args.steps + 16)
+    plain = KVCacheState(model, args.context_tokens + args.steps + 16)
     prompt = torch.arange(args.context_tokens) % 1000 + 100  # ids of ordinary tokens
     with torch.inference_mode():
         state.prefill(prompt)
-        for i in range(3):
-            state.step(200 + i)
-        started = time.perf_counter()
-        for i in range(args.steps):
-            state.step(300 + i)
-        step = (time.perf_counter() - started) / args.steps
+        plain.prefill(prompt)
+        step = timed_steps(state.step, args.steps)
+        step_hf = timed_steps(lambda t: forward_kv(model, [plain], torch.tensor([[t]])), args.steps)
         kinds = torch.nn.Linear | LowPrecisionLinear | Int4Linear
         layers = [m for m in model.modules() if isinstance(m, kinds)]
         matmuls = [bare_matmul(m) for m in layers]
@@ -79,6 +113,9 @@ def measure(dtype: str, args: argparse.Namespace) -> dict:
         "dtype": dtype,
         "context_tokens": args.context_tokens,
         "step_ms": round(step * 1000, 2),
+        "lean_step": decoder_of(model) is not None,
+        "transformers_step_ms": round(step_hf * 1000, 2),
+        "attention_ms": attention_ms(state.cache, model, args.steps),
         "tok_s": round(1 / step, 1),
         "bare_matmuls_ms": round(bare * 1000, 2),
         "weights_mb": round(weight_bytes / 1e6),

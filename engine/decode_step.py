@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from engine.cpu_attention import decode_attention, load_kernel
 from engine.kv_cache import KVCache
-from engine.weights import fuse_linears
+from engine.weights import SMALL_M, fuse_linears, small_matmul
 
 DECODER_ATTR = "longserve_decoder"  # the model attribute holding its LeanDecoder, if any
 
@@ -70,6 +70,12 @@ class LeanDecoder:
                     mlp.down_proj,
                 )
             )
+        # the same layers with the int4/int8 kernels called bare, for steps of <= SMALL_M rows
+        self.small = [
+            (a, small_matmul(b), small_matmul(c), d, small_matmul(e), small_matmul(f))
+            for a, b, c, d, e, f in self.layers
+        ]
+        self._small_head = small_matmul(self.head)
         self.scaling = float(inner.layers[0].self_attn.scaling)
         self._cos = self._sin = torch.empty(0)  # (positions, head_dim), grown on demand
         on_cpu = self.norm.device.type == "cpu" and self.norm.dtype == torch.float32
@@ -126,8 +132,11 @@ class LeanDecoder:
         rows = ids.shape[0]
         cos, sin = self._rotation(positions)
         x = self.embed(ids)  # (B, hidden)
-        for layer, (w_in, qkv, o_proj, w_post, gate_up, down) in enumerate(self.layers):
-            qkv_out = qkv(self._rms(x, w_in)).view(rows, heads + 2 * kv_heads, d)
+        small = rows <= SMALL_M
+        for layer, (w_in, qkv, o_proj, w_post, gate_up, down) in enumerate(
+            self.small if small else self.layers
+        ):
+            qkv_out = qkv(self._rms(x, w_in)).float().view(rows, heads + 2 * kv_heads, d)
             qk = qkv_out[:, : heads + kv_heads]
             qk = qk * cos + qk.roll(d // 2, -1) * sin  # (B, heads + kv_heads, d)
             value = qkv_out[:, heads + kv_heads :]
@@ -139,7 +148,8 @@ class LeanDecoder:
             x = x + o_proj(out[0] if rows == 1 else torch.cat(out))
             gate, up = gate_up(self._rms(x, w_post)).chunk(2, -1)
             x = x + down(F.silu(gate) * up)
-        return self.head(self._rms(x, self.norm)).float()  # (B, vocab)
+        head = self._small_head if small else self.head
+        return head(self._rms(x, self.norm)).float()  # (B, vocab)
 
 
 def attach_decoder(model: Any) -> LeanDecoder | None:

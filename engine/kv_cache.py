@@ -86,6 +86,14 @@ class KVCache:
         self._buffer[layer, 1, :, self.num_tokens : end] = value
         return self._buffer[layer, 0, :, :end], self._buffer[layer, 1, :, :end]
 
+    def layer_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's committed keys and values, as views (kv_heads, num_tokens, d)."""
+        assert self._buffer is not None, "an empty cache"
+        return (
+            self._buffer[layer, 0, :, : self.num_tokens],
+            self._buffer[layer, 1, :, : self.num_tokens],
+        )
+
     def commit(self) -> None:
         self.num_tokens += self._pending
         self._pending = 0

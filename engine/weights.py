@@ -10,6 +10,8 @@ slower than fp32 (docs/decisions/033, 036).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -147,6 +149,20 @@ class Int8Linear(torch.nn.Module):
         return f"in={self.in_features}, out={self.out_features}, int8 rows"
 
 
+def small_matmul(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The module's product for at most SMALL_M rows of x, without its casts and reshapes:
+    the int4 and int8 kernels take x (rows, in) in any float dtype and give bf16, which a
+    decode step may keep (engine/decode_step.py); other modules are themselves."""
+    if isinstance(module, Int4Linear) and module.bias is None:
+        mm4, packed, group = torch.ops.aten._weight_int4pack_mm_for_cpu, module.packed, module.group
+        sz = module.scales_and_zeros
+        return lambda x: mm4(x.to(torch.bfloat16), packed, group, sz)
+    if isinstance(module, Int8Linear):
+        mm8, codes, scales = torch.ops.aten._weight_int8pack_mm, module.codes, module.scales
+        return lambda x: mm8(x.to(torch.bfloat16), codes, scales)
+    return module
+
+
 def lower_linear_weights(model: torch.nn.Module, dtype: torch.dtype | str) -> int:
     """Replace every nn.Linear of `model` whose weight is wider than `dtype`; returns how many.
     A tied output head gets its own copy: the embedding stays as it was. dtype "int4": the
@@ -175,7 +191,7 @@ def fuse_linears(parts: list[torch.nn.Module]) -> torch.nn.Module:
     """One bias-free linear whose output is the parts' outputs side by side (q|k|v, gate|up),
     so a decode step makes one call where it made len(parts). The parts keep working and keep
     no copy of their own: their weights become views of the fused rows. Int4 parts whose packed
-    rows do not concatenate (the CPU layout packs rows in blocks) come back unfused."""
+    rows do not concatenate (the CPU layout packs rows in blocks of 64) come back unfused."""
     kinds = {type(p) for p in parts}
     if len(kinds) != 1 or any(getattr(p, "bias", None) is not None for p in parts):
         return _Concat(parts)

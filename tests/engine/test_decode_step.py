@@ -1,0 +1,175 @@
+"""The lean decode step (engine/decode_step.py) computes transformers' forward: the same logits
+for one row and for rows of different lengths, through fused linears that share the model's
+weights, with the CPU attention kernel (engine/cpu_attention.py) equal to SDPA; a failed step
+changes no cache. On tiny random models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from engine.attention import use_longserve_attention
+from engine.cpu_attention import decode_attention, load_kernel
+from engine.decode_step import DECODER_ATTR, attach_decoder, decoder_of, unsupported
+from engine.generate import KVCacheState, forward_kv
+from engine.kv_cache import KVCache
+from engine.rows import KVRow, decode_rows
+from engine.weights import Int4Linear, _Concat, fuse_linears, lower_linear_weights
+
+SMALL = dict(
+    vocab_size=300,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,  # head_dim 32; q 128 rows, k and v 64 each
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
+
+
+def tiny_llama(linear_dtype: str | None = None, **overrides) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**SMALL, **overrides})).eval()
+    if linear_dtype is not None:
+        lower_linear_weights(model, linear_dtype)
+    use_longserve_attention(model)
+    attach_decoder(model)
+    return model
+
+
+def without_decoder(model):
+    """The same model with transformers' forward for every step (the reference)."""
+
+    class Plain:
+        def __init__(self) -> None:
+            self.__dict__[DECODER_ATTR] = None
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+        def __call__(self, *args, **kwargs):
+            return model(*args, **kwargs)
+
+    return Plain()
+
+
+@pytest.mark.parametrize("prompt_len", [1, 40, 600])  # 600: several of the kernel's key chunks
+def test_one_row_matches_transformers_forward(prompt_len):
+    model = tiny_llama()
+    assert decoder_of(model) is not None
+    ids = torch.randint(0, 300, (prompt_len,), generator=torch.Generator().manual_seed(1))
+    lean, plain = KVCacheState(model, 1024), KVCacheState(model, 1024)
+    with torch.inference_mode():
+        lean.prefill(ids)
+        plain.prefill(ids)
+        for token in (5, 17, 299, 3):
+            got = lean.step(token)  # the lean step
+            want = forward_kv(model, [plain], torch.tensor([[token]]))[0]  # transformers'
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert lean.num_tokens == plain.num_tokens == prompt_len + 4
+
+
+def test_rows_of_different_lengths_match_transformers_forward():
+    model = tiny_llama()
+    reference = without_decoder(model)
+    lens = (3, 70, 300)
+    caches: dict[str, list[KVCache]] = {"lean": [], "plain": []}
+    with torch.inference_mode():
+        for name in caches:
+            for n in lens:
+                state = KVCacheState(model, 1024)
+                state.prefill(torch.arange(n) % 300)
+                caches[name].append(state.cache)
+        for step in range(3):
+            tokens = [7 + step, 100, 250 - step]
+            got = decode_rows(model, [KVRow(c) for c in caches["lean"]], tokens)
+            want = decode_rows(reference, [KVRow(c) for c in caches["plain"]], tokens)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert [c.num_tokens for c in caches["lean"]] == [n + 3 for n in lens]
+
+
+def test_fused_linears_share_the_models_weights():
+    model = tiny_llama()
+    attn = model.model.layers[0].self_attn
+    qkv = decoder_of(model).layers[0][1]
+    assert isinstance(qkv, torch.nn.Linear) and qkv.out_features == 128 + 64 + 64
+    base = qkv.weight.untyped_storage().data_ptr()
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+        assert proj.weight.untyped_storage().data_ptr() == base  # a view, no second copy
+    x = torch.randn(2, 128)
+    want = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], -1)
+    torch.testing.assert_close(qkv(x), want)
+
+
+def test_int4_parts_fuse_where_their_packed_rows_concatenate():
+    torch.manual_seed(0)
+    x = torch.randn(3, 128)
+    whole = [Int4Linear(torch.nn.Linear(128, n, bias=False)) for n in (128, 64)]
+    want = torch.cat([p(x) for p in whole], -1)
+    fused = fuse_linears(whole)
+    assert isinstance(fused, Int4Linear) and fused.out_features == 192
+    torch.testing.assert_close(fused(x), want)
+    # the CPU layout packs rows in blocks of 64: a first part of 96 rows does not concatenate
+    small = [Int4Linear(torch.nn.Linear(64, n, bias=False)) for n in (96, 32)]
+    x = torch.randn(3, 64)
+    want = torch.cat([p(x) for p in small], -1)
+    fused = fuse_linears(small)
+    assert isinstance(fused, _Concat)
+    torch.testing.assert_close(fused(x), want)
+
+
+@pytest.mark.parametrize("linear_dtype", ["int4", torch.bfloat16])
+def test_lower_precision_linears_step_as_transformers_does(linear_dtype):
+    model = tiny_llama(linear_dtype)
+    ids = torch.arange(50) % 300
+    lean, plain = KVCacheState(model, 1024), KVCacheState(model, 1024)
+    with torch.inference_mode():
+        lean.prefill(ids)
+        plain.prefill(ids)
+        got = lean.step(9)
+        want = forward_kv(model, [plain], torch.tensor([[9]]))[0]
+    # the same bf16 products, summed in another order: within bf16 rounding of the logits
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+
+
+def test_a_failed_step_changes_no_cache():
+    model = tiny_llama()
+    state = KVCacheState(model, 1024)
+    with torch.inference_mode():
+        state.prefill(torch.arange(20))
+        before = state.cache._buffer.clone()
+        decoder = decoder_of(model)
+        w_in, qkv, o_proj, w_post, gate_up, down = decoder.small[1]  # one row: the small table
+
+        def broken(x):
+            raise RuntimeError("boom")
+
+        decoder.small[1] = (w_in, qkv, o_proj, w_post, gate_up, broken)
+        with pytest.raises(RuntimeError, match="boom"):
+            state.step(4)
+        decoder.small[1] = (w_in, qkv, o_proj, w_post, gate_up, down)
+        assert state.num_tokens == 20
+        assert torch.equal(state.cache._buffer[:, :, :, :20], before[:, :, :, :20])
+        state.step(4)  # the cache takes the step again
+    assert state.num_tokens == 21
+
+
+def test_other_architectures_keep_transformers_forward():
+    model = Qwen2ForCausalLM(Qwen2Config(**SMALL)).eval()
+    assert "Qwen2ForCausalLM" in unsupported(model)
+    assert attach_decoder(model) is None and decoder_of(model) is None
+
+
+@pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler or ninja to build the kernel")
+@pytest.mark.parametrize("keys", [1, 7, 255, 1000])
+@pytest.mark.parametrize("group", [1, 3])
+def test_the_cpu_kernel_is_sdpa(keys, group):
+    torch.manual_seed(keys)
+    query = torch.randn(2, group, 64)
+    buffer = torch.randn(2, 2, 1200, 64)  # a cache's (2, kv_heads, capacity, d): strided views
+    keys_, values = buffer[0, :, :keys], buffer[1, :, :keys]
+    want = F.scaled_dot_product_attention(query[None], keys_[None], values[None], scale=0.125)
+    got = decode_attention(query, keys_, values, 0.125)
+    torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
