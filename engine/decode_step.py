@@ -20,7 +20,7 @@ plain Llama go through transformers' forward as before; `attach_decoder` decides
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +30,9 @@ from engine.cpu_attention import decode_attention, load_kernel
 from engine.kv_cache import KVCache
 from engine.weights import SMALL_M, fuse_linears, small_matmul
 
+Matmul = Callable[[torch.Tensor], torch.Tensor]
+# a layer: input norm weight, q|k|v, o, post-attention norm weight, gate|up, down
+Layer = tuple[torch.Tensor, Matmul, Matmul, torch.Tensor, Matmul, Matmul]
 DECODER_ATTR = "longserve_decoder"  # the model attribute holding its LeanDecoder, if any
 
 
@@ -57,7 +60,7 @@ class LeanDecoder:
         self.eps = float(cfg.rms_norm_eps)
         self.embed, self.rotary, self.head = inner.embed_tokens, inner.rotary_emb, model.lm_head
         self.norm = inner.norm.weight
-        self.layers = []
+        self.layers: list[Layer] = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(
@@ -71,7 +74,7 @@ class LeanDecoder:
                 )
             )
         # the same layers with the int4/int8 kernels called bare, for steps of <= SMALL_M rows
-        self.small = [
+        self.small: list[Layer] = [
             (a, small_matmul(b), small_matmul(c), d, small_matmul(e), small_matmul(f))
             for a, b, c, d, e, f in self.layers
         ]
