@@ -149,7 +149,9 @@ class Int8Linear(torch.nn.Module):
         return f"in={self.in_features}, out={self.out_features}, int8 rows"
 
 
-def small_matmul(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+def small_matmul(
+    module: Callable[[torch.Tensor], torch.Tensor],
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """The module's product for at most SMALL_M rows of x, without its casts and reshapes:
     the int4 and int8 kernels take x (rows, in) in any float dtype and give bf16, which a
     decode step may keep (engine/decode_step.py); other modules are themselves."""
