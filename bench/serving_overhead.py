@@ -64,8 +64,9 @@ async def over_http(client, model: str, max_tokens: int) -> tuple[float, float]:
 async def run(args: argparse.Namespace) -> None:
     import openai
 
-    engine = LocalEngine(EngineConfig(model=args.model))
-    with served(None, serve_args=model_args(args), ready_timeout=180.0) as base:
+    engine = LocalEngine(EngineConfig(model=args.model, linear_dtype=args.linear_dtype))
+    serve_args = [*model_args(args), "--linear-dtype", args.linear_dtype]
+    with served(None, serve_args=serve_args, ready_timeout=180.0) as base:
         client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="bench")
         model = (await client.models.list()).data[0].id
         # One warm-up each.
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--linear-dtype", default="auto", help="auto, bfloat16 or int4")
     asyncio.run(run(parser.parse_args(argv)))
 
 

@@ -201,6 +201,7 @@ BENCHMARKS = (
     "peers",
     "soak",
     "decode_floor",
+    "decode_agreement",
 )
 
 
