@@ -173,3 +173,15 @@ def test_the_cpu_kernel_is_sdpa(keys, group):
     want = F.scaled_dot_product_attention(query[None], keys_[None], values[None], scale=0.125)
     got = decode_attention(query, keys_, values, 0.125)
     torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
+
+
+def test_decode_agreement_bench_finds_the_lean_step_equal_in_fp32(tiny_model_dir, capsys):
+    import json
+
+    from bench.decode_agreement import main
+
+    main(["--model", str(tiny_model_dir), "--linear-dtypes", "auto", "--prompts", "2",
+          "--context-tokens", "60", "--new-tokens", "4"])  # fmt: skip
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["steps"] == 8 and row["prompts"] == 2
+    assert row["lean_vs_transformers"] == 1.0 and row["vs_fp32"] == 1.0
