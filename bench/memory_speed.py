@@ -5,8 +5,10 @@ Each figure is a ratio measured in one run, so machine noise cancels:
   vs a bare forward pass of the model over the same tokens in windows of the same chunk size
   (no memory, no retrieval, logits of the last token only: the least work that reads the
   tokens at all), the two interleaved chunk by chunk;
-- decode ms/token with a large memory (default 128K tokens) vs a small one (4K), and the small
-  one vs the model's own KV-cache decode over the same tokens (when they fit its window);
+- decode ms/token with a large memory (default 128K tokens) vs a small one (4K), each step a
+  decode row as the engine's worker runs it; the small one vs the model's own KV-cache decode
+  over the same tokens (when they fit its window), and the large one vs the engine's plain
+  decode over the small one's tokens (`ratio_large_memory_vs_engine_plain`);
 - memory bytes per token for each strategy.
 
     python -m bench.memory_speed --strategies segments tokens neurocache --small 4096 --large 131072
@@ -24,10 +26,12 @@ import time
 import torch
 
 from engine.config import EngineConfig
+from engine.generate import KVCacheState
 from engine.loader import load_model
 from engine.memory.band import read_dtype
 from engine.memory.session import STRATEGIES, SessionMemory
 from engine.protocol import MemorySpec
+from engine.rows import decode_rows
 
 
 def random_text_ids(tokenizer, n_tokens: int, seed: int) -> list[int]:
@@ -54,11 +58,25 @@ def bare_forward_seconds(model, ids: torch.Tensor, chunk: int) -> float:
 
 @torch.inference_mode()
 def decode_ms_per_token(memory: SessionMemory, first: int, steps: int, device) -> float:
+    """The engine's decode step on the memory: a decode row (engine/rows.py), as the worker
+    runs it (through engine/decode_step.py's lean step where the model has one)."""
     token = first
     started = time.perf_counter()
     for _ in range(steps):
-        logits = memory.append(torch.tensor([token], device=device))
+        logits = decode_rows(memory.model, [memory.decode_row(token)], [token])[0]
         token = int(logits.argmax())
+    return 1000 * (time.perf_counter() - started) / steps
+
+
+@torch.inference_mode()
+def engine_plain_decode_ms_per_token(model, ids: torch.Tensor, steps: int) -> float:
+    """Decode ms/token of the server's plain path (a KVCacheState, engine/generate.py) after a
+    prompt of ids, no session."""
+    state = KVCacheState(model, len(ids) + steps + 1)
+    token = int(state.prefill(ids).argmax())
+    started = time.perf_counter()
+    for _ in range(steps):
+        token = int(state.step(token).argmax())
     return 1000 * (time.perf_counter() - started) / steps
 
 
@@ -153,6 +171,7 @@ def measure_decode(
     )
     if small <= model.config.max_position_embeddings:
         plain = plain_decode_ms_per_token(model, all_ids[:small], steps)
+        engine_plain = engine_plain_decode_ms_per_token(model, all_ids[:small], steps)
         records.append(
             {
                 "bench": "decode_vs_plain",
@@ -160,6 +179,8 @@ def measure_decode(
                 "tokens": small,
                 "plain_kv_decode_ms_per_token": round(plain, 2),
                 "ratio_memory_vs_plain": round(results[small] / plain, 3),
+                "engine_plain_decode_ms_per_token": round(engine_plain, 2),
+                "ratio_large_memory_vs_engine_plain": round(results[large] / engine_plain, 3),
             }
         )
     return records

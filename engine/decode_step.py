@@ -1,21 +1,22 @@
-"""A lean decode step for Llama-family models: the next token of every plain-KV row, without
-transformers' module tree.
+"""A lean decode step for Llama-family models: the next token of every decode row (plain KV
+caches and memory frames alike, engine/rows.py), without transformers' module tree.
 
 A decode token on a CPU is a few milliseconds of arithmetic wrapped in thousands of small eager
 ops: transformers' forward builds masks, position embeddings and per-layer casts, and calls seven
 linears per layer. `LeanDecoder.forward` computes the same function directly from the model's
 own weights (docs/decisions/037-lean-decode-step.md):
 
-    per layer   rms_norm -> one q|k|v linear -> rotary (a cached cos/sin row) -> each row
-                writes its KVCache and attends to it -> o linear -> residual -> rms_norm
+    per layer   rms_norm -> one q|k|v linear -> rotary (a cached cos/sin row at each row's
+                position) -> each row attends -> o linear -> residual -> rms_norm
                 -> one gate|up linear -> silu * up -> down linear -> residual
 
-Attention on a float32 CPU model is engine/cpu_attention.py's split-key kernel (SDPA where
-it cannot be built, and on other devices).
+A plain row writes its KVCache and attends to it with engine/cpu_attention.py's split-key kernel
+on a float32 CPU model (SDPA where it cannot be built, and on other devices); a memory row gets
+the same query, key and value transformers' forward would hand it, and attends to its frame.
 
 The fused linears share their weights with the model's (the model's projections become views of
-the fused rows), so nothing is kept twice. Memory rows, prefill and every model that is not a
-plain Llama go through transformers' forward as before; `attach_decoder` decides once, at load.
+the fused rows), so nothing is kept twice. Prefill, reading and every model that is not a plain
+Llama go through transformers' forward as before; `attach_decoder` decides once, at load.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.attention import KV_KWARG
 from engine.cpu_attention import decode_attention, load_kernel
-from engine.kv_cache import KVCache
+from engine.rows import DecodeRow, KVRow, RowBatch
 from engine.weights import SMALL_M, fuse_linears, small_matmul
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]
@@ -61,6 +63,7 @@ class LeanDecoder:
         self.embed, self.rotary, self.head = inner.embed_tokens, inner.rotary_emb, model.lm_head
         self.norm = inner.norm.weight
         self.layers: list[Layer] = []
+        self._modules = list(inner.layers)  # for their forward hooks
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(
@@ -106,30 +109,42 @@ class LeanDecoder:
             query[None], keys[None], values[None], scale=self.scaling
         )[0]
 
+    def _layer_hooks(
+        self, layer: int, x_in: torch.Tensor, x: torch.Tensor, batch: RowBatch
+    ) -> torch.Tensor:
+        """Run the decoder layer's forward hooks on its output (B, hidden), as transformers'
+        forward would with the rows passed as KV_KWARG; a hook's return replaces it."""
+        module = self._modules[layer]
+        args, out = (x_in.unsqueeze(1),), x.unsqueeze(1)  # (B, 1, hidden), as the layer gives
+        for key, hook in list(module._forward_hooks.items()):
+            if key in module._forward_hooks_with_kwargs:
+                result = hook(module, args, {KV_KWARG: batch}, out)
+            else:
+                result = hook(module, args, out)
+            out = out if result is None else result
+        return out.squeeze(1)
+
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Llama's RMSNorm in six small ops (F.rms_norm on the CPU takes twice as long)
         return x * (x.square().mean(-1, keepdim=True) + self.eps).rsqrt() * weight
 
     @torch.inference_mode()
-    def forward(self, caches: Sequence[KVCache], token_ids: Sequence[int]) -> torch.Tensor:
-        """Append token_ids[b] to caches[b] for every b; logits (B, vocab). On failure no cache
-        has changed."""
+    def forward(self, rows: Sequence[DecodeRow], token_ids: Sequence[int]) -> torch.Tensor:
+        """Append token_ids[b] to rows[b] for every b; logits (B, vocab). On failure no row has
+        changed (engine/rows.py's contract, as transformers' forward keeps it)."""
         device = self.norm.device
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)  # (B,)
-        positions = [cache.begin(1) for cache in caches]
+        batch = RowBatch(rows)
+        positions = batch.begin(device).view(-1)  # (B,)
         try:
-            logits = self._forward(caches, ids, torch.tensor(positions, device=device))
+            logits = self._forward(batch, ids, positions)
+            batch.commit(logits)
         except BaseException:
-            for cache in caches:
-                cache.abort()
+            batch.abort()
             raise
-        for cache in caches:
-            cache.commit()
         return logits
 
-    def _forward(
-        self, caches: Sequence[KVCache], ids: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor:
+    def _forward(self, batch: RowBatch, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
         group = heads // kv_heads
         rows = ids.shape[0]
@@ -144,13 +159,21 @@ class LeanDecoder:
             qk = qk * cos + qk.roll(d // 2, -1) * sin  # (B, heads + kv_heads, d)
             value = qkv_out[:, heads + kv_heads :]
             out = []
-            for b, cache in enumerate(caches):
-                keys, values = cache.write(layer, qk[b, heads:, None], value[b, :, None])
-                query = qk[b, :heads].view(kv_heads, group, d)  # a kv head's queries as rows
-                out.append(self._attend(query, keys, values).view(1, heads * d))
+            for b, row in enumerate(batch.rows):
+                if type(row) is KVRow:
+                    keys, values = row.cache.write(layer, qk[b, heads:, None], value[b, :, None])
+                    query = qk[b, :heads].view(kv_heads, group, d)  # a kv head's queries as rows
+                    out.append(self._attend(query, keys, values).view(1, heads * d))
+                else:  # a memory row attends to its own frame, as in transformers' forward
+                    q, k, v = (
+                        t.view(1, -1, 1, d) for t in (qk[b, :heads], qk[b, heads:], value[b])
+                    )
+                    out.append(row.attend(layer, q, k, v, self.scaling).reshape(1, heads * d))
             x = x + o_proj(out[0] if rows == 1 else torch.cat(out))
             gate, up = gate_up(self._rms(x, w_post)).chunk(2, -1)
-            x = x + down(F.silu(gate) * up)
+            x_in, x = x, x + down(F.silu(gate) * up)
+            if self._modules[layer]._forward_hooks:  # Neurocache reads layer r's output
+                x = self._layer_hooks(layer, x_in, x, batch)
         head = self._small_head if small else self.head
         return head(self._rms(x, self.norm)).float()  # (B, vocab)
 

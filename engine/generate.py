@@ -85,7 +85,7 @@ class KVCacheState:
     def step(self, token_id: int) -> torch.Tensor:
         decoder = decoder_of(self._model)
         if decoder is not None:
-            return decoder.forward([self.cache], [token_id])[0]
+            return decoder.forward([KVRow(self.cache)], [token_id])[0]
         return self.prefill(torch.tensor([token_id], dtype=torch.long))
 
     def pop_retrieval_seconds(self) -> float:

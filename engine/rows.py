@@ -137,9 +137,8 @@ def decode_rows(model: Any, rows: Sequence[DecodeRow], token_ids: Sequence[int])
     from engine.decode_step import decoder_of
 
     decoder = decoder_of(model)
-    if decoder is not None and all(type(row) is KVRow for row in rows):
-        caches = [row.cache for row in rows]  # type: ignore[attr-defined]
-        return decoder.forward(caches, token_ids)
+    if decoder is not None:
+        return decoder.forward(rows, token_ids)
     device = next(model.parameters()).device
     ids = torch.tensor(list(token_ids), dtype=torch.long, device=device).view(-1, 1)  # (B, 1)
     batch = RowBatch(rows)
