@@ -47,6 +47,11 @@ def unsupported(model: Any) -> str | None:
         return "biased projections"
     if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "pretraining_tp", 1) != 1:
         return "an activation or tensor-parallel split other than Llama's"
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
+        return (
+            "rotary angles that depend on the sequence length (one cached table cannot hold them)"
+        )
     return None
 
 

@@ -160,6 +160,9 @@ def test_other_architectures_keep_transformers_forward():
     model = Qwen2ForCausalLM(Qwen2Config(**SMALL)).eval()
     assert "Qwen2ForCausalLM" in unsupported(model)
     assert attach_decoder(model) is None and decoder_of(model) is None
+    dynamic = {"rope_type": "dynamic", "factor": 2.0}  # angles that follow the length
+    llama = LlamaForCausalLM(LlamaConfig(**SMALL, rope_scaling=dynamic))
+    assert "rotary" in unsupported(llama)
 
 
 @pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler or ninja to build the kernel")
