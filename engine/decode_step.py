@@ -161,7 +161,7 @@ class LeanDecoder:
         ):
             qkv_out = qkv(self._rms(x, w_in)).float().view(rows, heads + 2 * kv_heads, d)
             qk = qkv_out[:, : heads + kv_heads]
-            qk = qk * cos + qk.roll(d // 2, -1) * sin  # (B, heads + kv_heads, d)
+            qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)  # (B, heads + kv_heads, d)
             value = qkv_out[:, heads + kv_heads :]
             out = []
             for b, row in enumerate(batch.rows):
