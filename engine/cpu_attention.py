@@ -55,6 +55,28 @@ def load_kernel() -> Any | None:
         return _kernel
 
 
+def attend_pieces(
+    queries: list[torch.Tensor],
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    masks: list[torch.Tensor | None],
+    scale: float,
+) -> torch.Tensor:
+    """One decode token over pieces of keys under one softmax: queries[i] (kv_heads, nq,
+    group, d), one query per n/nq keys of keys[i]/values[i] (kv_heads, n, d); masks[i]
+    (kv_heads, n) bool or None. -> (kv_heads, group, d)."""
+    kernel = load_kernel()
+    assert kernel is not None, "attend_pieces without a kernel: check load_kernel() first"
+    empty = torch.empty(0, dtype=torch.bool)
+    return kernel.attend_pieces(
+        [q.contiguous() for q in queries],
+        keys,
+        values,
+        [empty if m is None else m.contiguous() for m in masks],
+        scale,
+    )
+
+
 def decode_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
 ) -> torch.Tensor:

@@ -15,6 +15,52 @@ namespace {
 
 constexpr int64_t kBlock = 64;  // keys scored before their values are accumulated
 
+float dot(const float* a, const float* b, int64_t d) {
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t i = 0; i < d; ++i) total += a[i] * b[i];
+  return total;
+}
+
+// Fold one block of n keys into a running softmax: scores[g * kBlock + j] (scaled) for each of
+// the group's queries, the running max m and sum l per query, the accumulator a (group, d), and
+// the block's value rows at v, v + v_stride, ...
+void fold_block(float* scores, int64_t n, int64_t group, int64_t d, float* m, float* l, float* a,
+                const float* v, int64_t v_stride) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * kBlock;
+    float top = m[g];
+    for (int64_t j = 0; j < n; ++j) top = std::max(top, s[j]);
+    if (top == -FLT_MAX) {  // every key so far left out (attend_pieces' masks): nothing to add
+      std::fill(s, s + n, 0.f);
+      continue;
+    }
+    const float rescale = std::exp(m[g] - top);
+    float total = l[g] * rescale;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < n; ++j) {
+      s[j] = std::exp(s[j] - top);  // vectorized (libmvec) under -ffast-math
+      total += s[j];
+    }
+    m[g] = top;
+    l[g] = total;
+    float* ag = a + g * d;
+    if (rescale != 1.f) {
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) ag[i] *= rescale;
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vr = v + j * v_stride;
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * kBlock + j];
+      float* ag = a + g * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) ag[i] += p * vr[i];
+    }
+  }
+}
+
 // q (kv_heads, group, d) contiguous; k, v (kv_heads, S, d) with contiguous rows -> (kv_heads,
 // group, d). All float32.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
@@ -56,42 +102,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
         const int64_t n = std::min(kBlock, last - b0);
         for (int64_t j = 0; j < n; ++j) {
           const float* kr = kp + h * ks + (b0 + j) * d;
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = qh + g * d;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < d; ++i) dot += qg[i] * kr[i];
-            scores[g * kBlock + j] = dot * sc;
-          }
+          for (int64_t g = 0; g < group; ++g) scores[g * kBlock + j] = dot(qh + g * d, kr, d) * sc;
         }
-        for (int64_t g = 0; g < group; ++g) {
-          float* s = scores.data() + g * kBlock;
-          float top = m[g];
-          for (int64_t j = 0; j < n; ++j) top = std::max(top, s[j]);
-          const float rescale = std::exp(m[g] - top);
-          float total = l[g] * rescale;
-#pragma omp simd reduction(+ : total)
-          for (int64_t j = 0; j < n; ++j) {
-            s[j] = std::exp(s[j] - top);  // vectorized (libmvec) under -ffast-math
-            total += s[j];
-          }
-          m[g] = top;
-          l[g] = total;
-          float* ag = a + g * d;
-          if (rescale != 1.f) {
-#pragma omp simd
-            for (int64_t i = 0; i < d; ++i) ag[i] *= rescale;
-          }
-        }
-        for (int64_t j = 0; j < n; ++j) {
-          const float* vr = vp + h * vs + (b0 + j) * d;
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * kBlock + j];
-            float* ag = a + g * d;
-#pragma omp simd
-            for (int64_t i = 0; i < d; ++i) ag[i] += p * vr[i];
-          }
-        }
+        fold_block(scores.data(), n, group, d, m, l, a, vp + h * vs + b0 * d, d);
       }
     }
   });
@@ -118,8 +131,75 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   return out;
 }
 
+// One decode token over several pieces of keys under one softmax (a memory frame's step:
+// engine/memory/step_cache.py): queries[i] (kv_heads, nq, group, d) contiguous, keys[i] and
+// values[i] (kv_heads, n, d) with contiguous rows, key j of piece i scored by its query
+// j / (n / nq) (nq > 1: one query per block of keys); masks[i] (kv_heads, n) bool, or empty
+// for none (a False key is left out). -> (kv_heads, group, d). All float32.
+torch::Tensor attend_pieces(std::vector<torch::Tensor> queries, std::vector<torch::Tensor> keys,
+                            std::vector<torch::Tensor> values, std::vector<torch::Tensor> masks,
+                            double scale) {
+  const size_t pieces = queries.size();
+  TORCH_CHECK(pieces > 0 && keys.size() == pieces && values.size() == pieces &&
+                  masks.size() == pieces,
+              "attend_pieces: as many queries, keys, values and masks");
+  const int64_t heads = queries[0].size(0), group = queries[0].size(2), d = queries[0].size(3);
+  for (size_t i = 0; i < pieces; ++i) {
+    const auto &q = queries[i], &k = keys[i], &v = values[i], &mask = masks[i];
+    TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                    v.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 4,
+                "attend_pieces: float32, queries (kv_heads, nq, group, d) contiguous");
+    TORCH_CHECK(q.size(0) == heads && q.size(2) == group && q.size(3) == d && k.dim() == 3 &&
+                    k.size(0) == heads && k.size(2) == d && v.sizes() == k.sizes() &&
+                    k.size(1) % q.size(1) == 0,
+                "attend_pieces: shapes do not match");
+    TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "attend_pieces: k/v rows contiguous");
+    TORCH_CHECK(mask.numel() == 0 || (mask.scalar_type() == at::kBool && mask.is_contiguous() &&
+                                      mask.size(0) == heads && mask.size(1) == k.size(1)),
+                "attend_pieces: masks (kv_heads, n) bool");
+  }
+  auto out = torch::empty({heads, group, d}, queries[0].options());
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * kBlock), m(group), l(group), a(group * d);
+    for (int64_t h = begin; h < end; ++h) {
+      std::fill(m.begin(), m.end(), -FLT_MAX);
+      std::fill(l.begin(), l.end(), 0.f);
+      std::fill(a.begin(), a.end(), 0.f);
+      for (size_t i = 0; i < pieces; ++i) {
+        const auto &q = queries[i], &k = keys[i], &v = values[i], &mask = masks[i];
+        const int64_t n = k.size(1), nq = q.size(1), per = n / nq;
+        const float* qp = q.data_ptr<float>() + h * nq * group * d;
+        const float* kp = k.data_ptr<float>() + h * k.stride(0);
+        const float* vp = v.data_ptr<float>() + h * v.stride(0);
+        const bool* ok = mask.numel() ? mask.data_ptr<bool>() + h * n : nullptr;
+        for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
+          const int64_t count = std::min(kBlock, n - b0);
+          for (int64_t j = 0; j < count; ++j) {
+            const float* kr = kp + (b0 + j) * k.stride(1);
+            const float* qj = qp + ((b0 + j) / per) * group * d;
+            for (int64_t g = 0; g < group; ++g) {
+              scores[g * kBlock + j] =
+                  (ok && !ok[b0 + j]) ? -FLT_MAX : dot(qj + g * d, kr, d) * sc;
+            }
+          }
+          fold_block(scores.data(), count, group, d, m.data(), l.data(), a.data(),
+                     vp + b0 * v.stride(1), v.stride(1));
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* o = op + (h * group + g) * d;
+        for (int64_t i = 0; i < d; ++i) o[i] = a[g * d + i] / l[g];
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one decode token's attention (float32, CPU)");
+  m.def("attend_pieces", &attend_pieces, "one decode token over pieces of keys (float32, CPU)");
 }

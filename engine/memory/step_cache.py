@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.cpu_attention import attend_pieces
+from engine.cpu_attention import load_kernel as _kernel
 from engine.memory.buffers import GrowingBuffer
 from engine.memory.prior import merge_rows
 from engine.memory.rotary import Angles
@@ -149,6 +151,14 @@ class StepCache:
         q_window = q_window.reshape(kvh, group, d)
         pieces_k = [*prefix_k, window, key[0]]
         pieces_v = [*prefix_v, store.local_v, value[0]]
+        if query.device.type == "cpu" and query.dtype == torch.float32 and _kernel() is not None:
+            queries = [q_frame[:, None]] * len(prefix_k) + [q_window[:, None], q_frame[:, None]]
+            if blocks_at is not None:  # the retrieved blocks: the query rotated per block
+                queries[1] = self._block_queries(frame, q_pre, prefix_k[1], blocks_at, kvh, group)
+            masks: list[torch.Tensor | None] = [None] * len(pieces_k)
+            masks[1] = retrieved_ok if len(prefix_k) > 1 else None
+            out = attend_pieces(queries, pieces_k, pieces_v, masks, scaling)
+            return out.reshape(1, 1, kvh * group, d)
         logits = [
             q @ k.transpose(1, 2)
             for q, k in zip([q_frame] * len(prefix_k) + [q_window, q_frame], pieces_k, strict=True)
@@ -164,6 +174,24 @@ class StepCache:
         assert isinstance(out, torch.Tensor)
         return out.reshape(1, 1, kvh * group, d)
 
+    def _block_queries(
+        self,
+        frame: FrameState,
+        q_pre: torch.Tensor,
+        keys: torch.Tensor,
+        first: int,
+        kvh: int,
+        group: int,
+    ) -> torch.Tensor:
+        """The query (H, 1, d) pre-rotary, rotated once per block of the block-local keys
+        (kv_heads, R, d), block j at slots first + j * block: (kv_heads, R/block, group, d)."""
+        block, d = frame.config.block, keys.shape[-1]
+        nb = keys.shape[1] // block
+        assert frame._positions is not None
+        distance = frame._positions - first - block * torch.arange(nb, device=keys.device)
+        q = q_pre.reshape(kvh, 1, group, d)  # one rotation per block: (kvh, nb, group, d)
+        return frame.rotary.rotate(q, distance[:, None])
+
     def _block_logits(
         self,
         frame: FrameState,
@@ -177,10 +205,7 @@ class StepCache:
         at slots first + j * block: (kv_heads, group, R)."""
         block, d = frame.config.block, keys.shape[-1]
         nb = keys.shape[1] // block
-        assert frame._positions is not None
-        distance = frame._positions - first - block * torch.arange(nb, device=keys.device)
-        q = q_pre.reshape(kvh, 1, group, d)  # one rotation per block: (kvh, nb, group, d)
-        q_blocks = frame.rotary.rotate(q, distance[:, None])
+        q_blocks = self._block_queries(frame, q_pre, keys, first, kvh, group)
         logits = q_blocks @ keys.view(kvh, nb, block, d).transpose(-1, -2)  # (kvh, nb, g, block)
         return logits.permute(0, 2, 1, 3).reshape(kvh, group, nb * block)
 

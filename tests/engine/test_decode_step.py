@@ -188,3 +188,36 @@ def test_decode_agreement_bench_finds_the_lean_step_equal_in_fp32(tiny_model_dir
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["steps"] == 8 and row["prompts"] == 2
     assert row["lean_vs_transformers"] == 1.0 and row["vs_fp32"] == 1.0
+
+
+@pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler or ninja to build the kernel")
+def test_the_pieces_kernel_is_one_softmax_over_the_concatenated_keys():
+    from engine.cpu_attention import attend_pieces
+
+    torch.manual_seed(0)
+    kvh, group, d, block = 2, 3, 64, 16
+    sizes = [5, 4 * block, 70, 1]  # sinks, retrieved blocks, window, the token itself
+    keys = [torch.randn(kvh, n, d) for n in sizes]
+    values = [torch.randn(kvh, n, d) for n in sizes]
+    keys[2] = torch.randn(kvh, 100, d)[:, 30:]  # a strided view, as a window buffer's
+    q = torch.randn(kvh, 1, group, d)
+    q_blocks = torch.randn(kvh, 4, group, d)  # one query per retrieved block
+    ok = torch.ones(kvh, 4 * block, dtype=torch.bool)
+    ok[0, -block:] = False  # head 0's last block is padding
+    ok[1, :block] = False
+    queries = [q, q_blocks, q, q]
+    got = attend_pieces(queries, keys, values, [None, ok, None, None], 0.125)
+    logits = [
+        torch.einsum("hgd,hnd->hgn", q[:, 0], keys[0]),
+        torch.einsum("hbgd,hbnd->hgbn", q_blocks, keys[1].view(kvh, 4, block, d)).flatten(2),
+        torch.einsum("hgd,hnd->hgn", q[:, 0], keys[2]),
+        torch.einsum("hgd,hnd->hgn", q[:, 0], keys[3]),
+    ]
+    logits[1] = logits[1].masked_fill(~ok[:, None], float("-inf"))
+    weights = (torch.cat(logits, -1) * 0.125).softmax(-1)
+    want = weights @ torch.cat(values, 1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # a piece whose keys are all left out adds nothing
+    none = torch.zeros(kvh, 4 * block, dtype=torch.bool)
+    alone = attend_pieces([q, q_blocks], keys[:2], values[:2], [None, none], 0.125)
+    torch.testing.assert_close(alone, attend_pieces([q], keys[:1], values[:1], [None], 0.125))
