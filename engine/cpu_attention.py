@@ -29,6 +29,7 @@ _tried = False
 # Vector extensions by torch's own CPU capability, never -march=native: a build cached in an
 # image must run on any machine that reports the same capability.
 _ARCH = {"AVX2": ["-march=x86-64-v3"], "AVX512": ["-march=x86-64-v4"]}
+_NO_ROWS = torch.empty(0, dtype=torch.long)
 MIN_CHUNK = 256  # keys per task below which splitting costs more than it spreads
 
 
@@ -61,10 +62,13 @@ def attend_pieces(
     values: list[torch.Tensor],
     masks: list[torch.Tensor | None],
     scale: float,
+    rows: list[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """One decode token over pieces of keys under one softmax: queries[i] (kv_heads, nq,
     group, d), one query per n/nq keys of keys[i]/values[i] (kv_heads, n, d); masks[i]
-    (kv_heads, n) bool or None. -> (kv_heads, group, d)."""
+    (kv_heads, n) bool or None. rows[i] (kv_heads, n) int64, if given: piece i's keys and values
+    are read in place, rows[i][h] of keys[i][h] (a memory buffer, no gathered copy).
+    -> (kv_heads, group, d)."""
     kernel = load_kernel()
     assert kernel is not None, "attend_pieces without a kernel: check load_kernel() first"
     empty = torch.empty(0, dtype=torch.bool)
@@ -73,6 +77,7 @@ def attend_pieces(
         keys,
         values,
         [empty if m is None else m.contiguous() for m in masks],
+        [_NO_ROWS if r is None else r.contiguous() for r in rows or [None] * len(queries)],
         scale,
     )
 

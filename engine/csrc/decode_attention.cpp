@@ -24,9 +24,9 @@ float dot(const float* a, const float* b, int64_t d) {
 
 // Fold one block of n keys into a running softmax: scores[g * kBlock + j] (scaled) for each of
 // the group's queries, the running max m and sum l per query, the accumulator a (group, d), and
-// the block's value rows at v, v + v_stride, ...
+// the block's value rows at v, v + v_stride, ... (or, given at, at v + at[j] * v_stride)
 void fold_block(float* scores, int64_t n, int64_t group, int64_t d, float* m, float* l, float* a,
-                const float* v, int64_t v_stride) {
+                const float* v, int64_t v_stride, const int64_t* at = nullptr) {
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * kBlock;
     float top = m[g];
@@ -51,7 +51,7 @@ void fold_block(float* scores, int64_t n, int64_t group, int64_t d, float* m, fl
     }
   }
   for (int64_t j = 0; j < n; ++j) {
-    const float* vr = v + j * v_stride;
+    const float* vr = v + (at ? at[j] : j) * v_stride;
     for (int64_t g = 0; g < group; ++g) {
       const float p = scores[g * kBlock + j];
       float* ag = a + g * d;
@@ -138,24 +138,33 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 // for none (a False key is left out). -> (kv_heads, group, d). All float32.
 torch::Tensor attend_pieces(std::vector<torch::Tensor> queries, std::vector<torch::Tensor> keys,
                             std::vector<torch::Tensor> values, std::vector<torch::Tensor> masks,
-                            double scale) {
+                            std::vector<torch::Tensor> rows, double scale) {
   const size_t pieces = queries.size();
   TORCH_CHECK(pieces > 0 && keys.size() == pieces && values.size() == pieces &&
-                  masks.size() == pieces,
-              "attend_pieces: as many queries, keys, values and masks");
+                  masks.size() == pieces && rows.size() == pieces,
+              "attend_pieces: as many queries, keys, values, masks and rows");
   const int64_t heads = queries[0].size(0), group = queries[0].size(2), d = queries[0].size(3);
+  std::vector<int64_t> lengths(pieces);
   for (size_t i = 0; i < pieces; ++i) {
-    const auto &q = queries[i], &k = keys[i], &v = values[i], &mask = masks[i];
+    const auto &q = queries[i], &k = keys[i], &v = values[i], &mask = masks[i], &row = rows[i];
     TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
                     v.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 4,
                 "attend_pieces: float32, queries (kv_heads, nq, group, d) contiguous");
+    TORCH_CHECK(row.numel() == 0 || (row.scalar_type() == at::kLong && row.is_contiguous() &&
+                                     row.dim() == 2 && row.size(0) == heads),
+                "attend_pieces: rows (kv_heads, n) int64");
+    if (row.numel()) {  // the keys are read in place: every row index within k
+      TORCH_CHECK(row.min().item<int64_t>() >= 0 && row.max().item<int64_t>() < k.size(1),
+                  "attend_pieces: a row index outside the keys");
+    }
+    lengths[i] = row.numel() ? row.size(1) : k.size(1);
     TORCH_CHECK(q.size(0) == heads && q.size(2) == group && q.size(3) == d && k.dim() == 3 &&
                     k.size(0) == heads && k.size(2) == d && v.sizes() == k.sizes() &&
-                    k.size(1) % q.size(1) == 0,
+                    lengths[i] % q.size(1) == 0,
                 "attend_pieces: shapes do not match");
     TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "attend_pieces: k/v rows contiguous");
     TORCH_CHECK(mask.numel() == 0 || (mask.scalar_type() == at::kBool && mask.is_contiguous() &&
-                                      mask.size(0) == heads && mask.size(1) == k.size(1)),
+                                      mask.size(0) == heads && mask.size(1) == lengths[i]),
                 "attend_pieces: masks (kv_heads, n) bool");
   }
   auto out = torch::empty({heads, group, d}, queries[0].options());
@@ -169,15 +178,16 @@ torch::Tensor attend_pieces(std::vector<torch::Tensor> queries, std::vector<torc
       std::fill(a.begin(), a.end(), 0.f);
       for (size_t i = 0; i < pieces; ++i) {
         const auto &q = queries[i], &k = keys[i], &v = values[i], &mask = masks[i];
-        const int64_t n = k.size(1), nq = q.size(1), per = n / nq;
+        const int64_t n = lengths[i], nq = q.size(1), per = n / nq;
         const float* qp = q.data_ptr<float>() + h * nq * group * d;
         const float* kp = k.data_ptr<float>() + h * k.stride(0);
         const float* vp = v.data_ptr<float>() + h * v.stride(0);
         const bool* ok = mask.numel() ? mask.data_ptr<bool>() + h * n : nullptr;
+        const int64_t* at = rows[i].numel() ? rows[i].data_ptr<int64_t>() + h * n : nullptr;
         for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
           const int64_t count = std::min(kBlock, n - b0);
           for (int64_t j = 0; j < count; ++j) {
-            const float* kr = kp + (b0 + j) * k.stride(1);
+            const float* kr = kp + (at ? at[b0 + j] : b0 + j) * k.stride(1);
             const float* qj = qp + ((b0 + j) / per) * group * d;
             for (int64_t g = 0; g < group; ++g) {
               scores[g * kBlock + j] =
@@ -185,7 +195,7 @@ torch::Tensor attend_pieces(std::vector<torch::Tensor> queries, std::vector<torc
             }
           }
           fold_block(scores.data(), count, group, d, m.data(), l.data(), a.data(),
-                     vp + b0 * v.stride(1), v.stride(1));
+                     at ? vp : vp + b0 * v.stride(1), v.stride(1), at ? at + b0 : nullptr);
         }
       }
       for (int64_t g = 0; g < group; ++g) {

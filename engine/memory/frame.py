@@ -46,7 +46,7 @@ from engine.memory.config import FrameConfig
 from engine.memory.prior import merge_rows
 from engine.memory.rotary import Angles, RotaryTable
 from engine.memory.selector import Selector
-from engine.memory.step_cache import StepCache
+from engine.memory.step_cache import StepCache, in_place_ok
 
 # Bumped whenever a chunk's keys and values come out differently for the same tokens (the
 # layout of the frame it attends changed): stored encodings of another layout are not reused.
@@ -236,6 +236,7 @@ class FrameState:
         values = [store.sink_v]
         retrieved_ok: torch.Tensor | None = None  # (kv_heads, R) False at padding, if any
         by_block = False
+        retrieved_rows: torch.Tensor | None = None  # (kv_heads, R) memory rows read in place
 
         if self.n_memory and self.config.retrieves(T):  # no selector retrieves otherwise
             start = time.perf_counter()
@@ -255,21 +256,28 @@ class FrameState:
                 keys_values = self.step_cache.retrieved.get(layer) if T == 1 else None
                 if keys_values is None or not torch.equal(keys_values[0], idx):
                     if T == 1 and self.memory_used and self._whole_blocks(idx, ok):
-                        keys_values = (idx, *self._take_blocks(store, idx), True)
+                        if in_place_ok(query, store.mem_k.data):  # the kernel reads the rows
+                            mem_k, mem_v = store.mem_k.view(), store.mem_v.view()
+                            keys_values = (idx, mem_k, mem_v, "in_place")
+                        else:
+                            keys_values = (idx, *self._take_blocks(store, idx), "blocks")
                     else:
-                        keys_values = (idx, *self._take_retrieved(store, idx), False)
+                        keys_values = (idx, *self._take_retrieved(store, idx), "rows")
                     if T == 1:
                         self.step_cache.retrieved[layer] = keys_values
                 keys.append(keys_values[1])
                 values.append(keys_values[2])
-                by_block = keys_values[3]
+                by_block = keys_values[3] != "rows"
+                if keys_values[3] == "in_place":
+                    retrieved_rows = idx.clamp(min=0)
                 if not bool(ok.all()):
                     retrieved_ok = ok
 
         if T == 1 and self.memory_used:
             blocks_at = None  # the retrieved keys are block-local: the first slot of block 0
             if len(keys) > 1 and by_block:
-                blocks_at = self.config.sinks + self.config.retrieval_budget - keys[1].shape[1]
+                retrieved = keys[1].shape[1] if retrieved_rows is None else retrieved_rows.shape[1]
+                blocks_at = self.config.sinks + self.config.retrieval_budget - retrieved
             return self.step_cache.attend(
                 self,
                 layer,
@@ -282,6 +290,7 @@ class FrameState:
                 chunk_angles,
                 scaling,
                 blocks_at,
+                retrieved_rows,
             )
 
         keys.append(self.rotary.rotate(store.local_k, window_angles))

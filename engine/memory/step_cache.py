@@ -40,7 +40,9 @@ class StepCache:
         # retrieves the same rows (segments: most steps of most layers); dropped by any longer
         # forward, a FIFO drop (rows shift) and a move
         # (and whether those keys are block-local: rotated per block at attention)
-        self.retrieved: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]] = {}
+        # layout: "rows" gathered, "blocks" gathered whole blocks (block-local keys), "in_place"
+        # whole blocks the CPU kernel reads from the memory buffers (the whole buffers' views)
+        self.retrieved: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]] = {}
         # per layer, the last step's union of the strategy's rows and the text prior's pinned
         # rows: (strategy rows, pinned, union), reused while both are the same
         self.merged: dict[int, tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]] = {}
@@ -115,7 +117,8 @@ class StepCache:
     def nbytes(self) -> int:
         return sum(b.nbytes() for b in self.window or ()) + sum(
             k.numel() * k.element_size() + v.numel() * v.element_size()
-            for _, k, v, _ in self.retrieved.values()
+            for _, k, v, layout in self.retrieved.values()
+            if layout != "in_place"  # the memory's own buffers
         )
 
     def attend(
@@ -131,6 +134,7 @@ class StepCache:
         chunk_angles: Angles,
         scaling: float,
         blocks_at: int | None = None,
+        retrieved_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of one token once memory is in use: the sinks and retrieved keys
         (prefix_k, rotated at their frame positions) against the query as the model rotated it
@@ -139,7 +143,9 @@ class StepCache:
         all of them, no concatenated frame (see the module docstring). blocks_at: the retrieved
         keys (prefix_k[1]) are whole blocks as stored, each rotated by its offset in its block,
         block j at frame slots blocks_at + j * block onwards; the query is rotated once per
-        block to their distance instead (rotary logits depend only on the distance)."""
+        block to their distance instead (rotary logits depend only on the distance).
+        retrieved_rows: prefix_k[1] and prefix_v[1] are the memory's whole buffers, the
+        retrieved keys their rows retrieved_rows (kv_heads, R), read in place by the kernel."""
         assert self.angles is not None and self.window is not None, "begin() builds them"
         store = frame.layers[layer]
         kvh, d = key.shape[1], key.shape[-1]
@@ -151,14 +157,19 @@ class StepCache:
         q_window = q_window.reshape(kvh, group, d)
         pieces_k = [*prefix_k, window, key[0]]
         pieces_v = [*prefix_v, store.local_v, value[0]]
-        if query.device.type == "cpu" and query.dtype == torch.float32 and _kernel() is not None:
+        if in_place_ok(query, query):
             queries = [q_frame[:, None]] * len(prefix_k) + [q_window[:, None], q_frame[:, None]]
+            rows: list[torch.Tensor | None] = [None] * len(pieces_k)
+            if retrieved_rows is not None:
+                rows[1] = retrieved_rows
             if blocks_at is not None:  # the retrieved blocks: the query rotated per block
-                queries[1] = self._block_queries(frame, q_pre, prefix_k[1], blocks_at, kvh, group)
+                n = prefix_k[1].shape[1] if retrieved_rows is None else retrieved_rows.shape[1]
+                queries[1] = self._block_queries(frame, q_pre, n, blocks_at, kvh, group)
             masks: list[torch.Tensor | None] = [None] * len(pieces_k)
             masks[1] = retrieved_ok if len(prefix_k) > 1 else None
-            out = attend_pieces(queries, pieces_k, pieces_v, masks, scaling)
+            out = attend_pieces(queries, pieces_k, pieces_v, masks, scaling, rows)
             return out.reshape(1, 1, kvh * group, d)
+        assert retrieved_rows is None, "memory rows read in place need the CPU kernel"
         logits = [
             q @ k.transpose(1, 2)
             for q, k in zip([q_frame] * len(prefix_k) + [q_window, q_frame], pieces_k, strict=True)
@@ -175,20 +186,14 @@ class StepCache:
         return out.reshape(1, 1, kvh * group, d)
 
     def _block_queries(
-        self,
-        frame: FrameState,
-        q_pre: torch.Tensor,
-        keys: torch.Tensor,
-        first: int,
-        kvh: int,
-        group: int,
+        self, frame: FrameState, q_pre: torch.Tensor, n: int, first: int, kvh: int, group: int
     ) -> torch.Tensor:
-        """The query (H, 1, d) pre-rotary, rotated once per block of the block-local keys
-        (kv_heads, R, d), block j at slots first + j * block: (kv_heads, R/block, group, d)."""
-        block, d = frame.config.block, keys.shape[-1]
-        nb = keys.shape[1] // block
+        """The query (H, 1, d) pre-rotary, rotated once per block of n block-local keys, block
+        j at slots first + j * block: (kv_heads, n/block, group, d)."""
+        block, d = frame.config.block, q_pre.shape[-1]
+        nb = n // block
         assert frame._positions is not None
-        distance = frame._positions - first - block * torch.arange(nb, device=keys.device)
+        distance = frame._positions - first - block * torch.arange(nb, device=q_pre.device)
         q = q_pre.reshape(kvh, 1, group, d)  # one rotation per block: (kvh, nb, group, d)
         return frame.rotary.rotate(q, distance[:, None])
 
@@ -205,9 +210,16 @@ class StepCache:
         at slots first + j * block: (kv_heads, group, R)."""
         block, d = frame.config.block, keys.shape[-1]
         nb = keys.shape[1] // block
-        q_blocks = self._block_queries(frame, q_pre, keys, first, kvh, group)
+        q_blocks = self._block_queries(frame, q_pre, keys.shape[1], first, kvh, group)
         logits = q_blocks @ keys.view(kvh, nb, block, d).transpose(-1, -2)  # (kvh, nb, g, block)
         return logits.permute(0, 2, 1, 3).reshape(kvh, group, nb * block)
+
+
+def in_place_ok(query: torch.Tensor, memory: torch.Tensor) -> bool:
+    """Whether a decode step's attention runs in the CPU kernel (attend_pieces): a float32
+    query on the CPU, the memory on the CPU too, the kernel built."""
+    on_cpu = query.device.type == "cpu" and memory.device.type == "cpu"
+    return on_cpu and query.dtype == torch.float32 and _kernel() is not None
 
 
 def _same_rows(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

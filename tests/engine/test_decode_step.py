@@ -221,3 +221,28 @@ def test_the_pieces_kernel_is_one_softmax_over_the_concatenated_keys():
     none = torch.zeros(kvh, 4 * block, dtype=torch.bool)
     alone = attend_pieces([q, q_blocks], keys[:2], values[:2], [None, none], 0.125)
     torch.testing.assert_close(alone, attend_pieces([q], keys[:1], values[:1], [None], 0.125))
+
+
+@pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler or ninja to build the kernel")
+def test_the_pieces_kernel_reads_memory_rows_in_place():
+    from engine.cpu_attention import attend_pieces
+
+    torch.manual_seed(1)
+    kvh, group, d = 2, 3, 64
+    memory_k, memory_v = torch.randn(kvh, 500, d), torch.randn(kvh, 500, d)
+    rows = torch.randint(0, 500, (kvh, 96))
+    gathered = [torch.stack([m[h, rows[h]] for h in range(kvh)]) for m in (memory_k, memory_v)]
+    q, q_blocks = torch.randn(kvh, 1, group, d), torch.randn(kvh, 6, group, d)
+    sinks_k, sinks_v = torch.randn(kvh, 4, d), torch.randn(kvh, 4, d)
+    want = attend_pieces(
+        [q, q_blocks], [sinks_k, gathered[0]], [sinks_v, gathered[1]], [None, None], 0.125
+    )
+    got = attend_pieces(
+        [q, q_blocks], [sinks_k, memory_k], [sinks_v, memory_v], [None, None], 0.125,
+        [None, rows],
+    )  # fmt: skip
+    torch.testing.assert_close(got, want)
+    with pytest.raises(RuntimeError, match="outside"):
+        bad = rows.clone()
+        bad[0, 0] = 500
+        attend_pieces([q_blocks], [memory_k], [memory_v], [None], 0.125, [bad])

@@ -259,12 +259,13 @@ def test_bad_specs_are_invalid_requests(strategy, params, param):
 
 
 def _dense_step(
-    frame, layer, query, key, value, prefix_k, prefix_v, retrieved_ok, _, scaling, blocks_at
-):
+    frame, layer, query, key, value, prefix_k, prefix_v, retrieved_ok, _, scaling, blocks_at,
+    retrieved_rows=None,
+):  # fmt: skip
     """The frame a decode step attended before StepCache.attend: every key rotated at its
     frame position (never block-local: _whole_blocks is off), one concatenated frame, one SDPA
     call."""
-    assert blocks_at is None
+    assert blocks_at is None and retrieved_rows is None
     store = frame.layers[layer]
     window = frame.rotary.rotate(store.local_k, frame._local_positions())
     keys = torch.cat((*prefix_k, window, key[0]), dim=1)[None]
@@ -328,7 +329,7 @@ def test_a_decode_step_attends_what_the_whole_frame_would(monkeypatch, case):
     if case.startswith("segments"):  # most steps retrieve what the previous one did
         assert taken[0] < 130 * 2, f"{taken[0]} takes in 130 steps of 2 layers"
         # whole blocks: the steps attended block-local keys with a query rotated per block
-        assert all(kept[3] for kept in memory._frame.step_cache.retrieved.values())
+        assert all(kept[3] != "rows" for kept in memory._frame.step_cache.retrieved.values())
     if case == "segments-fifo":
         assert memory._frame.n_memory <= 48 < memory._frame.num_tokens - 8 - 32
 
