@@ -1,14 +1,16 @@
-"""The CPU decode-attention kernel (engine/csrc/decode_attention.cpp), built on first use.
+"""The CPU decode-attention kernels (engine/csrc/decode_attention.cpp), built on first use.
 
-`decode_attention(query, keys, values, scale)` attends one decode token of every head to a KV
-cache: query (kv_heads, group, d), keys/values (kv_heads, S, d) views with contiguous rows (a
-KVCache's), float32. It splits the keys into chunks across torch's intra-op threads and merges
-the chunks by log-sum-exp. torch's SDPA on this shape reads the cache at about a quarter of the
-memory bandwidth (docs/decisions/037-lean-decode-step.md).
+- `decode_attention(query, keys, values, scale)` attends one decode token of every head to a
+  KV cache: query (kv_heads, group, d), keys/values (kv_heads, S, d) views with contiguous rows
+  (a KVCache's), float32. It splits the keys into chunks across torch's intra-op threads and
+  merges the chunks by log-sum-exp. torch's SDPA on this shape reads the cache at about a
+  quarter of the memory bandwidth (docs/decisions/037-lean-decode-step.md).
+- `attend_pieces(...)`: one decode token of a memory frame over the step cache's pieces under
+  one softmax (engine/memory/step_cache.py), memory rows read in place by index.
 
-The kernel is compiled with torch's C++ extension builder (ninja and a C++ compiler) into
-torch's extension cache (TORCH_EXTENSIONS_DIR), once per CPU capability. `load_kernel()` returns None, with a warning, where
-that is impossible; callers then use SDPA.
+They are compiled with torch's C++ extension builder (ninja and a C++ compiler) into torch's
+extension cache (TORCH_EXTENSIONS_DIR), once per CPU capability. `load_kernel()` returns None,
+with a warning, where that is impossible; callers then use torch's own ops.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-// One decode token's attention over a KV cache on the CPU, split along the keys
+// decode_attention: one decode token's attention over a KV cache on the CPU, split along the keys
 // (flash-decoding): every (kv head, key chunk) task streams its keys and values once, with an
 // online softmax for all the queries that share the kv head, and the partial results are merged
 // by their log-sum-exp. torch's SDPA handles this shape (1-16 query rows) far below the memory
