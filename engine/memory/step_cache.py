@@ -38,9 +38,7 @@ class StepCache:
         self.base = 0
         # per layer, the last step's retrieval (idx, rotated keys, values), reused while a step
         # retrieves the same rows (segments: most steps of most layers); dropped by any longer
-        # forward, a FIFO drop (rows shift) and a move
-        # (and whether those keys are block-local: rotated per block at attention)
-        # layout: "rows" gathered, "blocks" gathered whole blocks (block-local keys), "in_place"
+        # forward, a FIFO drop (rows shift) and a move; layout: "rows" gathered, "blocks" gathered whole blocks (block-local keys), "in_place"
         # whole blocks the CPU kernel reads from the memory buffers (the whole buffers' views)
         self.retrieved: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]] = {}
         # per layer, the last step's union of the strategy's rows and the text prior's pinned
