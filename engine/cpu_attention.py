@@ -58,6 +58,14 @@ def load_kernel() -> Any | None:
         return _kernel
 
 
+def kernel_ready(query: torch.Tensor) -> bool:
+    """Whether the kernels take this query's attention: float32 on the CPU, the kernels built
+    (building them on the first call)."""
+    if query.device.type != "cpu" or query.dtype != torch.float32:
+        return False
+    return (_kernel if _tried else load_kernel()) is not None  # no lock once tried
+
+
 def attend_pieces(
     queries: list[torch.Tensor],
     keys: list[torch.Tensor],

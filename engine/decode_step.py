@@ -10,9 +10,9 @@ own weights (docs/decisions/037-lean-decode-step.md):
                 position) -> each row attends -> o linear -> residual -> rms_norm
                 -> one gate|up linear -> silu * up -> down linear -> residual
 
-A plain row writes its KVCache and attends to it with engine/cpu_attention.py's split-key kernel
-on a float32 CPU model (SDPA where it cannot be built, and on other devices); a memory row gets
-the same query, key and value transformers' forward would hand it, and attends to its frame.
+Every row gets the same query, key and value transformers' forward would hand it and attends
+through its own DecodeRow: a plain row to its KVCache (engine/cpu_attention.py's split-key
+kernel on a float32 CPU model, engine/kv_cache.py), a memory row to its frame.
 
 The fused linears share their weights with the model's (the model's projections become views of
 the fused rows), so nothing is kept twice. Prefill, reading and every model that is not a plain
@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import KV_KWARG
-from engine.cpu_attention import decode_attention, load_kernel
-from engine.rows import DecodeRow, KVRow, RowBatch
+from engine.cpu_attention import kernel_ready
+from engine.rows import DecodeRow, RowBatch
 from engine.weights import SMALL_M, fuse_linears, small_matmul
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]
@@ -56,7 +56,8 @@ def unsupported(model: Any) -> str | None:
 
 
 class LeanDecoder:
-    """One decode token for B plain-KV rows of a LlamaForCausalLM (`unsupported` is None)."""
+    """One decode token for B decode rows (engine/rows.py) of a LlamaForCausalLM (`unsupported`
+    is None)."""
 
     def __init__(self, model: Any) -> None:
         cfg, inner = model.config, model.model
@@ -89,8 +90,7 @@ class LeanDecoder:
         self._small_head = small_matmul(self.head)
         self.scaling = float(inner.layers[0].self_attn.scaling)
         self._cos = self._sin = torch.empty(0)  # (positions, head_dim), grown on demand
-        on_cpu = self.norm.device.type == "cpu" and self.norm.dtype == torch.float32
-        self._kernel = on_cpu and load_kernel() is not None  # else SDPA
+        kernel_ready(self.norm)  # build the attention kernel at load, not at the first token
 
     def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin rows (B, 1, head_dim) for positions (B,): x*cos + roll(x)*sin
@@ -103,16 +103,6 @@ class LeanDecoder:
             half = self.head_dim // 2
             self._cos, self._sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1)
         return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
-
-    def _attend(
-        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-    ) -> torch.Tensor:
-        """query (kv_heads, group, d) over keys/values (kv_heads, S, d) -> (kv_heads, group, d)."""
-        if self._kernel:
-            return decode_attention(query, keys, values, self.scaling)
-        return F.scaled_dot_product_attention(
-            query[None], keys[None], values[None], scale=self.scaling
-        )[0]
 
     def _layer_hooks(
         self, layer: int, x_in: torch.Tensor, x: torch.Tensor, batch: RowBatch
@@ -151,7 +141,6 @@ class LeanDecoder:
 
     def _forward(self, batch: RowBatch, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
-        group = heads // kv_heads
         rows = ids.shape[0]
         cos, sin = self._rotation(positions)
         x = self.embed(ids)  # (B, hidden)
@@ -159,24 +148,18 @@ class LeanDecoder:
         for layer, (w_in, qkv, o_proj, w_post, gate_up, down) in enumerate(
             self.small if small else self.layers
         ):
+            x_in = x  # the layer's input, for its forward hooks
             qkv_out = qkv(self._rms(x, w_in)).float().view(rows, heads + 2 * kv_heads, d)
             qk = qkv_out[:, : heads + kv_heads]
             qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)  # (B, heads + kv_heads, d)
             value = qkv_out[:, heads + kv_heads :]
             out = []
-            for b, row in enumerate(batch.rows):
-                if type(row) is KVRow:
-                    keys, values = row.cache.write(layer, qk[b, heads:, None], value[b, :, None])
-                    query = qk[b, :heads].view(kv_heads, group, d)  # a kv head's queries as rows
-                    out.append(self._attend(query, keys, values).view(1, heads * d))
-                else:  # a memory row attends to its own frame, as in transformers' forward
-                    q, k, v = (
-                        t.view(1, -1, 1, d) for t in (qk[b, :heads], qk[b, heads:], value[b])
-                    )
-                    out.append(row.attend(layer, q, k, v, self.scaling).reshape(1, heads * d))
+            for b, row in enumerate(batch.rows):  # each row attends to its cache or frame
+                q, k, v = (t.view(1, -1, 1, d) for t in (qk[b, :heads], qk[b, heads:], value[b]))
+                out.append(row.attend(layer, q, k, v, self.scaling).reshape(1, heads * d))
             x = x + o_proj(out[0] if rows == 1 else torch.cat(out))
             gate, up = gate_up(self._rms(x, w_post)).chunk(2, -1)
-            x_in, x = x, x + down(F.silu(gate) * up)
+            x = x + down(F.silu(gate) * up)
             if self._modules[layer]._forward_hooks:  # Neurocache reads layer r's output
                 x = self._layer_hooks(layer, x_in, x, batch)
         head = self._small_head if small else self.head

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from engine.cpu_attention import decode_attention, kernel_ready
+
 _MIN_CAPACITY = 64
 
 
@@ -147,8 +149,13 @@ def attend_cache(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
 ) -> torch.Tensor:
     """query (1, H, T, d) over keys/values (1, kv_heads, S, d), the last T keys being the
-    query's own tokens (causal among them) -> (1, H, T, d)."""
+    query's own tokens (causal among them) -> (1, H, T, d). One token on a float32 CPU
+    model: engine/cpu_attention.py's split-key kernel (SDPA reads this shape slowly)."""
     num_new, num_keys = query.shape[2], keys.shape[2]
+    if num_new == 1 and kernel_ready(query):
+        heads, kv_heads, d = query.shape[1], keys.shape[1], query.shape[-1]
+        grouped = query.reshape(kv_heads, heads // kv_heads, d)  # a kv head's queries as rows
+        return decode_attention(grouped, keys[0], values[0], scaling).view(1, heads, 1, d)
     mask = None
     if num_new > 1:
         past = num_keys - num_new

@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.cpu_attention import attend_pieces
-from engine.cpu_attention import load_kernel as _kernel
+from engine.cpu_attention import attend_pieces, kernel_ready
 from engine.memory.buffers import GrowingBuffer
 from engine.memory.prior import merge_rows
 from engine.memory.rotary import Angles
@@ -155,7 +154,7 @@ class StepCache:
         q_window = q_window.reshape(kvh, group, d)
         pieces_k = [*prefix_k, window, key[0]]
         pieces_v = [*prefix_v, store.local_v, value[0]]
-        if in_place_ok(query, query):
+        if kernel_ready(query):
             queries = [q_frame[:, None]] * len(prefix_k) + [q_window[:, None], q_frame[:, None]]
             rows: list[torch.Tensor | None] = [None] * len(pieces_k)
             if retrieved_rows is not None:
@@ -214,10 +213,9 @@ class StepCache:
 
 
 def in_place_ok(query: torch.Tensor, memory: torch.Tensor) -> bool:
-    """Whether a decode step's attention runs in the CPU kernel (attend_pieces): a float32
-    query on the CPU, the memory on the CPU too, the kernel built."""
-    on_cpu = query.device.type == "cpu" and memory.device.type == "cpu"
-    return on_cpu and query.dtype == torch.float32 and _kernel() is not None
+    """Whether a decode step reads retrieved memory rows in place (attend_pieces): the kernels
+    take the query, and the memory is on the CPU too."""
+    return memory.device.type == "cpu" and kernel_ready(query)
 
 
 def _same_rows(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
