@@ -62,9 +62,9 @@ COPY bench ./bench
 RUN pip install --no-cache-dir --no-deps . \
  && longserve --help > /dev/null
 
-# The CPU decode-attention kernel (engine/cpu_attention.py), built here from the installed
-# package (`python -P`: not /src) for both x86 vector levels torch may report at run time. The runtime
-# image has no compiler: where neither build matches, the engine uses SDPA instead.
+# The CPU kernels (engine/csrc: decode attention, quantized matmuls), built here from the
+# installed package (`python -P`: not /src) for both x86 vector levels torch may report at run
+# time. The runtime image has no compiler: where neither build matches, torch's ops are used.
 ENV TORCH_EXTENSIONS_DIR=/opt/torch_extensions
 # hadolint ignore=DL3008
 RUN mkdir -p "${TORCH_EXTENSIONS_DIR}" \
@@ -72,7 +72,7 @@ RUN mkdir -p "${TORCH_EXTENSIONS_DIR}" \
       apt-get update -qq \
    && apt-get install -y -qq --no-install-recommends g++ \
    && for cap in avx2 avx512; do \
-        ATEN_CPU_CAPABILITY="${cap}" python -P -c "from engine.cpu_attention import load_kernel; load_kernel()"; \
+        ATEN_CPU_CAPABILITY="${cap}" python -P -c "from engine.cpu_extensions import load_extension as f; f('decode_attention'); f('quant_matmul')"; \
       done \
    && rm -rf /var/lib/apt/lists/*; \
     fi

@@ -8,54 +8,25 @@
 - `attend_pieces(...)`: one decode token of a memory frame over the step cache's pieces under
   one softmax (engine/memory/step_cache.py), memory rows read in place by index.
 
-They are compiled with torch's C++ extension builder (ninja and a C++ compiler) into torch's
-extension cache (TORCH_EXTENSIONS_DIR), once per CPU capability. `load_kernel()` returns None,
-with a warning, where that is impossible; callers then use torch's own ops.
+They are built on first use (engine/cpu_extensions.py); `load_kernel()` returns None where
+that is impossible, and callers then use torch's own ops.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-from pathlib import Path
 from typing import Any
 
 import torch
 
-logger = logging.getLogger(__name__)
+from engine.cpu_extensions import load_extension
 
-_SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
-_lock = threading.Lock()
-_kernel: Any = None
-_tried = False
-# Vector extensions by torch's own CPU capability, never -march=native: a build cached in an
-# image must run on any machine that reports the same capability.
-_ARCH = {"AVX2": ["-march=x86-64-v3"], "AVX512": ["-march=x86-64-v4"]}
 _NO_ROWS = torch.empty(0, dtype=torch.long)
 MIN_CHUNK = 256  # keys per task below which splitting costs more than it spreads
 
 
 def load_kernel() -> Any | None:
     """The compiled extension module, building it on the first call; None if it cannot be."""
-    global _kernel, _tried
-    with _lock:
-        if not _tried:
-            _tried = True
-            try:
-                from torch.utils.cpp_extension import load
-
-                capability = torch.backends.cpu.get_cpu_capability()
-                _kernel = load(
-                    name=f"longserve_decode_attention_{capability.lower()}",
-                    sources=[str(_SOURCE)],
-                    extra_cflags=["-O3", *_ARCH.get(capability, []), "-fopenmp", "-ffast-math"],
-                    extra_ldflags=["-fopenmp"],
-                    verbose=False,
-                )
-            except Exception as exc:  # no compiler or ninja: SDPA does the work instead
-                logger.warning("decode-attention kernel unavailable (%s); using SDPA", exc)
-                _kernel = None
-        return _kernel
+    return load_extension("decode_attention")
 
 
 def kernel_ready(query: torch.Tensor) -> bool:
@@ -63,7 +34,7 @@ def kernel_ready(query: torch.Tensor) -> bool:
     (building them on the first call)."""
     if query.device.type != "cpu" or query.dtype != torch.float32:
         return False
-    return (_kernel if _tried else load_kernel()) is not None  # no lock once tried
+    return load_kernel() is not None
 
 
 def attend_pieces(

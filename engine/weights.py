@@ -11,9 +11,12 @@ slower than fp32 (docs/decisions/033, 036).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from engine.cpu_extensions import load_extension
 
 
 class LowPrecisionLinear(torch.nn.Module):
@@ -35,6 +38,13 @@ class LowPrecisionLinear(torch.nn.Module):
         return f"in={self.in_features}, out={self.out_features}, weight={self.weight.dtype}"
 
 
+def gemm_dtype() -> torch.dtype:
+    """The dtype of the dense weight copies that prefill multiplies: bf16 where the CPU
+    multiplies it natively (AMX, AVX512-BF16), else fp32. Without native bf16, oneDNN emulates
+    it, and a bf16 GEMM ran 4-5x slower than fp32 (an AVX2 EPYC, docs/decisions/038)."""
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
 GROUP = 32  # weights per scale and zero: Q4_1's block, so the embedded GGUF's grid is kept
 SMALL_M = 8  # rows up to which the int4 kernel beats bf16 GEMM here (decode steps, small batches)
 
@@ -54,13 +64,23 @@ def quantize_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     return q.reshape(n, k), torch.stack((scale, zero), -1).transpose(0, 1).contiguous()
 
 
+def quant_kernels() -> Any | None:
+    """engine/csrc/quant_matmul.cpp (int8 activations, integer dot products), or None."""
+    return load_extension("quant_matmul")
+
+
 class Int4Linear(torch.nn.Module):
     """y = x W^T (+ b) with W kept in 4-bit groups (`quantize_groups`). A forward of at most
-    SMALL_M rows multiplies the codes with torch's CPU int4 kernel in bf16; a larger one
-    (prefill) multiplies a bf16 copy of the same dequantized weights with the bf16 GEMM."""
+    SMALL_M rows multiplies the codes: with engine/csrc/quant_matmul.cpp where it is built,
+    else with torch's CPU int4 kernel in bf16. A larger one (prefill) multiplies a copy of the
+    same dequantized weights in `gemm_dtype()`."""
 
-    packed: torch.Tensor  # the codes, in the CPU kernel's layout
-    dense: torch.Tensor  # the dequantized weights (N, K) in bf16
+    packed: torch.Tensor  # the codes, in torch's CPU int4 kernel's layout
+    # the codes (N, K/2) uint8 for quant_matmul: in each block of 32, byte j = q[j] | q[j+16] << 4
+    codes: torch.Tensor
+    block_scales: torch.Tensor  # (N, K/group) fp32: w = q * scale + min
+    block_mins: torch.Tensor
+    dense: torch.Tensor  # the dequantized weights (N, K) in gemm_dtype()
     bias: torch.nn.Parameter | None
 
     def __init__(self, linear: torch.nn.Linear, group: int = GROUP) -> None:
@@ -73,20 +93,23 @@ class Int4Linear(torch.nn.Module):
         self.register_buffer("packed", packed)
         self.scales_and_zeros = torch.nn.Parameter(scales_and_zeros, requires_grad=False)
         sz = scales_and_zeros.float().transpose(0, 1)  # (N, K/group, 2)
+        blocks = q.reshape(self.out_features, -1, 2, group // 2).to(torch.uint8)
+        codes = blocks[:, :, 0] | (blocks[:, :, 1] << 4)  # GROUP = 32: quant_matmul's block
+        self.register_buffer("codes", codes.reshape(self.out_features, -1))
+        self.register_buffer("block_scales", sz[..., 0].contiguous())
+        self.register_buffer("block_mins", (sz[..., 1] - 8 * sz[..., 0]).contiguous())
         codes = q.reshape(self.out_features, -1, group).float() - 8
         dense = codes * sz[..., :1] + sz[..., 1:]
-        self.register_buffer("dense", dense.reshape(q.shape).to(torch.bfloat16))
+        self.register_buffer("dense", dense.reshape(q.shape).to(gemm_dtype()))
         bias = linear.bias
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        rows = x.reshape(-1, self.in_features)
         if rows.shape[0] <= SMALL_M:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                rows, self.packed, self.group, self.scales_and_zeros
-            )
+            y = _int4_product(self)(rows)
         else:
-            y = F.linear(rows, self.dense)
+            y = F.linear(rows.to(self.dense.dtype), self.dense)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -106,15 +129,17 @@ class Int4Linear(torch.nn.Module):
         fused.register_buffer("packed", torch.cat([p.packed for p in parts]))
         sz = torch.cat([p.scales_and_zeros.detach() for p in parts], 1).contiguous()
         fused.scales_and_zeros = torch.nn.Parameter(sz, requires_grad=False)
-        fused.register_buffer("dense", torch.cat([p.dense for p in parts]))
+        for name in ("codes", "block_scales", "block_mins", "dense"):
+            fused.register_buffer(name, torch.cat([getattr(p, name) for p in parts]))
         fused.bias = None
         probe = torch.randn(1, fused.in_features, dtype=torch.bfloat16)
         want = torch.cat([p(probe) for p in parts], -1)
         if not torch.allclose(fused(probe), want, rtol=1e-2, atol=1e-2 * float(want.abs().max())):
             return None  # the CPU layout packs rows in blocks the parts do not fill
         start = 0
-        for p in parts:
-            p.dense = fused.dense[start : start + p.out_features]
+        for p in parts:  # views of the fused rows: nothing is held twice
+            for name in ("codes", "block_scales", "block_mins", "dense"):
+                setattr(p, name, getattr(fused, name)[start : start + p.out_features])
             start += p.out_features
         return fused
 
@@ -123,7 +148,7 @@ class Int8Linear(torch.nn.Module):
     """y = x W^T with W kept as int8 rows and one bf16 scale per row (symmetric). The output
     head under int4: the GGUF keeps it in Q8_0 (8 bits, a scale per 32 weights), and it is the
     largest single read of a decode step (49152 x 576 for SmolLM2). A forward of at most
-    SMALL_M rows uses torch's CPU int8 kernel; a larger one dequantizes into bf16 first."""
+    SMALL_M rows uses torch's CPU int8 kernel; a larger one dequantizes into gemm_dtype() first."""
 
     codes: torch.Tensor  # (N, K) int8
     scales: torch.Tensor  # (N,) bf16
@@ -136,13 +161,15 @@ class Int8Linear(torch.nn.Module):
         codes = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scale.to(torch.bfloat16))
+        self.register_buffer("scales_fp32", self.scales.float())  # for quant_matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        rows = x.reshape(-1, self.in_features)
         if rows.shape[0] <= SMALL_M:
-            y = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
+            y = _int8_product(self)(rows)
         else:
-            y = F.linear(rows, self.codes.to(torch.bfloat16) * self.scales[:, None])
+            dtype = gemm_dtype()
+            y = F.linear(rows.to(dtype), self.codes.to(dtype) * self.scales[:, None].to(dtype))
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -153,16 +180,36 @@ def small_matmul(
     module: Callable[[torch.Tensor], torch.Tensor],
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """The module's product for at most SMALL_M rows of x, without its casts and reshapes:
-    the int4 and int8 kernels take x (rows, in) in any float dtype and give bf16, which a
-    decode step may keep (engine/decode_step.py); other modules are themselves."""
+    the int4 and int8 kernels take x (rows, in) in any float dtype and give fp32
+    (quant_matmul.cpp) or bf16 (torch's), which a decode step may keep
+    (engine/decode_step.py); other modules are themselves."""
     if isinstance(module, Int4Linear) and module.bias is None:
-        mm4, packed, group = torch.ops.aten._weight_int4pack_mm_for_cpu, module.packed, module.group
-        sz = module.scales_and_zeros
-        return lambda x: mm4(x.to(torch.bfloat16), packed, group, sz)
+        return _int4_product(module)
     if isinstance(module, Int8Linear):
-        mm8, codes, scales = torch.ops.aten._weight_int8pack_mm, module.codes, module.scales
-        return lambda x: mm8(x.to(torch.bfloat16), codes, scales)
+        return _int8_product(module)
     return module
+
+
+def _int4_product(m: Int4Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x (rows <= SMALL_M, in) -> x W^T without the bias: quant_matmul.cpp, else torch's."""
+    kernels = quant_kernels()
+    if kernels is not None:
+        q4, codes, scales, mins = kernels.q4_matmul, m.codes, m.block_scales, m.block_mins
+        return lambda x: q4(x.float(), codes, scales, mins)
+    mm4, packed, group, sz = (
+        torch.ops.aten._weight_int4pack_mm_for_cpu, m.packed, m.group, m.scales_and_zeros,
+    )  # fmt: skip
+    return lambda x: mm4(x.to(torch.bfloat16), packed, group, sz)
+
+
+def _int8_product(m: Int8Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x (rows <= SMALL_M, in) -> x W^T: quant_matmul.cpp, else torch's int8 kernel."""
+    kernels = quant_kernels()
+    if kernels is not None and m.in_features % GROUP == 0:
+        q8, codes, scales = kernels.q8_matmul, m.codes, m.scales_fp32
+        return lambda x: q8(x.float(), codes, scales)
+    mm8, codes8, scales8 = torch.ops.aten._weight_int8pack_mm, m.codes, m.scales
+    return lambda x: mm8(x.to(torch.bfloat16), codes8, scales8)
 
 
 def lower_linear_weights(model: torch.nn.Module, dtype: torch.dtype | str) -> int:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from engine import weights
 from engine.attention import use_longserve_attention
 from engine.cpu_attention import decode_attention, load_kernel
 from engine.decode_step import DECODER_ATTR, attach_decoder, decoder_of, unsupported
@@ -103,7 +104,14 @@ def test_fused_linears_share_the_models_weights():
     torch.testing.assert_close(qkv(x), want)
 
 
-def test_int4_parts_fuse_where_their_packed_rows_concatenate():
+@pytest.mark.parametrize("ours", [True, False])
+def test_int4_parts_fuse_where_their_codes_concatenate(monkeypatch, ours):
+    """With engine/csrc/quant_matmul.cpp, any int4 parts fuse (its codes are plain rows);
+    with torch's int4 kernel only parts whose packed rows concatenate do."""
+    if ours and weights.quant_kernels() is None:
+        pytest.skip("no C++ compiler or ninja to build the kernel")
+    if not ours:
+        monkeypatch.setattr(weights, "quant_kernels", lambda: None)
     torch.manual_seed(0)
     x = torch.randn(3, 128)
     whole = [Int4Linear(torch.nn.Linear(128, n, bias=False)) for n in (128, 64)]
@@ -111,12 +119,13 @@ def test_int4_parts_fuse_where_their_packed_rows_concatenate():
     fused = fuse_linears(whole)
     assert isinstance(fused, Int4Linear) and fused.out_features == 192
     torch.testing.assert_close(fused(x), want)
-    # the CPU layout packs rows in blocks of 64: a first part of 96 rows does not concatenate
+    # torch's AVX-512 layout packs rows in blocks of 64: a first part of 96 rows does not
+    # concatenate there (a probe finds out), and the parts are called one by one
     small = [Int4Linear(torch.nn.Linear(64, n, bias=False)) for n in (96, 32)]
     x = torch.randn(3, 64)
     want = torch.cat([p(x) for p in small], -1)
     fused = fuse_linears(small)
-    assert isinstance(fused, _Concat)
+    assert isinstance(fused, Int4Linear if ours else Int4Linear | _Concat)
     torch.testing.assert_close(fused(x), want)
 
 

@@ -1,0 +1,52 @@
+"""Builds the engine's C++ CPU kernels (engine/csrc/*.cpp) on first use.
+
+Each source is compiled with torch's C++ extension builder (ninja and a C++ compiler) into
+torch's extension cache (TORCH_EXTENSIONS_DIR), once per CPU capability. `load_extension`
+returns None, with one warning, where that is impossible; callers then use torch's own ops.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).parent / "csrc"
+_lock = threading.Lock()
+_built: dict[str, Any] = {}  # stem -> module, or None where building failed
+# Vector extensions by torch's own CPU capability, never -march=native: a build cached in an
+# image must run on any machine that reports the same capability.
+_ARCH = {"AVX2": ["-march=x86-64-v3"], "AVX512": ["-march=x86-64-v4"]}
+
+
+def load_extension(stem: str) -> Any | None:
+    """The compiled module of engine/csrc/<stem>.cpp, built on the first call; None if it
+    cannot be. Lock-free once tried."""
+    if stem in _built:
+        return _built[stem]
+    with _lock:
+        if stem not in _built:
+            _built[stem] = _build(stem)
+        return _built[stem]
+
+
+def _build(stem: str) -> Any | None:
+    try:
+        from torch.utils.cpp_extension import load
+
+        capability = torch.backends.cpu.get_cpu_capability()
+        return load(
+            name=f"longserve_{stem}_{capability.lower()}",
+            sources=[str(_CSRC / f"{stem}.cpp")],
+            extra_cflags=["-O3", *_ARCH.get(capability, []), "-fopenmp", "-ffast-math"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler or ninja: torch's own ops do the work instead
+        logger.warning("CPU kernel %s unavailable (%s); using torch's ops", stem, exc)
+        return None

@@ -1,0 +1,252 @@
+// Quantized weights times a few rows of float activations (decode steps), for the CPU.
+//
+// q4_matmul: 4-bit codes in blocks of 32 inputs, each block with a scale d and a minimum m
+// (w = q d + m, Q4_1's grid). q8_matmul: int8 codes with one scale per output row.
+// The activations are quantized to int8 per block of 32 (scale = max |x| / 127), as llama.cpp's
+// quantized dot products do, and multiplied with integer dot products (AVX2 maddubs); each
+// block's sum of x is kept exact in fp32 for the minimum's term. Output rows are split across
+// torch's intra-op threads; every thread reads each weight byte once for all activation rows.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t QK = 32;  // inputs per block
+
+// x (M, K) -> int8 codes (M, K), a scale and an exact sum per block (M, K / QK).
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
+  const int64_t nb = K / QK;
+  for (int64_t r = 0; r < M * nb; ++r) {
+    const float* xb = x + r * QK;
+    float amax = 0.f, sum = 0.f;
+    for (int64_t j = 0; j < QK; ++j) {
+      amax = std::max(amax, std::fabs(xb[j]));
+      sum += xb[j];
+    }
+    const float scale = amax / 127.f;
+    const float inv = scale > 0.f ? 1.f / scale : 0.f;
+    for (int64_t j = 0; j < QK; ++j) q[r * QK + j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+    d[r] = scale;
+    s[r] = sum;
+  }
+}
+
+#if defined(__AVX2__)
+inline float hsum(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// sum over 32 lanes of unsigned u8 a times signed s8 b, as 8 int32 partial sums
+inline __m256 dot_u8s8(__m256i a, __m256i b) {
+  const __m256i pairs = _mm256_maddubs_epi16(a, b);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#endif
+
+constexpr int64_t MAX_ROWS = 16;
+
+#if defined(__AVX2__)
+// Output rows [n0, n1) of q4 for R activation rows (a compile-time count, so that the
+// accumulators stay in registers): y (R, N) fp32.
+template <int R>
+void q4_rows_avx2(const uint8_t* codes, const float* wd, const float* wm, const int8_t* xq,
+                  const float* xd, const float* xs, int64_t N, int64_t K, int64_t n0, int64_t n1,
+                  float* y) {
+  const int64_t nb = K / QK;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = codes + n * (K / 2);
+    const float* d = wd + n * nb;
+    const float* mn = wm + n * nb;
+    __m256 acc[R];
+    float mins[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+      const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
+      const __m256 db = _mm256_set1_ps(d[b]);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (r * nb + b) * QK));
+        const __m256 scale = _mm256_mul_ps(db, _mm256_set1_ps(xd[r * nb + b]));
+        acc[r] = _mm256_fmadd_ps(dot_u8s8(q, xv), scale, acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int64_t b = 0; b < nb; ++b) mins[r] += mn[b] * xs[r * nb + b];
+      y[r * N + n] = hsum(acc[r]) + mins[r];
+    }
+  }
+}
+
+template <int R>
+void q8_rows_avx2(const int8_t* codes, const float* scales, const int8_t* xq, const float* xd,
+                  int64_t N, int64_t K, int64_t n0, int64_t n1, float* y) {
+  const int64_t nb = K / QK;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = codes + n * K;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * QK));
+      const __m256i w_abs = _mm256_sign_epi8(w, w);  // codes lie in -127..127
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (r * nb + b) * QK));
+        const __m256 p = dot_u8s8(w_abs, _mm256_sign_epi8(xv, w));
+        acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(xd[r * nb + b]), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * N + n] = scales[n] * hsum(acc[r]);
+  }
+}
+
+#endif
+
+// Output rows [n0, n1) of q4: y (M, N) fp32.
+void q4_rows(const uint8_t* codes, const float* wd, const float* wm, const int8_t* xq,
+             const float* xd, const float* xs, int64_t M, int64_t N, int64_t K, int64_t n0,
+             int64_t n1, float* y) {
+  const int64_t nb = K / QK;
+#if defined(__AVX2__)
+  for (int64_t r0 = 0; r0 < M; r0 += 4) {  // at most 4 rows at once: accumulators in registers
+    const int64_t rows = std::min<int64_t>(4, M - r0);
+    const int8_t* x = xq + r0 * nb * QK;
+    const float *d = xd + r0 * nb, *s = xs + r0 * nb;
+    float* out = y + r0 * N;
+    if (rows == 1) q4_rows_avx2<1>(codes, wd, wm, x, d, s, N, K, n0, n1, out);
+    if (rows == 2) q4_rows_avx2<2>(codes, wd, wm, x, d, s, N, K, n0, n1, out);
+    if (rows == 3) q4_rows_avx2<3>(codes, wd, wm, x, d, s, N, K, n0, n1, out);
+    if (rows == 4) q4_rows_avx2<4>(codes, wd, wm, x, d, s, N, K, n0, n1, out);
+  }
+#else
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = codes + n * (K / 2);
+    for (int64_t r = 0; r < M; ++r) {
+      float total = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t dot = 0;
+        const int8_t* xb = xq + (r * nb + b) * QK;
+        for (int64_t j = 0; j < 16; ++j) {
+          const uint8_t byte = row[b * 16 + j];
+          dot += (byte & 0x0F) * xb[j] + (byte >> 4) * xb[16 + j];
+        }
+        total += wd[n * nb + b] * xd[r * nb + b] * dot + wm[n * nb + b] * xs[r * nb + b];
+      }
+      y[r * N + n] = total;
+    }
+  }
+#endif
+}
+
+// Output rows [n0, n1) of q8: y (M, N) fp32.
+void q8_rows(const int8_t* codes, const float* scales, const int8_t* xq, const float* xd,
+             int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1, float* y) {
+  const int64_t nb = K / QK;
+#if defined(__AVX2__)
+  for (int64_t r0 = 0; r0 < M; r0 += 4) {
+    const int64_t rows = std::min<int64_t>(4, M - r0);
+    const int8_t* x = xq + r0 * nb * QK;
+    const float* d = xd + r0 * nb;
+    float* out = y + r0 * N;
+    if (rows == 1) q8_rows_avx2<1>(codes, scales, x, d, N, K, n0, n1, out);
+    if (rows == 2) q8_rows_avx2<2>(codes, scales, x, d, N, K, n0, n1, out);
+    if (rows == 3) q8_rows_avx2<3>(codes, scales, x, d, N, K, n0, n1, out);
+    if (rows == 4) q8_rows_avx2<4>(codes, scales, x, d, N, K, n0, n1, out);
+  }
+#else
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = codes + n * K;
+    for (int64_t r = 0; r < M; ++r) {
+      float total = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t dot = 0;
+        for (int64_t j = 0; j < QK; ++j) dot += row[b * QK + j] * xq[(r * nb + b) * QK + j];
+        total += xd[r * nb + b] * dot;
+      }
+      y[r * N + n] = scales[n] * total;
+    }
+  }
+#endif
+}
+
+struct Quantized {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+};
+
+Quantized quantize(const torch::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  Quantized out{std::vector<int8_t>(M * K), std::vector<float>(M * K / QK),
+                std::vector<float>(M * K / QK)};
+  quantize_rows(x.data_ptr<float>(), M, K, out.q.data(), out.d.data(), out.s.data());
+  return out;
+}
+
+void check_x(const torch::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, "x: float32 on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && K % QK == 0, "x: (M, K), K a multiple of 32");
+  TORCH_CHECK(x.size(0) <= MAX_ROWS, "x: at most 16 rows");
+}
+
+int64_t grain(int64_t N) { return std::max<int64_t>(16, N / (8 * at::get_num_threads())); }
+
+}  // namespace
+
+// x (M, K) float32; codes (N, K/2) uint8; scales, mins (N, K/32) float32 -> (M, N) float32.
+torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                        torch::Tensor mins) {
+  const int64_t N = codes.size(0), K = codes.size(1) * 2;
+  x = x.contiguous();
+  check_x(x, K);
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous(), "codes: uint8");
+  TORCH_CHECK(scales.sizes() == mins.sizes() && scales.size(0) == N && scales.size(1) == K / QK,
+              "scales and mins: (N, K/32)");
+  TORCH_CHECK(scales.is_contiguous() && mins.is_contiguous(), "scales and mins: contiguous");
+  const int64_t M = x.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const Quantized xq = quantize(x);
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const float *d = scales.data_ptr<float>(), *m = mins.data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, N, grain(N), [&](int64_t n0, int64_t n1) {
+    q4_rows(c, d, m, xq.q.data(), xq.d.data(), xq.s.data(), M, N, K, n0, n1, out);
+  });
+  return y;
+}
+
+// x (M, K) float32; codes (N, K) int8; scales (N,) float32 -> (M, N) float32.
+torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales) {
+  const int64_t N = codes.size(0), K = codes.size(1);
+  x = x.contiguous();
+  check_x(x, K);
+  TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.is_contiguous(), "codes: int8");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.is_contiguous(), "scales: (N,)");
+  const int64_t M = x.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const Quantized xq = quantize(x);
+  const int8_t* c = codes.data_ptr<int8_t>();
+  const float* s = scales.data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, N, grain(N), [&](int64_t n0, int64_t n1) {
+    q8_rows(c, s, xq.q.data(), xq.d.data(), M, N, K, n0, n1, out);
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("q4_matmul", &q4_matmul, "4-bit block codes times float rows (CPU)");
+  m.def("q8_matmul", &q8_matmul, "int8 row codes times float rows (CPU)");
+}
