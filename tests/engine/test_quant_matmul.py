@@ -20,7 +20,7 @@ def int4_layer(n: int, k: int, seed: int = 0) -> Int4Linear:
 
 
 def test_every_code_position_reaches_its_input():
-    """A one-hot input quantizes exactly (its block's scale is 1/127), so y = q d + m of the
+    """A one-hot input quantizes exactly (its block's scale is 1/32767), so y = q d + m of the
     code at that input: the nibble layout, the block scales and the minimums, exactly."""
     layer = int4_layer(16, 64)
     kernels = quant_kernels()
@@ -38,14 +38,14 @@ def test_every_code_position_reaches_its_input():
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 def test_q4_matches_the_dequantized_product(rows):
-    """Int8 activations per block of 32: within 3% of the output's norm (measured 0.6-1.4%),
+    """Int16 activations per block of 32: within 1e-3 of the output's norm (measured 3-7e-5),
     every row of a batch the same as alone."""
     layer = int4_layer(208, 96)
     x = torch.randn(rows, 96)
     want = x @ layer.dense.float().t()
     got = small_matmul(layer)(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 208)
-    assert float((got - want).norm() / want.norm()) < 0.03
+    assert float((got - want).norm() / want.norm()) < 1e-3
     alone = torch.cat([small_matmul(layer)(x[r : r + 1]) for r in range(rows)])
     torch.testing.assert_close(got, alone, rtol=0, atol=0)
 
@@ -58,7 +58,7 @@ def test_q8_head_matches_the_dequantized_product(rows):
     x = torch.randn(rows, 64)
     want = x @ (head.codes.float() * head.scales.float()[:, None]).t()
     got = head(x)
-    assert float((got - want).norm() / want.norm()) < 0.03
+    assert float((got - want).norm() / want.norm()) < 1e-3
     x = torch.zeros(1, 64)
     x[0, 37] = 1.0  # one-hot: exact
     want = head.codes[:, 37].float() * head.scales_fp32
