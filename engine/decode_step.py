@@ -14,6 +14,10 @@ Every row gets the same query, key and value transformers' forward would hand it
 through its own DecodeRow: a plain row to its KVCache (engine/cpu_attention.py's split-key
 kernel on a float32 CPU model, engine/kv_cache.py), a memory row to its frame.
 
+With int4 linears and engine/csrc/quant_matmul.cpp built, a step of at most SMALL_M rows runs
+each layer's work before attention (norm, q|k|v, rotary) and after it (o, residual, norm, gated
+MLP, residual) as one C++ call each (docs/decisions/038).
+
 The fused linears share their weights with the model's (the model's projections become views of
 the fused rows), so nothing is kept twice. Prefill, reading and every model that is not a plain
 Llama go through transformers' forward as before; `attach_decoder` decides once, at load.
@@ -30,7 +34,7 @@ import torch.nn.functional as F
 from engine.attention import KV_KWARG
 from engine.cpu_attention import kernel_ready
 from engine.rows import DecodeRow, RowBatch
-from engine.weights import SMALL_M, fuse_linears, small_matmul
+from engine.weights import SMALL_M, Int4Linear, fuse_linears, quant_kernels, small_matmul
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]
 # a layer: input norm weight, q|k|v, o, post-attention norm weight, gate|up, down
@@ -88,9 +92,25 @@ class LeanDecoder:
             for a, b, c, d, e, f in self.layers
         ]
         self._small_head = small_matmul(self.head)
+        self._q4 = self._q4_layers()
         self.scaling = float(inner.layers[0].self_attn.scaling)
         self._cos = self._sin = torch.empty(0)  # (positions, head_dim), grown on demand
         kernel_ready(self.norm)  # build the attention kernel at load, not at the first token
+
+    def _q4_layers(self) -> tuple[Any, list[tuple]] | None:
+        """The quant kernels and every layer's norm weights and 4-bit codes (codes, scales,
+        mins per product), when every product is an Int4Linear in fp32 and the kernels are
+        built: then small steps run quant_matmul.cpp's pre_attention / post_attention."""
+        kernels = quant_kernels()
+        layers = []
+        for w_in, qkv, o_proj, w_post, gate_up, down in self.layers:
+            products = (qkv, o_proj, gate_up, down)
+            int4 = [m for m in products if isinstance(m, Int4Linear) and m.bias is None]
+            if len(int4) != len(products) or w_in.dtype != torch.float32:
+                return None
+            codes = [(m.codes, m.block_scales, m.block_mins) for m in int4]
+            layers.append((w_in, codes[0], codes[1], w_post, codes[2], codes[3]))
+        return None if kernels is None else (kernels, layers)
 
     def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin rows (B, 1, head_dim) for positions (B,): x*cos + roll(x)*sin
@@ -145,23 +165,44 @@ class LeanDecoder:
         cos, sin = self._rotation(positions)
         x = self.embed(ids)  # (B, hidden)
         small = rows <= SMALL_M
+        q4 = self._q4 if small and x.dtype == torch.float32 else None
+        if q4 is not None:
+            cos_rows, sin_rows = cos.view(rows, d), sin.view(rows, d)
         for layer, (w_in, qkv, o_proj, w_post, gate_up, down) in enumerate(
             self.small if small else self.layers
         ):
             x_in = x  # the layer's input, for its forward hooks
-            qkv_out = qkv(self._rms(x, w_in)).float().view(rows, heads + 2 * kv_heads, d)
-            qk = qkv_out[:, : heads + kv_heads]
-            qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)  # (B, heads + kv_heads, d)
+            if q4 is not None:  # norm, q|k|v and rotary in one call
+                q4_layer = q4[1][layer]
+                qkv_out = (
+                    q4[0]
+                    .pre_attention(
+                        x, w_in, self.eps, *q4_layer[1], cos_rows, sin_rows, (heads + kv_heads) * d
+                    )
+                    .view(rows, heads + 2 * kv_heads, d)
+                )
+                qk = qkv_out[:, : heads + kv_heads]
+            else:
+                qkv_out = qkv(self._rms(x, w_in)).float().view(rows, heads + 2 * kv_heads, d)
+                qk = qkv_out[:, : heads + kv_heads]
+                qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)  # (B, heads + kv_heads, d)
             value = qkv_out[:, heads + kv_heads :]
             out = []
             for b, row in enumerate(batch.rows):  # each row attends to its cache or frame
                 q, k, v = (t.view(1, -1, 1, d) for t in (qk[b, :heads], qk[b, heads:], value[b]))
                 out.append(row.attend(layer, q, k, v, self.scaling).reshape(1, heads * d))
-            x = x + o_proj(out[0] if rows == 1 else torch.cat(out))
-            gate, up = gate_up(self._rms(x, w_post)).chunk(2, -1)
-            x = x + down(F.silu(gate) * up)
+            attn = out[0] if rows == 1 else torch.cat(out)
+            if q4 is not None:  # o, residual, norm, gated MLP, residual in one call
+                _, _, o_codes, _, gu_codes, down_codes = q4_layer
+                x = q4[0].post_attention(
+                    x, attn, *o_codes, w_post, self.eps, *gu_codes, *down_codes
+                )
+            else:
+                x = x + o_proj(attn)
+                gate, up = gate_up(self._rms(x, w_post)).chunk(2, -1)
+                x = x + down(F.silu(gate) * up)
             if self._modules[layer]._forward_hooks:  # Neurocache reads layer r's output
-                x = self._layer_hooks(layer, x_in, x, batch)
+                x = self._layer_hooks(layer, x_in, x, batch).contiguous()
         head = self._small_head if small else self.head
         return head(self._rms(x, self.norm)).float()  # (B, vocab)
 

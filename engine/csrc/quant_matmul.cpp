@@ -190,11 +190,10 @@ struct Quantized {
   std::vector<float> d, s;
 };
 
-Quantized quantize(const torch::Tensor& x) {
-  const int64_t M = x.size(0), K = x.size(1);
+Quantized quantize(const float* x, int64_t M, int64_t K) {
   Quantized out{std::vector<int16_t>(M * K), std::vector<float>(M * K / QK),
                 std::vector<float>(M * K / QK)};
-  quantize_rows(x.data_ptr<float>(), M, K, out.q.data(), out.d.data(), out.s.data());
+  quantize_rows(x, M, K, out.q.data(), out.d.data(), out.s.data());
   return out;
 }
 
@@ -205,6 +204,41 @@ void check_x(const torch::Tensor& x, int64_t K) {
 }
 
 int64_t grain(int64_t N) { return std::max<int64_t>(16, N / (8 * at::get_num_threads())); }
+
+// y (M, N) = x (M, K) times the 4-bit codes (N, K/2) with their block scales and minimums.
+void q4_into(const float* x, int64_t M, const torch::Tensor& codes, const torch::Tensor& scales,
+             const torch::Tensor& mins, float* y) {
+  const int64_t N = codes.size(0), K = codes.size(1) * 2;
+  const Quantized xq = quantize(x, M, K);
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const float *d = scales.data_ptr<float>(), *m = mins.data_ptr<float>();
+  at::parallel_for(0, N, grain(N), [&](int64_t n0, int64_t n1) {
+    q4_rows(c, d, m, xq.q.data(), xq.d.data(), xq.s.data(), M, N, K, n0, n1, y);
+  });
+}
+
+// Llama's RMSNorm of rows x (M, K) into out: x * rsqrt(mean(x^2) + eps) * w.
+void rms_rows(const float* x, const float* w, float eps, int64_t M, int64_t K, float* out) {
+  for (int64_t r = 0; r < M; ++r) {
+    const float* xr = x + r * K;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < K; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(ss / K + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < K; ++i) out[r * K + i] = xr[i] * inv * w[i];
+  }
+}
+
+void check_q4(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& mins,
+              int64_t K) {
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() &&
+                  codes.size(1) * 2 == K,
+              "codes: uint8 (N, K/2)");
+  TORCH_CHECK(scales.is_contiguous() && mins.is_contiguous() && scales.sizes() == mins.sizes() &&
+                  scales.size(0) == codes.size(0) && scales.size(1) == K / QK,
+              "scales and mins: (N, K/32) contiguous");
+}
 
 }  // namespace
 
@@ -218,15 +252,8 @@ torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
   TORCH_CHECK(scales.sizes() == mins.sizes() && scales.size(0) == N && scales.size(1) == K / QK,
               "scales and mins: (N, K/32)");
   TORCH_CHECK(scales.is_contiguous() && mins.is_contiguous(), "scales and mins: contiguous");
-  const int64_t M = x.size(0);
-  auto y = torch::empty({M, N}, x.options());
-  const Quantized xq = quantize(x);
-  const uint8_t* c = codes.data_ptr<uint8_t>();
-  const float *d = scales.data_ptr<float>(), *m = mins.data_ptr<float>();
-  float* out = y.data_ptr<float>();
-  at::parallel_for(0, N, grain(N), [&](int64_t n0, int64_t n1) {
-    q4_rows(c, d, m, xq.q.data(), xq.d.data(), xq.s.data(), M, N, K, n0, n1, out);
-  });
+  auto y = torch::empty({x.size(0), N}, x.options());
+  q4_into(x.data_ptr<float>(), x.size(0), codes, scales, mins, y.data_ptr<float>());
   return y;
 }
 
@@ -239,7 +266,7 @@ torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.is_contiguous(), "scales: (N,)");
   const int64_t M = x.size(0);
   auto y = torch::empty({M, N}, x.options());
-  const Quantized xq = quantize(x);
+  const Quantized xq = quantize(x.data_ptr<float>(), M, K);
   const int8_t* c = codes.data_ptr<int8_t>();
   const float* s = scales.data_ptr<float>();
   float* out = y.data_ptr<float>();
@@ -249,7 +276,78 @@ torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
   return y;
 }
 
+// The decode layer's work before attention, for rows x (M, K) of the residual stream:
+// RMSNorm (weight norm_w), the fused q|k|v product (4-bit codes), and rotary on the first
+// `rotated` columns, head by head: y*cos + roll(y, d/2)*sin, sin signed (-sin | +sin) and
+// cos (M, d) per row. -> (M, N) float32.
+torch::Tensor pre_attention(torch::Tensor x, torch::Tensor norm_w, double eps, torch::Tensor codes,
+                            torch::Tensor scales, torch::Tensor mins, torch::Tensor cos,
+                            torch::Tensor sin, int64_t rotated) {
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), d = cos.size(1);
+  check_x(x, K);
+  check_q4(codes, scales, mins, K);
+  TORCH_CHECK(x.is_contiguous() && norm_w.is_contiguous() && norm_w.numel() == K, "x, norm_w");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == M &&
+                  sin.sizes() == cos.sizes() && d % 2 == 0 && rotated % d == 0 && rotated <= N,
+              "cos, sin: (M, d); rotated: whole heads");
+  std::vector<float> normed(M * K);
+  rms_rows(x.data_ptr<float>(), norm_w.data_ptr<float>(), static_cast<float>(eps), M, K,
+           normed.data());
+  auto y = torch::empty({M, N}, x.options());
+  float* out = y.data_ptr<float>();
+  q4_into(normed.data(), M, codes, scales, mins, out);
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const int64_t half = d / 2;
+  std::vector<float> head(d);
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t h = 0; h < rotated / d; ++h) {
+      float* v = out + r * N + h * d;
+      std::copy(v, v + d, head.begin());
+      for (int64_t i = 0; i < d; ++i)
+        v[i] = head[i] * cp[r * d + i] + head[(i + half) % d] * sp[r * d + i];
+    }
+  }
+  return y;
+}
+
+// The decode layer's work after attention: x + o(attn), then + down(silu(gate) * up) of its
+// RMSNorm (weight norm_w) with gate|up fused (gate first). All products from 4-bit codes.
+// x (M, K), attn (M, heads * d) -> the layer's output (M, K) float32.
+torch::Tensor post_attention(torch::Tensor x, torch::Tensor attn, torch::Tensor o_codes,
+                             torch::Tensor o_scales, torch::Tensor o_mins, torch::Tensor norm_w,
+                             double eps, torch::Tensor gu_codes, torch::Tensor gu_scales,
+                             torch::Tensor gu_mins, torch::Tensor down_codes,
+                             torch::Tensor down_scales, torch::Tensor down_mins) {
+  const int64_t M = x.size(0), K = x.size(1), A = attn.size(1), I = gu_codes.size(0) / 2;
+  check_x(x, K);
+  attn = attn.contiguous();
+  check_x(attn, A);
+  check_q4(o_codes, o_scales, o_mins, A);
+  check_q4(gu_codes, gu_scales, gu_mins, K);
+  check_q4(down_codes, down_scales, down_mins, I);
+  TORCH_CHECK(x.is_contiguous() && norm_w.is_contiguous() && norm_w.numel() == K &&
+                  o_codes.size(0) == K && down_codes.size(0) == K && attn.size(0) == M,
+              "post_attention: shapes do not match");
+  auto y = torch::empty({M, K}, x.options());
+  float* out = y.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  q4_into(attn.data_ptr<float>(), M, o_codes, o_scales, o_mins, out);
+  for (int64_t i = 0; i < M * K; ++i) out[i] += xp[i];  // x + o(attn)
+  std::vector<float> normed(M * K), gu(M * 2 * I), hidden(M * I), down(M * K);
+  rms_rows(out, norm_w.data_ptr<float>(), static_cast<float>(eps), M, K, normed.data());
+  q4_into(normed.data(), M, gu_codes, gu_scales, gu_mins, gu.data());
+  for (int64_t r = 0; r < M; ++r) {
+    const float *g = gu.data() + r * 2 * I, *u = g + I;
+    for (int64_t i = 0; i < I; ++i) hidden[r * I + i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  }
+  q4_into(hidden.data(), M, down_codes, down_scales, down_mins, down.data());
+  for (int64_t i = 0; i < M * K; ++i) out[i] += down[i];
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pre_attention", &pre_attention, "RMSNorm, q|k|v from 4-bit codes, rotary (CPU)");
+  m.def("post_attention", &post_attention, "o, residual, RMSNorm, gated MLP from 4-bit codes");
   m.def("q4_matmul", &q4_matmul, "4-bit block codes times float rows (CPU)");
   m.def("q8_matmul", &q8_matmul, "int8 row codes times float rows (CPU)");
 }

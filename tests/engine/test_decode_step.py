@@ -143,6 +143,31 @@ def test_lower_precision_linears_step_as_transformers_does(linear_dtype):
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
 
 
+@pytest.mark.skipif(weights.quant_kernels() is None, reason="no C++ compiler or ninja")
+def test_int4_layers_in_one_call_each_step_as_the_python_layers():
+    """quant_matmul.cpp's pre_attention / post_attention (norm, q|k|v, rotary; o, norm, gated
+    MLP, residuals) give the step the layers written out in torch ops give, for a batch."""
+    model = tiny_llama("int4")
+    decoder = decoder_of(model)
+    assert decoder._q4 is not None
+    prompts = [torch.arange(n) % 300 for n in (30, 47, 12)]
+    fused, python = (
+        [KVCacheState(model, 1024) for _ in prompts],
+        [KVCacheState(model, 1024) for _ in prompts],
+    )
+    with torch.inference_mode():
+        for a, b, ids in zip(fused, python, prompts, strict=True):
+            a.prefill(ids)
+            b.prefill(ids)
+        for token in (9, 17, 4):
+            got = decode_rows(model, [s.decode_row(token) for s in fused], [token] * 3)
+            q4, decoder._q4 = decoder._q4, None
+            want = decode_rows(model, [s.decode_row(token) for s in python], [token] * 3)
+            decoder._q4 = q4
+            # the same products; rms and rotary summed in another order
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
+
+
 def test_a_failed_step_changes_no_cache():
     model = tiny_llama()
     state = KVCacheState(model, 1024)
