@@ -61,6 +61,9 @@ class SegmentSelector(Selector):
         self._last_layer = -1
         self._last_sum: torch.Tensor | None = None
         self._vote: torch.Tensor | None = None
+        # per layer, the last (chosen blocks, their token rows): most decode steps choose the
+        # blocks the step before chose, and blocks_to_tokens is a dozen small ops
+        self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def on_memory_added(self, layer: int, k_pre: torch.Tensor, v: torch.Tensor) -> None:
         summary = self.summaries[layer]
@@ -114,7 +117,12 @@ class SegmentSelector(Selector):
             lines = lines.clamp(0, num_blocks - 1).reshape(kvh, -1)
             chosen = torch.zeros(kvh, num_blocks, dtype=torch.bool, device=device)
             chosen.scatter_(1, lines, True)
-        return blocks_to_tokens(chosen, c.block)
+        last = self._rows.get(layer)
+        if last is not None and last[0].shape == chosen.shape and torch.equal(last[0], chosen):
+            return last[1]
+        rows = blocks_to_tokens(chosen, c.block)
+        self._rows[layer] = (chosen, rows)
+        return rows
 
     def _consensus(self, layer: int, scores: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """Add a layer's block scores (blocks,) to this forward's running sum (a forward
@@ -170,6 +178,7 @@ class SegmentSelector(Selector):
 
     def to(self, device: torch.device) -> None:
         self._running, self._last_layer, self._vote = None, -1, None
+        self._rows = {}
         if self._last_sum is not None:
             self._last_sum = self._last_sum.to(device)
         for summary in self.summaries:
