@@ -101,7 +101,6 @@ class LeanDecoder:
         """The quant kernels and every layer's norm weights and 4-bit codes (codes, scales,
         mins per product), when every product is an Int4Linear in fp32 and the kernels are
         built: then small steps run quant_matmul.cpp's pre_attention / post_attention."""
-        kernels = quant_kernels()
         layers = []
         for w_in, qkv, o_proj, w_post, gate_up, down in self.layers:
             products = (qkv, o_proj, gate_up, down)
@@ -110,6 +109,7 @@ class LeanDecoder:
                 return None
             codes = [(m.codes, m.block_scales, m.block_mins) for m in int4]
             layers.append((w_in, codes[0], codes[1], w_post, codes[2], codes[3]))
+        kernels = quant_kernels() if layers else None  # built only for int4 models
         return None if kernels is None else (kernels, layers)
 
     def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

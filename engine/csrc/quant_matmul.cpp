@@ -61,6 +61,9 @@ inline __m256 dot_s16(__m256i lo, __m256i hi, const int16_t* xq) {
 #endif
 
 constexpr int64_t MAX_ROWS = 16;
+// activation rows multiplied per pass over the weights: 8 accumulators and the block's
+// operands fit AVX2's 16 vector registers
+constexpr int64_t CHUNK_ROWS = 8;
 
 #if defined(__AVX2__)
 // Output rows [n0, n1) of q4 for R activation rows (a compile-time count, so that the
@@ -124,15 +127,20 @@ void q4_rows(const uint8_t* codes, const float* wd, const float* wm, const int16
              int64_t n1, float* y) {
   const int64_t nb = K / QK;
 #if defined(__AVX2__)
-  for (int64_t r0 = 0; r0 < M; r0 += 4) {  // at most 4 rows at once: accumulators in registers
-    const int64_t rows = std::min<int64_t>(4, M - r0);
+  for (int64_t r0 = 0; r0 < M; r0 += CHUNK_ROWS) {  // accumulators stay in registers
     const int16_t* x = xq + r0 * nb * QK;
     const float *d = xd + r0 * nb, *s = xs + r0 * nb;
     float* out = y + r0 * N;
-    if (rows == 1) q4_rows_avx2<1>(codes, wd, wm, x, d, s, N, K, n0, n1, out);
-    if (rows == 2) q4_rows_avx2<2>(codes, wd, wm, x, d, s, N, K, n0, n1, out);
-    if (rows == 3) q4_rows_avx2<3>(codes, wd, wm, x, d, s, N, K, n0, n1, out);
-    if (rows == 4) q4_rows_avx2<4>(codes, wd, wm, x, d, s, N, K, n0, n1, out);
+    switch (std::min<int64_t>(CHUNK_ROWS, M - r0)) {
+      case 1: q4_rows_avx2<1>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
+      case 2: q4_rows_avx2<2>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
+      case 3: q4_rows_avx2<3>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
+      case 4: q4_rows_avx2<4>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
+      case 5: q4_rows_avx2<5>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
+      case 6: q4_rows_avx2<6>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
+      case 7: q4_rows_avx2<7>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
+      default: q4_rows_avx2<8>(codes, wd, wm, x, d, s, N, K, n0, n1, out);
+    }
   }
 #else
   for (int64_t n = n0; n < n1; ++n) {
@@ -159,15 +167,20 @@ void q8_rows(const int8_t* codes, const float* scales, const int16_t* xq, const 
              int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1, float* y) {
   const int64_t nb = K / QK;
 #if defined(__AVX2__)
-  for (int64_t r0 = 0; r0 < M; r0 += 4) {
-    const int64_t rows = std::min<int64_t>(4, M - r0);
+  for (int64_t r0 = 0; r0 < M; r0 += CHUNK_ROWS) {
     const int16_t* x = xq + r0 * nb * QK;
     const float* d = xd + r0 * nb;
     float* out = y + r0 * N;
-    if (rows == 1) q8_rows_avx2<1>(codes, scales, x, d, N, K, n0, n1, out);
-    if (rows == 2) q8_rows_avx2<2>(codes, scales, x, d, N, K, n0, n1, out);
-    if (rows == 3) q8_rows_avx2<3>(codes, scales, x, d, N, K, n0, n1, out);
-    if (rows == 4) q8_rows_avx2<4>(codes, scales, x, d, N, K, n0, n1, out);
+    switch (std::min<int64_t>(CHUNK_ROWS, M - r0)) {
+      case 1: q8_rows_avx2<1>(codes, scales, x, d, N, K, n0, n1, out); break;
+      case 2: q8_rows_avx2<2>(codes, scales, x, d, N, K, n0, n1, out); break;
+      case 3: q8_rows_avx2<3>(codes, scales, x, d, N, K, n0, n1, out); break;
+      case 4: q8_rows_avx2<4>(codes, scales, x, d, N, K, n0, n1, out); break;
+      case 5: q8_rows_avx2<5>(codes, scales, x, d, N, K, n0, n1, out); break;
+      case 6: q8_rows_avx2<6>(codes, scales, x, d, N, K, n0, n1, out); break;
+      case 7: q8_rows_avx2<7>(codes, scales, x, d, N, K, n0, n1, out); break;
+      default: q8_rows_avx2<8>(codes, scales, x, d, N, K, n0, n1, out);
+    }
   }
 #else
   for (int64_t n = n0; n < n1; ++n) {
