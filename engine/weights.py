@@ -10,6 +10,7 @@ slower than fp32 (docs/decisions/033, 036).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,7 @@ class LowPrecisionLinear(torch.nn.Module):
         return f"in={self.in_features}, out={self.out_features}, weight={self.weight.dtype}"
 
 
+@functools.cache
 def gemm_dtype() -> torch.dtype:
     """The dtype of the dense weight copies that prefill multiplies: bf16 where the CPU
     multiplies it natively (AMX, AVX512-BF16), else fp32. Without native bf16, oneDNN emulates
@@ -65,7 +67,7 @@ def quantize_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
 
 
 def quant_kernels() -> Any | None:
-    """engine/csrc/quant_matmul.cpp (int8 activations, integer dot products), or None."""
+    """engine/csrc/quant_matmul.cpp (int16 activations, integer dot products), or None."""
     return load_extension("quant_matmul")
 
 
@@ -98,8 +100,8 @@ class Int4Linear(torch.nn.Module):
         self.register_buffer("codes", codes.reshape(self.out_features, -1))
         self.register_buffer("block_scales", sz[..., 0].contiguous())
         self.register_buffer("block_mins", (sz[..., 1] - 8 * sz[..., 0]).contiguous())
-        codes = q.reshape(self.out_features, -1, group).float() - 8
-        dense = codes * sz[..., :1] + sz[..., 1:]
+        centred = q.reshape(self.out_features, -1, group).float() - 8
+        dense = centred * sz[..., :1] + sz[..., 1:]
         self.register_buffer("dense", dense.reshape(q.shape).to(gemm_dtype()))
         bias = linear.bias
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)

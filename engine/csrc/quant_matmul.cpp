@@ -261,10 +261,7 @@ torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
   const int64_t N = codes.size(0), K = codes.size(1) * 2;
   x = x.contiguous();
   check_x(x, K);
-  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous(), "codes: uint8");
-  TORCH_CHECK(scales.sizes() == mins.sizes() && scales.size(0) == N && scales.size(1) == K / QK,
-              "scales and mins: (N, K/32)");
-  TORCH_CHECK(scales.is_contiguous() && mins.is_contiguous(), "scales and mins: contiguous");
+  check_q4(codes, scales, mins, K);
   auto y = torch::empty({x.size(0), N}, x.options());
   q4_into(x.data_ptr<float>(), x.size(0), codes, scales, mins, y.data_ptr<float>());
   return y;
