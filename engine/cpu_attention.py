@@ -7,6 +7,8 @@
   quarter of the memory bandwidth (docs/decisions/037-lean-decode-step.md).
 - `attend_pieces(...)`: one decode token of a memory frame over the step cache's pieces under
   one softmax (engine/memory/step_cache.py), memory rows read in place by index.
+- `step_kernels(query)`: engine/csrc/memory_step.cpp, what a memory decode step computes before
+  it attends (its rotated queries; segments' block scores), one call each.
 
 They are built on first use (engine/cpu_extensions.py); `load_kernel()` returns None where
 that is impossible, and callers then use torch's own ops.
@@ -21,6 +23,7 @@ import torch
 from engine.cpu_extensions import load_extension
 
 _NO_ROWS = torch.empty(0, dtype=torch.long)
+_NO_MASK = torch.empty(0, dtype=torch.bool)
 MIN_CHUNK = 256  # keys per task below which splitting costs more than it spreads
 
 
@@ -35,6 +38,12 @@ def kernel_ready(query: torch.Tensor) -> bool:
     if query.device.type != "cpu" or query.dtype != torch.float32:
         return False
     return load_kernel() is not None
+
+
+def step_kernels(query: torch.Tensor) -> Any | None:
+    """engine/csrc/memory_step.cpp's module (a memory decode step's queries and block scores)
+    where the kernels take this query's attention (`kernel_ready`) and it builds; else None."""
+    return load_extension("memory_step") if kernel_ready(query) else None
 
 
 def attend_pieces(
@@ -52,12 +61,11 @@ def attend_pieces(
     -> (kv_heads, group, d)."""
     kernel = load_kernel()
     assert kernel is not None, "attend_pieces without a kernel: check load_kernel() first"
-    empty = torch.empty(0, dtype=torch.bool)
     return kernel.attend_pieces(
         [q.contiguous() for q in queries],
         keys,
         values,
-        [empty if m is None else m.contiguous() for m in masks],
+        [_NO_MASK if m is None else m.contiguous() for m in masks],
         [_NO_ROWS if r is None else r.contiguous() for r in rows or [None] * len(queries)],
         scale,
     )

@@ -154,8 +154,10 @@ torch::Tensor attend_pieces(std::vector<torch::Tensor> queries, std::vector<torc
                                      row.dim() == 2 && row.size(0) == heads),
                 "attend_pieces: rows (kv_heads, n) int64");
     if (row.numel()) {  // the keys are read in place: every row index within k
-      TORCH_CHECK(row.min().item<int64_t>() >= 0 && row.max().item<int64_t>() < k.size(1),
-                  "attend_pieces: a row index outside the keys");
+      const int64_t* r = row.data_ptr<int64_t>();
+      bool inside = true;
+      for (int64_t j = 0; j < row.numel(); ++j) inside &= r[j] >= 0 && r[j] < k.size(1);
+      TORCH_CHECK(inside, "attend_pieces: a row index outside the keys");
     }
     lengths[i] = row.numel() ? row.size(1) : k.size(1);
     TORCH_CHECK(q.size(0) == heads && q.size(2) == group && q.size(3) == d && k.dim() == 3 &&

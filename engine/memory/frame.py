@@ -46,7 +46,7 @@ from engine.memory.config import FrameConfig
 from engine.memory.prior import merge_rows
 from engine.memory.rotary import Angles, RotaryTable
 from engine.memory.selector import Selector
-from engine.memory.step_cache import StepCache, in_place_ok
+from engine.memory.step_cache import Retrieved, StepCache, in_place_ok
 
 # Bumped whenever a chunk's keys and values come out differently for the same tokens (the
 # layout of the frame it attends changed): stored encodings of another layout are not reused.
@@ -160,10 +160,12 @@ class FrameState:
         self._mask_cache = {}
         self._chunk_angles = self.rotary.angles(self._positions)
         self._window_skip = self.n_local - self._window_seen(num_new)
-        self._window_angles = self.rotary.angles(self._local_positions()[self._window_skip :])
         self.step_cache.angles = None
         if num_new == 1 and self.memory_used:  # a decode step: StepCache.attend
-            self.step_cache.begin(self)
+            self._window_angles = None  # the step cache keeps the window rotated
+            self.step_cache.begin(self, first)
+        else:
+            self._window_angles = self.rotary.angles(self._local_positions()[self._window_skip :])
         return self._positions
 
     def query_at_retrieval_distance(self, q_pre: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -222,14 +224,21 @@ class FrameState:
         """query (1, H, T, d), key/value (1, kv_heads, T, d), rotated at the chunk's positions
         -> attention output (1, T, H, d)."""
         chunk_angles, window_angles = self._chunk_angles, self._window_angles
-        assert chunk_angles is not None and window_angles is not None, "begin() was not called"
+        assert chunk_angles is not None, "begin() was not called"
         store = self.layers[layer]
         kvh, T = key.shape[1], key.shape[2]
         group = query.shape[1] // kvh
-        self._pending.k_pre[layer] = self.rotary.unrotate(key[0], chunk_angles)
+        step = T == 1 and self.memory_used  # a decode step: StepCache.attend
+        # a step's pre-rotary query and key and its window query, from one kernel call (or None)
+        queries = self.step_cache.queries(self, query, key) if step else None
+        if queries is not None:
+            self._pending.k_pre[layer] = queries.k_pre
+        else:
+            self._pending.k_pre[layer] = self.rotary.unrotate(key[0], chunk_angles)
         self._pending.v[layer] = value[0]
         if self._window_skip:  # a reading chunk once memory is in use: it retrieves nothing
             skip = self._window_skip
+            assert window_angles is not None
             return attend_band(self, layer, query, key, value, window_angles, skip, scaling, group)
 
         keys = [self.rotated_sinks(layer)]
@@ -240,8 +249,10 @@ class FrameState:
 
         if self.n_memory and self.config.retrieves(T):  # no selector retrieves otherwise
             start = time.perf_counter()
-            q_pre = self.rotary.unrotate(query[0], chunk_angles)
-            q_pre = q_pre.view(kvh, group, T, -1)
+            if queries is not None:
+                q_pre = queries.q_pre.view(kvh, group, 1, -1)
+            else:
+                q_pre = self.rotary.unrotate(query[0], chunk_angles).view(kvh, group, T, -1)
             idx = self.selector.select(layer, q_pre, store, scaling)
             if self.pinned is not None:  # the text prior's rows (prior.py), every layer
                 by_relevance = self.config.prior_order == "relevance"
@@ -252,28 +263,17 @@ class FrameState:
             self.retrieval_seconds += time.perf_counter() - start
             if idx is not None and idx.shape[1]:
                 self.last_selected[layer] = idx
-                ok = idx >= 0
-                keys_values = self.step_cache.retrieved.get(layer) if T == 1 else None
-                if keys_values is None or not torch.equal(keys_values[0], idx):
-                    if T == 1 and self.memory_used and self._whole_blocks(idx, ok):
-                        if in_place_ok(query, store.mem_k.data):  # the kernel reads the rows
-                            mem_k, mem_v = store.mem_k.view(), store.mem_v.view()
-                            keys_values = (idx, mem_k, mem_v, "in_place")
-                        else:
-                            keys_values = (idx, *self._take_blocks(store, idx), "blocks")
-                    else:
-                        keys_values = (idx, *self._take_retrieved(store, idx), "rows")
+                kept = self.step_cache.retrieved.get(layer) if T == 1 else None
+                if kept is None or (kept.idx is not idx and not torch.equal(kept.idx, idx)):
+                    kept = self._retrieve(store, idx, query, step)
                     if T == 1:
-                        self.step_cache.retrieved[layer] = keys_values
-                keys.append(keys_values[1])
-                values.append(keys_values[2])
-                by_block = keys_values[3] != "rows"
-                if keys_values[3] == "in_place":
-                    retrieved_rows = idx.clamp(min=0)
-                if not bool(ok.all()):
-                    retrieved_ok = ok
+                        self.step_cache.retrieved[layer] = kept
+                keys.append(kept.keys)
+                values.append(kept.values)
+                by_block = kept.layout != "rows"
+                retrieved_rows, retrieved_ok = kept.rows, kept.ok
 
-        if T == 1 and self.memory_used:
+        if step:
             blocks_at = None  # the retrieved keys are block-local: the first slot of block 0
             if len(keys) > 1 and by_block:
                 retrieved = keys[1].shape[1] if retrieved_rows is None else retrieved_rows.shape[1]
@@ -291,8 +291,10 @@ class FrameState:
                 scaling,
                 blocks_at,
                 retrieved_rows,
+                queries,
             )
 
+        assert window_angles is not None
         keys.append(self.rotary.rotate(store.local_k, window_angles))
         values.append(store.local_v)
         keys.append(key[0])
@@ -315,6 +317,23 @@ class FrameState:
             enable_gqa=group > 1,
         )
         return out.transpose(1, 2)
+
+    def _retrieve(
+        self, store: LayerStore, idx: torch.Tensor, query: torch.Tensor, step: bool
+    ) -> Retrieved:
+        """The memory rows idx (kv_heads, R, -1 padded) as a chunk attends them: a decode step's
+        whole blocks read in place by the CPU kernel or gathered block-local, else gathered
+        and rotated at their frame slots."""
+        ok = idx >= 0
+        padding = None if bool(ok.all()) else ok
+        if step and self._whole_blocks(idx, ok):
+            if in_place_ok(query, store.mem_k.data):  # the kernel reads the rows
+                rows = idx.clamp(min=0)
+                return Retrieved(
+                    idx, store.mem_k.view(), store.mem_v.view(), "in_place", padding, rows
+                )
+            return Retrieved(idx, *self._take_blocks(store, idx), "blocks", padding, None)
+        return Retrieved(idx, *self._take_retrieved(store, idx), "rows", padding, None)
 
     def _take_retrieved(
         self, store: LayerStore, idx: torch.Tensor

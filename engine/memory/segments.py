@@ -30,10 +30,12 @@ local window 1024, chunk 512, tail 32.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from engine.cpu_attention import step_kernels
 from engine.memory.buffers import GrowingBuffer, LayerStore
 from engine.memory.config import SegmentsConfig
 from engine.memory.selector import Selector
@@ -62,8 +64,10 @@ class SegmentSelector(Selector):
         self._last_sum: torch.Tensor | None = None
         self._vote: torch.Tensor | None = None
         # per layer, the last (chosen blocks, their token rows): most decode steps choose the
-        # blocks the step before chose, and blocks_to_tokens is a dozen small ops
-        self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # blocks the step before chose, and building rows is a dozen small ops. The choice is a
+        # tuple of block indices when every KV head has the same blocks, else a (kv_heads,
+        # blocks) mask.
+        self._rows: dict[int, tuple[tuple[int, ...] | torch.Tensor, torch.Tensor]] = {}
 
     def on_memory_added(self, layer: int, k_pre: torch.Tensor, v: torch.Tensor) -> None:
         summary = self.summaries[layer]
@@ -87,6 +91,13 @@ class SegmentSelector(Selector):
         kvh, d = q_pre.shape[0], q_pre.shape[-1]
         rows = q_pre.reshape(kvh, -1, d)  # (kv_heads, group*T, d)
         summary = self.summaries[layer]
+        kernels = step_kernels(q_pre) if q_pre.shape[2] == 1 else None
+        if kernels is not None:  # a decode step: one call (engine/csrc/memory_step.cpp)
+            if self.config.score == "mean":
+                high, low = summary["mean"].view(), _NONE
+            else:
+                high, low = summary["max"].view(), summary["min"].view()
+            return kernels.block_scores(rows.contiguous(), high, low, scaling)
         if self.config.score == "mean":
             logits = rows @ summary["mean"].view().transpose(1, 2)
         else:
@@ -106,21 +117,38 @@ class SegmentSelector(Selector):
         device = q_pre.device
         wanted = c.k * (2 * c.u + 1)
         if num_blocks <= wanted:
-            chosen = torch.ones(kvh, num_blocks, dtype=torch.bool, device=device)
-        else:
-            scores = self.block_scores(layer, q_pre, scaling)
-            if c.select == "consensus":
-                scores = self._consensus(layer, scores.sum(dim=0), q_pre.shape[2])
-                scores = scores[None].expand(kvh, -1)
-            top = scores.topk(c.k, dim=-1).indices  # (kv_heads, k)
-            lines = top[..., None] + torch.arange(-c.u, c.u + 1, device=device)
-            lines = lines.clamp(0, num_blocks - 1).reshape(kvh, -1)
-            chosen = torch.zeros(kvh, num_blocks, dtype=torch.bool, device=device)
-            chosen.scatter_(1, lines, True)
+            return self._same_blocks(layer, range(num_blocks), kvh, device)
+        scores = self.block_scores(layer, q_pre, scaling)
+        if c.select == "consensus":  # the same blocks for every KV head
+            scores = self._consensus(layer, scores.sum(dim=0), q_pre.shape[2])
+            top = scores.topk(c.k).indices.tolist()
+            lines = {min(max(t + o, 0), num_blocks - 1) for t in top for o in range(-c.u, c.u + 1)}
+            return self._same_blocks(layer, sorted(lines), kvh, device)
+        top = scores.topk(c.k, dim=-1).indices  # (kv_heads, k)
+        lines = top[..., None] + torch.arange(-c.u, c.u + 1, device=device)
+        lines = lines.clamp(0, num_blocks - 1).reshape(kvh, -1)
+        chosen = torch.zeros(kvh, num_blocks, dtype=torch.bool, device=device)
+        chosen.scatter_(1, lines, True)
         last = self._rows.get(layer)
-        if last is not None and last[0].shape == chosen.shape and torch.equal(last[0], chosen):
+        if last is not None and _same_choice(last[0], chosen):
             return last[1]
         rows = blocks_to_tokens(chosen, c.block)
+        self._rows[layer] = (chosen, rows)
+        return rows
+
+    def _same_blocks(
+        self, layer: int, blocks: Sequence[int], kvh: int, device: torch.device
+    ) -> torch.Tensor:
+        """Token rows (kv_heads, R) of these blocks (ascending) for every KV head; the tensor
+        the layer's last step returned when it chose the same blocks."""
+        chosen = tuple(blocks)
+        last = self._rows.get(layer)
+        if last is not None and last[0] == chosen:
+            return last[1]
+        block = self.config.block
+        starts = torch.tensor(chosen, dtype=torch.long, device=device) * block
+        rows = (starts[:, None] + torch.arange(block, device=device)).reshape(1, -1)
+        rows = rows.expand(kvh, -1).contiguous()
         self._rows[layer] = (chosen, rows)
         return rows
 
@@ -189,12 +217,21 @@ class SegmentSelector(Selector):
         return sum(b.nbytes() for s in self.summaries for b in s.values())
 
 
+def _same_choice(last: torch.Tensor | tuple, chosen: torch.Tensor) -> bool:
+    return (
+        isinstance(last, torch.Tensor) and last.shape == chosen.shape and torch.equal(last, chosen)
+    )
+
+
 def _fit(scores: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """Scores of an earlier forward, cut or zero-padded to num_blocks (memory grows between
     forwards; FIFO drops shift the carry in on_memory_dropped, and a vote lasts one forward)."""
     if scores.shape[0] >= num_blocks:
         return scores[:num_blocks]
     return torch.cat((scores, scores.new_zeros(num_blocks - scores.shape[0])))
+
+
+_NONE = torch.empty(0)  # block_scores' low summaries under score "mean"
 
 
 def blocks_to_tokens(chosen: torch.Tensor, block: int) -> torch.Tensor:

@@ -13,17 +13,41 @@ reuses their rotated keys and values (StepCache.retrieved; docs/decisions/018-de
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from engine.cpu_attention import attend_pieces, kernel_ready
+from engine.cpu_attention import attend_pieces, kernel_ready, step_kernels
 from engine.memory.buffers import GrowingBuffer
 from engine.memory.prior import merge_rows
 from engine.memory.rotary import Angles
 
 if TYPE_CHECKING:
     from engine.memory.frame import FrameState
+
+
+class Retrieved(NamedTuple):
+    """A step's retrieved memory rows idx (kv_heads, R) as it attends them. layout: "rows"
+    gathered and rotated at their frame slots; "blocks" gathered whole blocks (block-local
+    keys); "in_place" whole blocks the CPU kernel reads from the memory buffers (keys and
+    values are the whole buffers' views, rows the row indices). ok: False at padding, or None
+    when there is none."""
+
+    idx: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    layout: str
+    ok: torch.Tensor | None
+    rows: torch.Tensor | None
+
+
+class StepQueries(NamedTuple):
+    """A step's pre-rotary query (kv_heads, group, d) and key (kv_heads, 1, d), and its query
+    rotated at its window position (kv_heads, 1, group, d): engine/csrc/memory_step.cpp."""
+
+    q_pre: torch.Tensor
+    k_pre: torch.Tensor
+    q_window: torch.Tensor
 
 
 class StepCache:
@@ -35,21 +59,45 @@ class StepCache:
         # first step and kept in step with the window by commit; None when unbuilt
         self.window: list[GrowingBuffer] | None = None
         self.base = 0
-        # per layer, the last step's retrieval (idx, rotated keys, values), reused while a step
-        # retrieves the same rows (segments: most steps of most layers); dropped by any longer
-        # forward, a FIFO drop (rows shift) and a move; layout: "rows" gathered, "blocks" gathered whole blocks (block-local keys), "in_place"
-        # whole blocks the CPU kernel reads from the memory buffers (the whole buffers' views)
-        self.retrieved: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]] = {}
+        # per layer, the last step's retrieval, reused while a step retrieves the same rows
+        # (segments: most steps of most layers); dropped by any longer forward, a FIFO drop
+        # (rows shift) and a move
+        self.retrieved: dict[int, Retrieved] = {}
         # per layer, the last step's union of the strategy's rows and the text prior's pinned
         # rows: (strategy rows, pinned, union), reused while both are the same
         self.merged: dict[int, tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]] = {}
         self.angles: Angles | None = None  # the step's query, in the window's frame (begin)
+        self.frame_position = self.window_position = 0  # the step's query's, in either frame
 
-    def begin(self, frame: FrameState) -> None:
-        """Ready a decode step of the frame: its window (when missing) and its query's angles."""
+    def begin(self, frame: FrameState, position: int) -> None:
+        """Ready a decode step of the frame, its token at frame position `position`: its window
+        (when missing) and its query's angles."""
         self._build_window(frame)
-        step = torch.tensor([frame.num_tokens - self.base], device=frame.device)
+        self.frame_position, self.window_position = position, frame.num_tokens - self.base
+        step = torch.tensor([self.window_position], device=frame.device)
         self.angles = frame.rotary.angles(step)
+
+    def queries(
+        self, frame: FrameState, query: torch.Tensor, key: torch.Tensor
+    ) -> StepQueries | None:
+        """query (1, H, 1, d) and key (1, kv_heads, 1, d), rotated at the step's frame position
+        -> its StepQueries from one kernel call; None where the kernels do not take them."""
+        kernels = step_kernels(query)
+        if kernels is None:
+            return None
+        heads, kvh, d = query.shape[1], key.shape[1], key.shape[-1]
+        rotary = frame.rotary
+        return StepQueries(
+            *kernels.step_queries(
+                query.reshape(heads, d).contiguous(),
+                key.reshape(kvh, d).contiguous(),
+                rotary.cos,
+                rotary.sin,
+                self.frame_position,
+                self.window_position,
+                rotary.scale_sq,
+            )
+        )
 
     def _build_window(self, frame: FrameState) -> None:
         """When missing, every layer's window keys rotated at (document position -
@@ -113,9 +161,10 @@ class StepCache:
 
     def nbytes(self) -> int:
         return sum(b.nbytes() for b in self.window or ()) + sum(
-            k.numel() * k.element_size() + v.numel() * v.element_size()
-            for _, k, v, layout in self.retrieved.values()
-            if layout != "in_place"  # the memory's own buffers
+            kept.keys.numel() * kept.keys.element_size()
+            + kept.values.numel() * kept.values.element_size()
+            for kept in self.retrieved.values()
+            if kept.layout != "in_place"  # the memory's own buffers
         )
 
     def attend(
@@ -132,6 +181,7 @@ class StepCache:
         scaling: float,
         blocks_at: int | None = None,
         retrieved_rows: torch.Tensor | None = None,
+        queries: StepQueries | None = None,
     ) -> torch.Tensor:
         """Attention of one token once memory is in use: the sinks and retrieved keys
         (prefix_k, rotated at their frame positions) against the query as the model rotated it
@@ -142,30 +192,38 @@ class StepCache:
         block j at frame slots blocks_at + j * block onwards; the query is rotated once per
         block to their distance instead (rotary logits depend only on the distance).
         retrieved_rows: prefix_k[1] and prefix_v[1] are the memory's whole buffers, the
-        retrieved keys their rows retrieved_rows (kv_heads, R), read in place by the kernel."""
+        retrieved keys their rows retrieved_rows (kv_heads, R), read in place by the kernel.
+        queries: the step's queries from the kernels (StepCache.queries), if they took it."""
         assert self.angles is not None and self.window is not None, "begin() builds them"
         store = frame.layers[layer]
         kvh, d = key.shape[1], key.shape[-1]
         group = query.shape[1] // kvh
         window = self.window[layer].view()
+        pieces_k = [*prefix_k, window, key[0]]
+        pieces_v = [*prefix_v, store.local_v, value[0]]
+        if queries is not None:  # the kernels' path: no torch op but the attention's
+            q_frame = query[0].reshape(kvh, 1, group, d)
+            qs = [q_frame] * len(prefix_k) + [queries.q_window, q_frame]
+            if blocks_at is not None:  # the retrieved blocks: the query rotated per block
+                n = prefix_k[1].shape[1] if retrieved_rows is None else retrieved_rows.shape[1]
+                block, rotary = frame.config.block, frame.rotary
+                qs[1] = step_kernels(query).block_queries(
+                    queries.q_pre, rotary.cos, rotary.sin,
+                    self.frame_position - blocks_at, n // block, block,
+                )  # fmt: skip
+            return self._attend_pieces(qs, pieces_k, pieces_v, prefix_k, retrieved_ok,
+                                       retrieved_rows, scaling)  # fmt: skip
         q_pre = frame.rotary.unrotate(query[0], chunk_angles)  # (H, 1, d)
         q_window = frame.rotary.rotate(q_pre, self.angles)
         q_frame = query[0].reshape(kvh, group, d)
         q_window = q_window.reshape(kvh, group, d)
-        pieces_k = [*prefix_k, window, key[0]]
-        pieces_v = [*prefix_v, store.local_v, value[0]]
         if kernel_ready(query):
-            queries = [q_frame[:, None]] * len(prefix_k) + [q_window[:, None], q_frame[:, None]]
-            rows: list[torch.Tensor | None] = [None] * len(pieces_k)
-            if retrieved_rows is not None:
-                rows[1] = retrieved_rows
+            qs = [q_frame[:, None]] * len(prefix_k) + [q_window[:, None], q_frame[:, None]]
             if blocks_at is not None:  # the retrieved blocks: the query rotated per block
                 n = prefix_k[1].shape[1] if retrieved_rows is None else retrieved_rows.shape[1]
-                queries[1] = self._block_queries(frame, q_pre, n, blocks_at, kvh, group)
-            masks: list[torch.Tensor | None] = [None] * len(pieces_k)
-            masks[1] = retrieved_ok if len(prefix_k) > 1 else None
-            out = attend_pieces(queries, pieces_k, pieces_v, masks, scaling, rows)
-            return out.reshape(1, 1, kvh * group, d)
+                qs[1] = self._block_queries(frame, q_pre, n, blocks_at, kvh, group)
+            return self._attend_pieces(qs, pieces_k, pieces_v, prefix_k, retrieved_ok,
+                                       retrieved_rows, scaling)  # fmt: skip
         assert retrieved_rows is None, "memory rows read in place need the CPU kernel"
         logits = [
             q @ k.transpose(1, 2)
@@ -180,6 +238,25 @@ class StepCache:
         weights = weights.to(value.dtype).split([k.shape[1] for k in pieces_k], dim=-1)
         out = sum(w @ v for w, v in zip(weights, pieces_v, strict=True))
         assert isinstance(out, torch.Tensor)
+        return out.reshape(1, 1, kvh * group, d)
+
+    @staticmethod
+    def _attend_pieces(
+        queries: list[torch.Tensor],
+        pieces_k: list[torch.Tensor],
+        pieces_v: list[torch.Tensor],
+        prefix_k: list[torch.Tensor],
+        retrieved_ok: torch.Tensor | None,
+        retrieved_rows: torch.Tensor | None,
+        scaling: float,
+    ) -> torch.Tensor:
+        """The kernel over the pieces (the retrieved ones, if any, second) -> (1, 1, H, d)."""
+        rows: list[torch.Tensor | None] = [None] * len(pieces_k)
+        masks: list[torch.Tensor | None] = [None] * len(pieces_k)
+        if len(prefix_k) > 1:
+            rows[1], masks[1] = retrieved_rows, retrieved_ok
+        out = attend_pieces(queries, pieces_k, pieces_v, masks, scaling, rows)
+        kvh, group, d = out.shape
         return out.reshape(1, 1, kvh * group, d)
 
     def _block_queries(

@@ -260,7 +260,7 @@ def test_bad_specs_are_invalid_requests(strategy, params, param):
 
 def _dense_step(
     frame, layer, query, key, value, prefix_k, prefix_v, retrieved_ok, _, scaling, blocks_at,
-    retrieved_rows=None,
+    retrieved_rows=None, queries=None,
 ):  # fmt: skip
     """The frame a decode step attended before StepCache.attend: every key rotated at its
     frame position (never block-local: _whole_blocks is off), one concatenated frame, one SDPA

@@ -1,0 +1,174 @@
+// memory_step: what one decode token of a memory frame computes before it attends, in one call
+// each instead of dozens of small torch ops a layer (engine/memory/step_cache.py, segments.py):
+//
+//   step_queries  the model's rotated query and key -> the pre-rotary query and key, and the
+//                 query rotated at its window position, from the frame's rotary table
+//   block_queries the pre-rotary query rotated once per retrieved block (its distance to the
+//                 block's block-local keys)
+//   block_scores  segments' scores of one token's query against the block summaries: the
+//                 softmax over blocks of each query head, averaged over the heads of a KV group
+//
+// The rotary table is the frame's (engine/memory/rotary.py): cos and sin rows with the sign of
+// rotate_half folded into sin's first half, so x rotated is x*cos + swap_halves(x)*sin, and
+// undone is (x*cos - swap_halves(x)*sin) / scale_sq.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// out (d) = x rotated by table row p (sign +1) or undone (sign -1, divided by scale_sq)
+void rotate_row(const float* x, const float* cos, const float* sin, int64_t d, float sign,
+                float inv, float* out) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < d; ++i) {
+    const float swapped = i < half ? x[i + half] : x[i - half];
+    out[i] = (x[i] * cos[i] + sign * swapped * sin[i]) * inv;
+  }
+}
+
+void check_table(const torch::Tensor& cos, const torch::Tensor& sin, int64_t d) {
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
+                  cos.sizes() == sin.sizes() && cos.size(1) == d && d % 2 == 0,
+              "memory_step: rotary table cos/sin (positions, head_dim) float32 contiguous");
+}
+
+void check_position(int64_t p, const torch::Tensor& cos) {
+  TORCH_CHECK(p >= 0 && p < cos.size(0), "memory_step: position ", p, " outside the rotary table");
+}
+
+// query (H, d), key (kv_heads, d): float32 contiguous, rotated at frame position frame_pos.
+// -> q_pre (kv_heads, group, d) and k_pre (kv_heads, 1, d) undone, and q_window (kv_heads, 1,
+// group, d): q_pre rotated at window_pos.
+std::vector<torch::Tensor> step_queries(torch::Tensor query, torch::Tensor key, torch::Tensor cos,
+                                        torch::Tensor sin, int64_t frame_pos, int64_t window_pos,
+                                        double scale_sq) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat &&
+                  query.is_contiguous() && key.is_contiguous() && query.dim() == 2 &&
+                  key.dim() == 2 && key.size(1) == query.size(1) && key.size(0) > 0 &&
+                  query.size(0) % key.size(0) == 0,
+              "step_queries: query (H, d) and key (kv_heads, d), float32 contiguous");
+  const int64_t heads = query.size(0), kvh = key.size(0), group = heads / kvh, d = query.size(1);
+  check_table(cos, sin, d);
+  check_position(frame_pos, cos);
+  check_position(window_pos, cos);
+  auto q_pre = torch::empty({kvh, group, d}, query.options());
+  auto k_pre = torch::empty({kvh, 1, d}, query.options());
+  auto q_window = torch::empty({kvh, 1, group, d}, query.options());
+  const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
+  const float inv = static_cast<float>(1.0 / scale_sq);
+  const float *qp = query.data_ptr<float>(), *kp = key.data_ptr<float>();
+  float *pre = q_pre.data_ptr<float>(), *win = q_window.data_ptr<float>();
+  for (int64_t h = 0; h < heads; ++h) {
+    rotate_row(qp + h * d, c + frame_pos * d, s + frame_pos * d, d, -1.f, inv, pre + h * d);
+    rotate_row(pre + h * d, c + window_pos * d, s + window_pos * d, d, 1.f, 1.f, win + h * d);
+  }
+  for (int64_t h = 0; h < kvh; ++h) {
+    rotate_row(kp + h * d, c + frame_pos * d, s + frame_pos * d, d, -1.f, inv,
+               k_pre.data_ptr<float>() + h * d);
+  }
+  return {q_pre, k_pre, q_window};
+}
+
+// q_pre (kv_heads, group, d) contiguous -> (kv_heads, nb, group, d): block j's rows rotated at
+// distance - j * block (the query's distance to block-local keys, block j of nb retrieved).
+torch::Tensor block_queries(torch::Tensor q_pre, torch::Tensor cos, torch::Tensor sin,
+                            int64_t distance, int64_t nb, int64_t block) {
+  TORCH_CHECK(q_pre.scalar_type() == at::kFloat && q_pre.is_contiguous() && q_pre.dim() == 3,
+              "block_queries: q_pre (kv_heads, group, d) float32 contiguous");
+  const int64_t kvh = q_pre.size(0), group = q_pre.size(1), d = q_pre.size(2);
+  check_table(cos, sin, d);
+  TORCH_CHECK(nb > 0 && block > 0, "block_queries: nb > 0 blocks of block > 0 keys");
+  check_position(distance, cos);
+  check_position(distance - (nb - 1) * block, cos);
+  auto out = torch::empty({kvh, nb, group, d}, q_pre.options());
+  const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
+  const float* pre = q_pre.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t h = 0; h < kvh; ++h) {
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t p = distance - j * block;
+      for (int64_t g = 0; g < group; ++g) {
+        rotate_row(pre + (h * group + g) * d, c + p * d, s + p * d, d, 1.f, 1.f,
+                   op + ((h * nb + j) * group + g) * d);
+      }
+    }
+  }
+  return out;
+}
+
+// q_pre (kv_heads, group, d) contiguous; high (kv_heads, nb, d) and low (the same, or empty)
+// with contiguous rows: the per-dimension key maxima and minima of each block (score "bound":
+// sum_i max(q_i * high_i, q_i * low_i)), or with low empty the blocks' mean keys (score "mean":
+// q . high). -> (kv_heads, nb): softmax over blocks of scale * logits per query head, averaged
+// over the group.
+torch::Tensor block_scores(torch::Tensor q_pre, torch::Tensor high, torch::Tensor low,
+                           double scale) {
+  TORCH_CHECK(q_pre.scalar_type() == at::kFloat && high.scalar_type() == at::kFloat &&
+                  q_pre.is_contiguous() && q_pre.dim() == 3 && high.dim() == 3 &&
+                  high.size(0) == q_pre.size(0) && high.size(2) == q_pre.size(2) &&
+                  high.stride(2) == 1,
+              "block_scores: q_pre (kv_heads, group, d), summaries (kv_heads, blocks, d) float32");
+  const bool bound = low.numel() > 0;
+  TORCH_CHECK(!bound || (low.scalar_type() == at::kFloat && low.sizes() == high.sizes() &&
+                         low.stride(2) == 1),
+              "block_scores: low as high");
+  const int64_t kvh = q_pre.size(0), group = q_pre.size(1), d = q_pre.size(2), nb = high.size(1);
+  auto logits = torch::empty({kvh, group, nb}, q_pre.options());
+  auto out = torch::zeros({kvh, nb}, q_pre.options());
+  if (nb == 0) return out;
+  float* lp = logits.data_ptr<float>();
+  const float* qp = q_pre.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  // logits, split over blocks when there are many (a 1M-token memory has 16K blocks a layer)
+  at::parallel_for(0, nb, 512, [&](int64_t begin, int64_t end) {
+    for (int64_t h = 0; h < kvh; ++h) {
+      const float* hp = high.data_ptr<float>() + h * high.stride(0);
+      const float* lo = bound ? low.data_ptr<float>() + h * low.stride(0) : nullptr;
+      for (int64_t b = begin; b < end; ++b) {
+        const float* hb = hp + b * high.stride(1);
+        const float* lb = bound ? lo + b * low.stride(1) : nullptr;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* q = qp + (h * group + g) * d;
+          float total = 0.f;
+          if (bound) {
+#pragma omp simd reduction(+ : total)
+            for (int64_t i = 0; i < d; ++i) total += std::max(q[i] * hb[i], q[i] * lb[i]);
+          } else {
+#pragma omp simd reduction(+ : total)
+            for (int64_t i = 0; i < d; ++i) total += q[i] * hb[i];
+          }
+          lp[(h * group + g) * nb + b] = total * sc;
+        }
+      }
+    }
+  });
+  float* op = out.data_ptr<float>();
+  for (int64_t h = 0; h < kvh; ++h) {
+    for (int64_t g = 0; g < group; ++g) {
+      float* row = lp + (h * group + g) * nb;
+      const float top = *std::max_element(row, row + nb);
+      float total = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        row[b] = std::exp(row[b] - top);
+        total += row[b];
+      }
+      const float weight = 1.f / (total * static_cast<float>(group));
+      for (int64_t b = 0; b < nb; ++b) op[h * nb + b] += row[b] * weight;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("step_queries", &step_queries, "a memory decode step's queries (float32, CPU)");
+  m.def("block_queries", &block_queries, "a query rotated per retrieved block (float32, CPU)");
+  m.def("block_scores", &block_scores, "segments' block scores of one token (float32, CPU)");
+}
