@@ -1,8 +1,8 @@
 // memory_step: what one decode token of a memory frame computes before it attends, in one call
 // each instead of dozens of small torch ops a layer (engine/memory/step_cache.py, segments.py):
 //
-//   step_queries  the model's rotated query and key -> the pre-rotary query and key, and the
-//                 query rotated at its window position, from the frame's rotary table
+//   step_queries  the model's rotated query and key -> the pre-rotary query and key, and both
+//                 rotated at the token's window position, from the frame's rotary table
 //   block_queries the pre-rotary query rotated once per retrieved block (its distance to the
 //                 block's block-local keys)
 //   block_scores  segments' scores of one token's query against the block summaries: the
@@ -44,7 +44,7 @@ void check_position(int64_t p, const torch::Tensor& cos) {
 
 // query (H, d), key (kv_heads, d): float32 contiguous, rotated at frame position frame_pos.
 // -> q_pre (kv_heads, group, d) and k_pre (kv_heads, 1, d) undone, and q_window (kv_heads, 1,
-// group, d): q_pre rotated at window_pos.
+// group, d) and k_window (kv_heads, 1, d): q_pre and k_pre rotated at window_pos.
 std::vector<torch::Tensor> step_queries(torch::Tensor query, torch::Tensor key, torch::Tensor cos,
                                         torch::Tensor sin, int64_t frame_pos, int64_t window_pos,
                                         double scale_sq) {
@@ -60,6 +60,7 @@ std::vector<torch::Tensor> step_queries(torch::Tensor query, torch::Tensor key, 
   auto q_pre = torch::empty({kvh, group, d}, query.options());
   auto k_pre = torch::empty({kvh, 1, d}, query.options());
   auto q_window = torch::empty({kvh, 1, group, d}, query.options());
+  auto k_window = torch::empty({kvh, 1, d}, query.options());
   const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
   const float inv = static_cast<float>(1.0 / scale_sq);
   const float *qp = query.data_ptr<float>(), *kp = key.data_ptr<float>();
@@ -69,10 +70,12 @@ std::vector<torch::Tensor> step_queries(torch::Tensor query, torch::Tensor key, 
     rotate_row(pre + h * d, c + window_pos * d, s + window_pos * d, d, 1.f, 1.f, win + h * d);
   }
   for (int64_t h = 0; h < kvh; ++h) {
-    rotate_row(kp + h * d, c + frame_pos * d, s + frame_pos * d, d, -1.f, inv,
-               k_pre.data_ptr<float>() + h * d);
+    float* kh = k_pre.data_ptr<float>() + h * d;
+    rotate_row(kp + h * d, c + frame_pos * d, s + frame_pos * d, d, -1.f, inv, kh);
+    rotate_row(kh, c + window_pos * d, s + window_pos * d, d, 1.f, 1.f,
+               k_window.data_ptr<float>() + h * d);
   }
-  return {q_pre, k_pre, q_window};
+  return {q_pre, k_pre, q_window, k_window};
 }
 
 // q_pre (kv_heads, group, d) contiguous -> (kv_heads, nb, group, d): block j's rows rotated at

@@ -68,6 +68,7 @@ class FrameMark:
 class _Pending:
     k_pre: dict[int, torch.Tensor] = field(default_factory=dict)
     v: dict[int, torch.Tensor] = field(default_factory=dict)
+    k_window: dict[int, torch.Tensor] = field(default_factory=dict)  # StepQueries.k_window
 
 
 class FrameState:
@@ -233,6 +234,7 @@ class FrameState:
         queries = self.step_cache.queries(self, query, key) if step else None
         if queries is not None:
             self._pending.k_pre[layer] = queries.k_pre
+            self._pending.k_window[layer] = queries.k_window
         else:
             self._pending.k_pre[layer] = self.rotary.unrotate(key[0], chunk_angles)
         self._pending.v[layer] = value[0]
@@ -454,7 +456,8 @@ class FrameState:
                 store.sink_v = torch.cat((store.sink_v, v[:, :to_sinks]), dim=1)
             store.window_k.append(k_pre[:, to_sinks:])
             store.window_v.append(v[:, to_sinks:])
-        self.step_cache.extend_window(self, self._pending.k_pre, to_sinks, num_new)
+        pending = self._pending
+        self.step_cache.extend_window(self, pending.k_pre, to_sinks, num_new, pending.k_window)
         self.n_sinks += to_sinks
         self.n_local += num_new - to_sinks
         self.num_tokens += num_new

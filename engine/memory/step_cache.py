@@ -42,12 +42,14 @@ class Retrieved(NamedTuple):
 
 
 class StepQueries(NamedTuple):
-    """A step's pre-rotary query (kv_heads, group, d) and key (kv_heads, 1, d), and its query
-    rotated at its window position (kv_heads, 1, group, d): engine/csrc/memory_step.cpp."""
+    """A step's pre-rotary query (kv_heads, group, d) and key (kv_heads, 1, d), and both
+    rotated at its window position (kv_heads, 1, group, d), (kv_heads, 1, d):
+    engine/csrc/memory_step.cpp."""
 
     q_pre: torch.Tensor
     k_pre: torch.Tensor
     q_window: torch.Tensor
+    k_window: torch.Tensor
 
 
 class StepCache:
@@ -115,17 +117,27 @@ class StepCache:
             self.window.append(buffer)
 
     def extend_window(
-        self, frame: FrameState, k_pre: dict[int, torch.Tensor], to_sinks: int, num_new: int
+        self,
+        frame: FrameState,
+        k_pre: dict[int, torch.Tensor],
+        to_sinks: int,
+        num_new: int,
+        rotated: dict[int, torch.Tensor],
     ) -> None:
         """Rotate the window's new keys (k_pre, the committed chunk's per layer) into the
         decode steps' window (commit, before the frame counts them), or drop that window when
         the newest would fall outside the rotary table (the next step rebuilds it from a new
-        base)."""
+        base). rotated: a decode step's key already rotated so (StepQueries.k_window), per
+        layer, where the kernels gave it."""
         if self.window is None or to_sinks == num_new:
             return
         first, n = frame.num_tokens + to_sinks - self.base, num_new - to_sinks
         if first + n >= frame.rotary.cos.shape[0]:
             self.window = None
+            return
+        if len(rotated) == len(self.window) and n == 1 and first == self.window_position:
+            for layer, buffer in enumerate(self.window):
+                buffer.append(rotated[layer])
             return
         positions = first + torch.arange(n, device=frame.device)
         for layer, buffer in enumerate(self.window):

@@ -1,0 +1,93 @@
+"""engine/csrc/memory_step.cpp against the torch ops it replaces in a memory decode step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engine.cpu_extensions import load_extension
+from engine.memory.rotary import RotaryTable
+
+pytestmark = pytest.mark.skipif(
+    load_extension("memory_step") is None, reason="no C++ compiler or ninja to build the kernel"
+)
+
+
+def table(rope: dict | None = None) -> RotaryTable:
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_scaling=rope,
+    )
+    return RotaryTable(LlamaForCausalLM(config), 256)
+
+
+@pytest.mark.parametrize("rope", [None, {"rope_type": "yarn", "factor": 2.0}])
+def test_step_queries_undo_and_redo_the_rotations_as_the_table_does(rope):
+    """The pre-rotary query and key, and both at their window position, equal RotaryTable's
+    unrotate and rotate (a yarn table scales cos and sin: undoing divides by the scale twice)."""
+    rotary = table(rope)
+    kernels = load_extension("memory_step")
+    g = torch.Generator().manual_seed(0)
+    query, key = torch.randn(4, 16, generator=g), torch.randn(2, 16, generator=g)
+    frame_pos, window_pos = torch.tensor([200]), torch.tensor([37])
+    q_pre, k_pre, q_window, k_window = kernels.step_queries(
+        query, key, rotary.cos, rotary.sin, 200, 37, rotary.scale_sq
+    )
+    want_q = rotary.unrotate(query[:, None], frame_pos)  # (H, 1, d)
+    torch.testing.assert_close(q_pre, want_q.view(2, 2, 16), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        k_pre, rotary.unrotate(key[:, None], frame_pos), rtol=1e-5, atol=1e-6
+    )
+    want_window = rotary.rotate(want_q, window_pos).view(2, 1, 2, 16)
+    torch.testing.assert_close(q_window, want_window, rtol=1e-5, atol=1e-6)
+    want_k = rotary.rotate(rotary.unrotate(key[:, None], frame_pos), window_pos)
+    torch.testing.assert_close(k_window, want_k, rtol=1e-5, atol=1e-6)
+
+
+def test_block_queries_rotate_once_per_block_at_its_distance():
+    rotary = table()
+    kernels = load_extension("memory_step")
+    q_pre = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(1))
+    got = kernels.block_queries(q_pre, rotary.cos, rotary.sin, 100, 5, 8)  # (2, 5, 3, 16)
+    for j in range(5):
+        want = rotary.rotate(q_pre.reshape(6, 1, 16), torch.tensor([100 - 8 * j]))
+        torch.testing.assert_close(got[:, j], want.view(2, 3, 16), rtol=1e-5, atol=1e-6)
+
+
+def test_positions_outside_the_table_are_refused():
+    rotary = table()
+    kernels = load_extension("memory_step")
+    q, k = torch.randn(4, 16), torch.randn(2, 16)
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        kernels.step_queries(q, k, rotary.cos, rotary.sin, 256, 0, 1.0)
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        kernels.block_queries(q.view(2, 2, 16), rotary.cos, rotary.sin, 20, 4, 8)  # 20 - 24 < 0
+    with pytest.raises(RuntimeError, match="query"):
+        kernels.step_queries(q, torch.randn(3, 16), rotary.cos, rotary.sin, 0, 0, 1.0)
+
+
+@pytest.mark.parametrize("blocks", [1, 7, 1500])  # 1500: split over threads
+@pytest.mark.parametrize("score", ["bound", "mean"])
+def test_block_scores_are_the_softmax_mean_over_the_group(score, blocks):
+    """segments.py's formula: the bound sum_i max(q_i hi_i, q_i lo_i) (or q . mean), a softmax
+    over blocks per query head, averaged over the heads of each KV group; summaries read
+    through a strided view, as a GrowingBuffer's."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(3, 4, 64, generator=g)
+    high = torch.randn(3, blocks + 9, 64, generator=g)[:, :blocks]  # rows contiguous, strided
+    low = high - torch.rand(3, blocks + 9, 64, generator=g)[:, :blocks]
+    if score == "mean":
+        logits = q @ high.transpose(1, 2)
+        got = load_extension("memory_step").block_scores(q, high, torch.empty(0), 0.125)
+    else:
+        logits = q.clamp(min=0) @ high.transpose(1, 2) + q.clamp(max=0) @ low.transpose(1, 2)
+        got = load_extension("memory_step").block_scores(q, high, low, 0.125)
+    want = (logits * 0.125).softmax(dim=-1).mean(dim=1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
