@@ -5,6 +5,7 @@
 //                 rotated at the token's window position, from the frame's rotary table
 //   block_queries the pre-rotary query rotated once per retrieved block (its distance to the
 //                 block's block-local keys)
+//   whole_blocks  whether a retrieval's rows are whole memory blocks (read by block)
 //   block_scores  segments' scores of one token's query against the block summaries: the
 //                 softmax over blocks of each query head, averaged over the heads of a KV group
 //
@@ -129,7 +130,7 @@ torch::Tensor block_scores(torch::Tensor q_pre, torch::Tensor high, torch::Tenso
   const float* qp = q_pre.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   // logits, split over blocks when there are many (a 1M-token memory has 16K blocks a layer)
-  at::parallel_for(0, nb, 512, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, nb, 256, [&](int64_t begin, int64_t end) {
     for (int64_t h = 0; h < kvh; ++h) {
       const float* hp = high.data_ptr<float>() + h * high.stride(0);
       const float* lo = bound ? low.data_ptr<float>() + h * low.stride(0) : nullptr;
@@ -168,10 +169,35 @@ torch::Tensor block_scores(torch::Tensor q_pre, torch::Tensor high, torch::Tenso
   return out;
 }
 
+// idx (kv_heads, R) int64 contiguous memory rows, -1 for padding -> (whole, padded): whether
+// every run of `block` slots holds one whole memory block in order (padding aside), and whether
+// any slot is padding.
+std::tuple<bool, bool> whole_blocks(torch::Tensor idx, int64_t block) {
+  TORCH_CHECK(idx.scalar_type() == at::kLong && idx.is_contiguous() && idx.dim() == 2 &&
+                  block > 0,
+              "whole_blocks: idx (kv_heads, R) int64 contiguous");
+  const int64_t* p = idx.data_ptr<int64_t>();
+  const int64_t n = idx.numel(), width = idx.size(1);
+  bool whole = width % block == 0, padded = false;
+  for (int64_t at = 0; at < n; at += block) {
+    const int64_t first = p[at];
+    for (int64_t j = 0; j < block && at + j < n; ++j) {
+      const int64_t row = p[at + j];
+      if (row < 0) {
+        padded = true;
+      } else if (row - first != j || first % block != 0) {
+        whole = false;
+      }
+    }
+  }
+  return {whole, padded};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("step_queries", &step_queries, "a memory decode step's queries (float32, CPU)");
   m.def("block_queries", &block_queries, "a query rotated per retrieved block (float32, CPU)");
+  m.def("whole_blocks", &whole_blocks, "whether memory rows are whole blocks, and padded");
   m.def("block_scores", &block_scores, "segments' block scores of one token (float32, CPU)");
 }

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.cpu_attention import step_kernels
 from engine.memory.band import attend_band
 from engine.memory.buffers import GrowingBuffer, LayerStore
 from engine.memory.config import FrameConfig
@@ -326,9 +327,8 @@ class FrameState:
         """The memory rows idx (kv_heads, R, -1 padded) as a chunk attends them: a decode step's
         whole blocks read in place by the CPU kernel or gathered block-local, else gathered
         and rotated at their frame slots."""
-        ok = idx >= 0
-        padding = None if bool(ok.all()) else ok
-        if step and self._whole_blocks(idx, ok):
+        whole, padding = self._check_rows(idx, query, step)
+        if whole:
             if in_place_ok(query, store.mem_k.data):  # the kernel reads the rows
                 rows = idx.clamp(min=0)
                 return Retrieved(
@@ -359,6 +359,18 @@ class FrameState:
         mem_k = store.mem_k.take(rows).to(self._device, non_blocking=True)
         mem_v = store.mem_v.take(rows).to(self._device, non_blocking=True)
         return mem_k, mem_v
+
+    def _check_rows(
+        self, idx: torch.Tensor, query: torch.Tensor, step: bool
+    ) -> tuple[bool, torch.Tensor | None]:
+        """(whether a decode step reads the rows idx (kv_heads, R) by whole block, their mask
+        False at padding or None when there is none): one kernel call where there are kernels."""
+        kernels = step_kernels(query) if step and self.block_local else None
+        if kernels is not None:  # engine/csrc/memory_step.cpp
+            whole, padded = kernels.whole_blocks(idx.contiguous(), self.config.block)
+            return whole, idx >= 0 if padded else None
+        ok = idx >= 0
+        return step and self._whole_blocks(idx, ok), None if bool(ok.all()) else ok
 
     def _whole_blocks(self, idx: torch.Tensor, ok: torch.Tensor) -> bool:
         """Whether the rows idx (kv_heads, R) are whole memory blocks at whole-block slots

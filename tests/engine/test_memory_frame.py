@@ -263,7 +263,7 @@ def _dense_step(
     retrieved_rows=None, queries=None,
 ):  # fmt: skip
     """The frame a decode step attended before StepCache.attend: every key rotated at its
-    frame position (never block-local: _whole_blocks is off), one concatenated frame, one SDPA
+    frame position (never block-local: _check_rows says so), one concatenated frame, one SDPA
     call."""
     assert blocks_at is None and retrieved_rows is None
     store = frame.layers[layer]
@@ -307,7 +307,8 @@ def test_a_decode_step_attends_what_the_whole_frame_would(monkeypatch, case):
     dense = memory.fork()
     monkeypatch.setattr(dense._frame.step_cache, "attend", _dense_step)
     monkeypatch.setattr(dense._frame.step_cache, "retrieved", _NoReuse())
-    monkeypatch.setattr(dense._frame, "_whole_blocks", lambda idx, ok: False)
+    check = dense._frame._check_rows  # never by whole block: every key at its frame slot
+    monkeypatch.setattr(dense._frame, "_check_rows", lambda *a: (False, check(*a)[1]))
     taken = [0]
     take = memory._frame._take_blocks  # every retrieval's gather, block-local or rotated
 

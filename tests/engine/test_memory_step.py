@@ -91,3 +91,37 @@ def test_block_scores_are_the_softmax_mean_over_the_group(score, blocks):
         got = load_extension("memory_step").block_scores(q, high, low, 0.125)
     want = (logits * 0.125).softmax(dim=-1).mean(dim=1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("rows", "whole", "padded"),
+    [
+        ([[8, 9, 10, 11, 0, 1, 2, 3]], True, False),  # two whole blocks of 4, any order
+        ([[8, 9, 10, 11, -1, -1, -1, -1]], True, True),  # a padded block
+        ([[8, 9, -1, -1, 4, 5, 6, 7]], True, True),  # a block cut short by padding
+        ([[9, 10, 11, 12, 0, 1, 2, 3]], False, False),  # not at a block's start
+        ([[8, 9, 11, 10, 0, 1, 2, 3]], False, False),  # out of order
+        ([[-1, 9, 10, 11, 0, 1, 2, 3]], False, True),  # padding before the block's rows
+        ([[0, 1, 2, 3, 4, 5]], False, False),  # not whole runs of 4
+        ([[0, 1, 2, 3], [-1, -1, -1, -1]], True, True),  # per KV head
+    ],
+)
+def test_whole_blocks_agrees_with_the_frames_torch_check(rows, whole, padded):
+    from engine.memory.config import FrameConfig
+    from engine.memory.frame import FrameState
+    from engine.memory.selector import Selector
+
+    idx = torch.tensor(rows)
+    assert load_extension("memory_step").whole_blocks(idx, 4) == (whole, padded)
+    frame = FrameState(
+        FrameConfig(block=4),
+        Selector(),
+        table(),
+        1,
+        len(rows),
+        16,
+        torch.float32,
+        torch.device("cpu"),
+    )
+    ok = idx >= 0
+    assert frame._whole_blocks(idx, ok) == whole and bool((~ok).any()) == padded
