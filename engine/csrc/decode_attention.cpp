@@ -5,10 +5,14 @@
 // bandwidth (docs/decisions/037-lean-decode-step.md).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -22,11 +26,94 @@ float dot(const float* a, const float* b, int64_t d) {
   return total;
 }
 
-// Fold one block of n keys into a running softmax: scores[g * kBlock + j] (scaled) for each of
-// the group's queries, the running max m and sum l per query, the accumulator a (group, d), and
-// the block's value rows at v, v + v_stride, ... (or, given at, at v + at[j] * v_stride)
-void fold_block(float* scores, int64_t n, int64_t group, int64_t d, float* m, float* l, float* a,
-                const float* v, int64_t v_stride, const int64_t* at = nullptr) {
+// d halves widened to floats at out (F16C where the build has it: 8 at a time)
+void widen(const at::Half* x, int64_t d, float* out) {
+  int64_t i = 0;
+#ifdef __F16C__
+  for (; i + 8 <= d; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
+  }
+#endif
+  for (; i < d; ++i) out[i] = static_cast<float>(x[i]);
+}
+
+// Rows of a block as float pointers: in place for float32, widened into buf (kBlock x d) for
+// float16. rows[j] = x + index(j) * stride.
+template <typename F>
+void row_pointers(const float* x, int64_t stride, int64_t n, int64_t, float*, F index,
+                  const float** rows) {
+  for (int64_t j = 0; j < n; ++j) rows[j] = x + index(j) * stride;
+}
+template <typename F>
+void row_pointers(const at::Half* x, int64_t stride, int64_t n, int64_t d, float* buf, F index,
+                  const float** rows) {
+  for (int64_t j = 0; j < n; ++j) {
+    widen(x + index(j) * stride, d, buf + j * d);
+    rows[j] = buf + j * d;
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// the sums of eight vectors, in order
+inline __m256 sums8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                       _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// a (W vectors) += sum_j p[j] * v[j][0 .. 8W)
+template <int W>
+void accumulate_rows(const float* p, const float* const* v, int64_t offset, int64_t n, float* a) {
+  __m256 acc[W];
+  for (int r = 0; r < W; ++r) acc[r] = _mm256_loadu_ps(a + 8 * r);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 w = _mm256_set1_ps(p[j]);
+    const float* vr = v[j] + offset;
+    for (int r = 0; r < W; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * r), acc[r]);
+  }
+  for (int r = 0; r < W; ++r) _mm256_storeu_ps(a + 8 * r, acc[r]);
+}
+#endif
+
+// scores[g * kBlock + j] = sc * q[g] . k[j] for the n key rows k[j] and the group's queries q
+// (group, d). With AVX2, eight keys at a time, each with its own accumulator.
+void score_rows(const float* q, const float* const* k, int64_t n, int64_t group, int64_t d,
+                float sc, float* scores) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (d % 8 == 0) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * d;
+      float* s = scores + g * kBlock;
+      int64_t j = 0;
+      for (; j + 8 <= n; j += 8) {
+        __m256 acc[8];
+        for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8) {
+          const __m256 qv = _mm256_loadu_ps(qg + i);
+          for (int r = 0; r < 8; ++r) {
+            acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j + r] + i), acc[r]);
+          }
+        }
+        _mm256_storeu_ps(s + j, _mm256_mul_ps(sums8(acc), _mm256_set1_ps(sc)));
+      }
+      for (; j < n; ++j) s[j] = dot(qg, k[j], d) * sc;
+    }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t j = 0; j < n; ++j) scores[g * kBlock + j] = dot(q + g * d, k[j], d) * sc;
+  }
+}
+
+// Fold one block of n scores into a running softmax: scores[g * kBlock + j] (scaled) for each
+// of the group's queries become their weights, with the running max m and sum l per query and
+// the accumulator a (group, d) rescaled to the new max
+void fold_scores(float* scores, int64_t n, int64_t group, int64_t d, float* m, float* l,
+                 float* a) {
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * kBlock;
     float top = m[g];
@@ -50,29 +137,61 @@ void fold_block(float* scores, int64_t n, int64_t group, int64_t d, float* m, fl
       for (int64_t i = 0; i < d; ++i) ag[i] *= rescale;
     }
   }
-  for (int64_t j = 0; j < n; ++j) {
-    const float* vr = v + (at ? at[j] : j) * v_stride;
+}
+
+// a[g] += sum_j weights[g * kBlock + j] * v[j] for the n value rows v[j]
+void accumulate(const float* weights, const float* const* v, int64_t n, int64_t group, int64_t d,
+                float* a) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (d % 8 == 0) {
     for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * kBlock + j];
+      for (int64_t d0 = 0; d0 < d; d0 += 64) {  // up to 8 vectors of accumulators at a time
+        const float* p = weights + g * kBlock;
+        float* ag = a + g * d + d0;
+        switch (std::min<int64_t>(64, d - d0) / 8) {
+          case 8: accumulate_rows<8>(p, v, d0, n, ag); break;
+          case 7: accumulate_rows<7>(p, v, d0, n, ag); break;
+          case 6: accumulate_rows<6>(p, v, d0, n, ag); break;
+          case 5: accumulate_rows<5>(p, v, d0, n, ag); break;
+          case 4: accumulate_rows<4>(p, v, d0, n, ag); break;
+          case 3: accumulate_rows<3>(p, v, d0, n, ag); break;
+          case 2: accumulate_rows<2>(p, v, d0, n, ag); break;
+          default: accumulate_rows<1>(p, v, d0, n, ag); break;
+        }
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = weights[g * kBlock + j];
       float* ag = a + g * d;
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) ag[i] += p * vr[i];
+      for (int64_t i = 0; i < d; ++i) ag[i] += p * v[j][i];
     }
   }
 }
 
-// q (kv_heads, group, d) contiguous; k, v (kv_heads, S, d) with contiguous rows -> (kv_heads,
-// group, d). All float32.
+template <typename T>
+void decode_tasks(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                  float sc, int64_t splits, int64_t chunk, float* ap, float* mp, float* lp);
+
+// q (kv_heads, group, d) contiguous float32; k, v (kv_heads, S, d) with contiguous rows, float32
+// or float16 (a float16 KV cache: each row widened as it is read) -> (kv_heads, group, d)
+// float32.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
                                int64_t splits) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
-                  v.scalar_type() == at::kFloat,
-              "decode_attention: float32 only");
+  const auto kv_type = k.scalar_type();
+  TORCH_CHECK(q.scalar_type() == at::kFloat && v.scalar_type() == kv_type &&
+                  (kv_type == at::kFloat || kv_type == at::kHalf),
+              "decode_attention: a float32 query, float32 or float16 keys and values");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.is_contiguous(),
               "decode_attention: q (kv_heads, group, d) contiguous, k/v (kv_heads, S, d)");
   const int64_t heads = k.size(0), keys = k.size(1), d = k.size(2), group = q.size(1);
-  TORCH_CHECK(q.size(0) == heads && q.size(2) == d && v.sizes() == k.sizes() && keys > 0,
-              "decode_attention: shapes do not match");
+  TORCH_CHECK(q.size(0) == heads && q.size(2) == d && v.sizes() == k.sizes() && keys > 0 &&
+                  d <= 256,
+              "decode_attention: shapes do not match (head_dim up to 256)");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == d && v.stride(1) == d,
               "decode_attention: k/v rows must be contiguous");
   splits = std::max<int64_t>(1, std::min(splits, keys));
@@ -80,34 +199,15 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   auto acc = torch::zeros({heads, splits, group, d}, q.options());
   auto maxes = torch::full({heads, splits, group}, -FLT_MAX, q.options());
   auto sums = torch::zeros({heads, splits, group}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
   float* ap = acc.data_ptr<float>();
   float* mp = maxes.data_ptr<float>();
   float* lp = sums.data_ptr<float>();
-  const int64_t ks = k.stride(0), vs = v.stride(0);
   const float sc = static_cast<float>(scale);
-
-  at::parallel_for(0, heads * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * kBlock);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / splits, first = (task % splits) * chunk;
-      const int64_t last = std::min(keys, first + chunk);
-      const float* qh = qp + h * group * d;
-      float* a = ap + task * group * d;
-      float* m = mp + task * group;
-      float* l = lp + task * group;
-      for (int64_t b0 = first; b0 < last; b0 += kBlock) {
-        const int64_t n = std::min(kBlock, last - b0);
-        for (int64_t j = 0; j < n; ++j) {
-          const float* kr = kp + h * ks + (b0 + j) * d;
-          for (int64_t g = 0; g < group; ++g) scores[g * kBlock + j] = dot(qh + g * d, kr, d) * sc;
-        }
-        fold_block(scores.data(), n, group, d, m, l, a, vp + h * vs + b0 * d, d);
-      }
-    }
-  });
+  if (kv_type == at::kHalf) {
+    decode_tasks<at::Half>(q, k, v, sc, splits, chunk, ap, mp, lp);
+  } else {
+    decode_tasks<float>(q, k, v, sc, splits, chunk, ap, mp, lp);
+  }
 
   auto out = torch::empty({heads, group, d}, q.options());
   float* op = out.data_ptr<float>();
@@ -129,6 +229,44 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     }
   }
   return out;
+}
+
+// Every (kv head, key chunk) task's online softmax: acc (heads, splits, group, d), maxes and
+// sums (heads, splits, group)
+template <typename T>
+void decode_tasks(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                  float sc, int64_t splits, int64_t chunk, float* ap, float* mp, float* lp) {
+  const int64_t heads = k.size(0), keys = k.size(1), d = k.size(2), group = q.size(1);
+  const float* qp = q.data_ptr<float>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const int64_t ks = k.stride(0), vs = v.stride(0);
+  at::parallel_for(0, heads * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * kBlock), kbuf, vbuf;
+    if (std::is_same<T, at::Half>::value) {
+      kbuf.resize(kBlock * d);
+      vbuf.resize(kBlock * d);
+    }
+    const float* krows[kBlock];
+    const float* vrows[kBlock];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / splits, first = (task % splits) * chunk;
+      const int64_t last = std::min(keys, first + chunk);
+      const float* qh = qp + h * group * d;
+      float* a = ap + task * group * d;
+      float* m = mp + task * group;
+      float* l = lp + task * group;
+      for (int64_t b0 = first; b0 < last; b0 += kBlock) {
+        const int64_t n = std::min(kBlock, last - b0);
+        const auto next = [b0](int64_t j) { return b0 + j; };
+        row_pointers(kp + h * ks, d, n, d, kbuf.data(), next, krows);
+        row_pointers(vp + h * vs, d, n, d, vbuf.data(), next, vrows);
+        score_rows(qh, krows, n, group, d, sc, scores.data());
+        fold_scores(scores.data(), n, group, d, m, l, a);
+        accumulate(scores.data(), vrows, n, group, d, a);
+      }
+    }
+  });
 }
 
 // One decode token over several pieces of keys under one softmax (a memory frame's step:
@@ -174,6 +312,8 @@ torch::Tensor attend_pieces(std::vector<torch::Tensor> queries, std::vector<torc
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(group * kBlock), m(group), l(group), a(group * d);
+    const float* krows[kBlock];
+    const float* vrows[kBlock];
     for (int64_t h = begin; h < end; ++h) {
       std::fill(m.begin(), m.end(), -FLT_MAX);
       std::fill(l.begin(), l.end(), 0.f);
@@ -188,16 +328,25 @@ torch::Tensor attend_pieces(std::vector<torch::Tensor> queries, std::vector<torc
         const int64_t* at = rows[i].numel() ? rows[i].data_ptr<int64_t>() + h * n : nullptr;
         for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
           const int64_t count = std::min(kBlock, n - b0);
-          for (int64_t j = 0; j < count; ++j) {
-            const float* kr = kp + (at ? at[b0 + j] : b0 + j) * k.stride(1);
-            const float* qj = qp + ((b0 + j) / per) * group * d;
-            for (int64_t g = 0; g < group; ++g) {
-              scores[g * kBlock + j] =
-                  (ok && !ok[b0 + j]) ? -FLT_MAX : dot(qj + g * d, kr, d) * sc;
+          const auto index = [at, b0](int64_t j) { return at ? at[b0 + j] : b0 + j; };
+          row_pointers(kp, k.stride(1), count, d, nullptr, index, krows);
+          row_pointers(vp, v.stride(1), count, d, nullptr, index, vrows);
+          for (int64_t j0 = 0; j0 < count;) {  // runs of keys that share a query
+            const int64_t qi = (b0 + j0) / per;
+            const int64_t j1 = std::min(count, (qi + 1) * per - b0);
+            score_rows(qp + qi * group * d, krows + j0, j1 - j0, group, d, sc,
+                       scores.data() + j0);
+            j0 = j1;
+          }
+          if (ok) {
+            for (int64_t j = 0; j < count; ++j) {
+              if (!ok[b0 + j]) {
+                for (int64_t g = 0; g < group; ++g) scores[g * kBlock + j] = -FLT_MAX;
+              }
             }
           }
-          fold_block(scores.data(), count, group, d, m.data(), l.data(), a.data(),
-                     at ? vp : vp + b0 * v.stride(1), v.stride(1), at ? at + b0 : nullptr);
+          fold_scores(scores.data(), count, group, d, m.data(), l.data(), a.data());
+          accumulate(scores.data(), vrows, count, group, d, a.data());
         }
       }
       for (int64_t g = 0; g < group; ++g) {
