@@ -271,7 +271,11 @@ class LocalEngine:
         self, prompt_ids: torch.Tensor, sampling: SamplingParams, queued_at: float
     ) -> Generation:
         # Nothing runs until the worker steps it; its decode steps join the worker's batches.
-        state = KVCacheState(self.loaded.model, max_tokens=len(prompt_ids) + sampling.max_tokens)
+        state = KVCacheState(
+            self.loaded.model,
+            max_tokens=len(prompt_ids) + sampling.max_tokens,
+            kv_dtype=self.config.kv_dtype,
+        )
         return Generation(
             state,
             prompt_ids,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LINEAR_DTYPES = (*DTYPES, "int4")
+KV_DTYPES = ("auto", "float16")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,10 @@ class EngineConfig:
     embedded GGUF's Q4_1 grid; CPU only), the output head in int8 rows (the GGUF's is Q8_0);
     everything else stays in
     the model's dtype.
+    kv_dtype: what plain requests' KV caches hold keys and values in: "auto" the model's dtype,
+    "float16" half of that for a float32 model, widened by the CPU decode kernel as it reads
+    them (as llama.cpp's caches hold them); prefill attends them in the model's dtype. Memory
+    frames keep the model's dtype.
     lean_decode: decode steps of plain (non-memory) requests on a Llama-family model run
     engine/decode_step.py's lean step instead of transformers' forward (the same function in
     far fewer eager ops); False keeps transformers' forward for every step.
@@ -79,6 +84,7 @@ class EngineConfig:
     max_turn_encoding_bytes: int = 64 * 1024**2
     decode_share: float = 0.25
     linear_dtype: str = "auto"
+    kv_dtype: str = "auto"
     lean_decode: bool = True
 
     def __post_init__(self) -> None:
@@ -133,6 +139,8 @@ class EngineConfig:
             raise ValueError(
                 f"linear_dtype must be one of {LINEAR_DTYPES}, got {self.linear_dtype!r}"
             )
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         if not 0.0 <= self.decode_share < 1.0:
             raise ValueError(f"decode_share must be in [0, 1), got {self.decode_share!r}")
         if not isinstance(self.max_turn_encoding_bytes, int) or self.max_turn_encoding_bytes < 0:

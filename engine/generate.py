@@ -68,11 +68,12 @@ class KVCacheState:
 
     strategy: str | None = None
 
-    def __init__(self, model: Any, max_tokens: int | None = None) -> None:
+    def __init__(self, model: Any, max_tokens: int | None = None, kv_dtype: str = "auto") -> None:
         require_longserve_attention(model)
         self._model = model
         self._device = next(model.parameters()).device
-        self.cache = KVCache(model, max_tokens)
+        dtype = None if kv_dtype == "auto" else getattr(torch, kv_dtype)
+        self.cache = KVCache(model, max_tokens, dtype)
 
     @property
     def num_tokens(self) -> int:

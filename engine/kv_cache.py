@@ -36,7 +36,9 @@ class KVCache:
     the cache as it was (`abort`), so the request can run the step again, alone.
     """
 
-    def __init__(self, model: Any, max_tokens: int | None = None) -> None:
+    def __init__(
+        self, model: Any, max_tokens: int | None = None, dtype: torch.dtype | None = None
+    ) -> None:
         cfg = model.config
         param = next(model.parameters())
         self.num_layers = int(cfg.num_hidden_layers)
@@ -44,7 +46,8 @@ class KVCache:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.head_dim = int(head_dim)
         self.max_tokens = max_tokens  # growth stops here (the request's prompt + max_tokens)
-        self._dtype, self._device = param.dtype, param.device
+        # what keys and values are kept in (EngineConfig.kv_dtype): the model's, or float16
+        self._dtype, self._device = dtype or param.dtype, param.device
         self._buffer: torch.Tensor | None = None  # (layers, 2, kv_heads, capacity, head_dim)
         self.num_tokens = 0  # committed tokens
         self._pending = 0  # tokens of the forward in progress
@@ -150,9 +153,10 @@ def attend_cache(
 ) -> torch.Tensor:
     """query (1, H, T, d) over keys/values (1, kv_heads, S, d), the last T keys being the
     query's own tokens (causal among them) -> (1, H, T, d). One token on a float32 CPU
-    model: engine/cpu_attention.py's split-key kernel (SDPA reads this shape slowly)."""
+    model: engine/cpu_attention.py's split-key kernel (SDPA reads this shape slowly), which
+    also reads a float16 cache; other shapes attend the cache in the query's dtype."""
     num_new, num_keys = query.shape[2], keys.shape[2]
-    if num_new == 1 and kernel_ready(query):
+    if num_new == 1 and kernel_ready(query) and keys.dtype in (torch.float32, torch.float16):
         heads, kv_heads, d = query.shape[1], keys.shape[1], query.shape[-1]
         grouped = query.reshape(kv_heads, heads // kv_heads, d)  # a kv head's queries as rows
         return decode_attention(grouped, keys[0], values[0], scaling).view(1, heads, 1, d)
@@ -164,8 +168,8 @@ def attend_cache(
         mask = cols <= rows + past  # (T, S)
     return torch.nn.functional.scaled_dot_product_attention(
         query,
-        keys,
-        values,
+        keys.to(query.dtype),
+        values.to(query.dtype),
         attn_mask=mask,
         scale=scaling,
         enable_gqa=query.shape[1] != keys.shape[1],

@@ -52,6 +52,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="the linear layers' weight precision: auto (the model's), bfloat16, int4 (CPU)",
     )
     parser.add_argument(
+        "--kv-dtype", help="plain requests' KV caches: auto (the model's dtype), float16"
+    )
+    parser.add_argument(
         "--api-key",
         action="append",
         dest="api_keys",
@@ -83,6 +86,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         "device",
         "dtype",
         "linear_dtype",
+        "kv_dtype",
         "api_keys",
         "max_waiting_requests",
         "max_running_requests",
@@ -128,6 +132,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "device": settings.device,
         "dtype": settings.dtype,
         "linear_dtype": settings.linear_dtype,
+        "kv_dtype": settings.kv_dtype,
         "lean_decode": settings.lean_decode,
         "max_waiting_requests": settings.max_waiting_requests,
         "max_running_requests": settings.max_running_requests,

@@ -43,6 +43,9 @@ class ServerSettings(BaseSettings):
     # float32 CPU model halves what a decode step reads, int4 (CPU only) reads an eighth
     # (engine/weights.py).
     linear_dtype: str = "auto"
+    # Plain requests' KV caches: "auto" (the model's dtype) or "float16" (half the bytes a
+    # decode step reads on a float32 model).
+    kv_dtype: str = "auto"
     # Plain requests' decode steps on a Llama-family model skip transformers' forward
     # (engine/decode_step.py); false keeps it for every step.
     lean_decode: bool = True

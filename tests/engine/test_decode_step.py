@@ -203,14 +203,30 @@ def test_other_architectures_keep_transformers_forward():
 @pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler or ninja to build the kernel")
 @pytest.mark.parametrize("keys", [1, 7, 255, 1000])
 @pytest.mark.parametrize("group", [1, 3])
-def test_the_cpu_kernel_is_sdpa(keys, group):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_cpu_kernel_is_sdpa(keys, group, dtype):
+    """float16 keys and values (a float16 KV cache) are widened as read: SDPA over the same
+    values in float32."""
     torch.manual_seed(keys)
     query = torch.randn(2, group, 64)
-    buffer = torch.randn(2, 2, 1200, 64)  # a cache's (2, kv_heads, capacity, d): strided views
-    keys_, values = buffer[0, :, :keys], buffer[1, :, :keys]
-    want = F.scaled_dot_product_attention(query[None], keys_[None], values[None], scale=0.125)
+    buffer = torch.randn(2, 2, 1200, 64).to(dtype)  # a cache's (2, kv_heads, capacity, d)
+    keys_, values = buffer[0, :, :keys], buffer[1, :, :keys]  # strided views
+    want = F.scaled_dot_product_attention(
+        query[None], keys_[None].float(), values[None].float(), scale=0.125
+    )
     got = decode_attention(query, keys_, values, 0.125)
     torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler or ninja to build the kernel")
+@pytest.mark.parametrize("d", [36, 128, 200])  # no 8-wide path; two passes of accumulators
+def test_the_cpu_kernel_takes_other_head_dims(d):
+    torch.manual_seed(d)
+    query, keys, values = torch.randn(2, 3, d), torch.randn(2, 300, d), torch.randn(2, 300, d)
+    want = F.scaled_dot_product_attention(query[None], keys[None], values[None], scale=0.1)
+    torch.testing.assert_close(
+        decode_attention(query, keys, values, 0.1), want[0], rtol=1e-5, atol=1e-5
+    )
 
 
 def test_decode_agreement_bench_finds_the_lean_step_equal_in_fp32(tiny_model_dir, capsys):
@@ -281,3 +297,33 @@ def test_the_pieces_kernel_reads_memory_rows_in_place():
         bad = rows.clone()
         bad[0, 0] = 500
         attend_pieces([q_blocks], [memory_k], [memory_v], [None], 0.125, [bad])
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_a_float16_cache_decodes_as_the_model_within_its_rounding(lean):
+    """kv_dtype "float16": the cache holds half-precision keys and values, the kernel widens
+    them as it reads (lean step, or transformers' forward through the attention function), and
+    a later prefill chunk attends them in float32; the logits stay within float16's rounding of
+    the float32 cache's, and a cache of 600 tokens holds half the bytes."""
+    model = tiny_llama()
+    stepper = model if lean else without_decoder(model)
+    full, half = KVCacheState(model, 1024), KVCacheState(model, 1024, kv_dtype="float16")
+    ids = torch.arange(600) % 300
+    with torch.inference_mode():
+        for state in (full, half):
+            state.prefill(ids[:300])
+        for token in (5, 6, 7):
+            want = decode_rows(stepper, [full.decode_row(token)], [token])[0]
+            got = decode_rows(stepper, [half.decode_row(token)], [token])[0]
+            torch.testing.assert_close(got, want, rtol=0, atol=2e-3 * float(want.abs().max()))
+        want, got = full.prefill(ids[300:]), half.prefill(ids[300:])
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-3 * float(want.abs().max()))
+    assert half.cache._buffer.dtype == torch.float16
+    assert half.cache.nbytes() * 2 == full.cache.nbytes()
+
+
+def test_kv_dtype_is_checked():
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="kv_dtype"):
+        EngineConfig(kv_dtype="int8")
