@@ -10,7 +10,8 @@ not weight matmuls (Python, dispatch, norms, rotary, attention, sampling-side wo
 The step is the engine's: the lean decode step where the model has one (engine/decode_step.py),
 and `transformers_step_ms` the same step through transformers' forward, on a second cache.
 `attention_ms` times one token's attention over the --context-tokens cache for every layer,
-with the CPU kernel (engine/cpu_attention.py) and with SDPA.
+with the CPU kernel (engine/cpu_attention.py) and with SDPA; --kv-dtype float16 keeps the
+engine step's cache (and the one attention_ms reads) in half precision.
 
     longserve bench decode_floor --dtypes float32 bfloat16 float32+bfloat16-linears \
         float32+int4-linears
@@ -65,13 +66,19 @@ def timed_steps(step: Callable[[int], Any], steps: int) -> float:
 
 
 def attention_ms(cache: KVCache, model: Any, steps: int) -> dict[str, float]:
-    """One token's attention over every layer's cached keys: the CPU kernel and SDPA."""
+    """One token's attention over every layer's cached keys: the CPU kernel and SDPA (over
+    the keys cast to the model's dtype, as prefill reads a float16 cache)."""
     cfg = model.config
     kv_heads, d = cache.kv_heads, cache.head_dim
-    query = torch.randn(kv_heads, cfg.num_attention_heads // kv_heads, d, dtype=cache._dtype)
+    dtype = next(model.parameters()).dtype
+    query = torch.randn(kv_heads, cfg.num_attention_heads // kv_heads, d, dtype=dtype)
     layers = [cache.layer_view(layer) for layer in range(cache.num_layers)]
-    ways = {"sdpa": lambda q, k, v: F.scaled_dot_product_attention(q[None], k[None], v[None])}
-    if cache._dtype == torch.float32 and load_kernel() is not None:
+    ways = {
+        "sdpa": lambda q, k, v: F.scaled_dot_product_attention(
+            q[None], k[None].to(q.dtype), v[None].to(q.dtype)
+        )
+    }
+    if dtype == torch.float32 and load_kernel() is not None:
         ways["kernel"] = lambda q, k, v: decode_attention(q, k, v, d**-0.5)
     out = {}
     for name, attend in ways.items():
@@ -89,7 +96,7 @@ def measure(dtype: str, args: argparse.Namespace) -> dict:
     )
     loaded = load_model(config)
     model = loaded.model
-    state = KVCacheState(model, args.context_tokens + args.steps + 16)
+    state = KVCacheState(model, args.context_tokens + args.steps + 16, kv_dtype=args.kv_dtype)
     plain = KVCacheState(model, args.context_tokens + args.steps + 16)
     prompt = torch.arange(args.context_tokens) % 1000 + 100  # ids of ordinary tokens
     with torch.inference_mode():
@@ -112,6 +119,7 @@ def measure(dtype: str, args: argparse.Namespace) -> dict:
         "bench": "decode_floor",
         "dtype": dtype,
         "context_tokens": args.context_tokens,
+        "kv_dtype": args.kv_dtype,
         "step_ms": round(step * 1000, 2),
         "lean_step": decoder_of(model) is not None,
         "transformers_step_ms": round(step_hf * 1000, 2),
@@ -130,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         "--dtypes", nargs="+", default=["float32", "bfloat16", "float32+bfloat16-linears"]
     )
     parser.add_argument("--context-tokens", type=int, default=512)
+    parser.add_argument("--kv-dtype", default="auto", help="the engine step's cache: auto, float16")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--model", help="default: the embedded model")
     args = parser.parse_args(argv)
