@@ -72,7 +72,7 @@ RUN mkdir -p "${TORCH_EXTENSIONS_DIR}" \
       apt-get update -qq \
    && apt-get install -y -qq --no-install-recommends g++ \
    && for cap in avx2 avx512; do \
-        ATEN_CPU_CAPABILITY="${cap}" python -P -c "from engine.cpu_extensions import load_extension as f; f('decode_attention'); f('quant_matmul')"; \
+        ATEN_CPU_CAPABILITY="${cap}" python -P -c "from engine.cpu_extensions import load_extension as f; f('decode_attention'); f('memory_step'); f('quant_matmul')"; \
       done \
    && rm -rf /var/lib/apt/lists/*; \
     fi

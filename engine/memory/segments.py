@@ -121,9 +121,10 @@ class SegmentSelector(Selector):
         scores = self.block_scores(layer, q_pre, scaling)
         if c.select == "consensus":  # the same blocks for every KV head
             scores = self._consensus(layer, scores.sum(dim=0), q_pre.shape[2])
-            top = scores.topk(c.k).indices.tolist()
-            lines = {min(max(t + o, 0), num_blocks - 1) for t in top for o in range(-c.u, c.u + 1)}
-            return self._same_blocks(layer, sorted(lines), kvh, device)
+            best = scores.topk(c.k).indices.tolist()
+            near = range(-c.u, c.u + 1)
+            blocks = {min(max(t + o, 0), num_blocks - 1) for t in best for o in near}
+            return self._same_blocks(layer, sorted(blocks), kvh, device)
         top = scores.topk(c.k, dim=-1).indices  # (kv_heads, k)
         lines = top[..., None] + torch.arange(-c.u, c.u + 1, device=device)
         lines = lines.clamp(0, num_blocks - 1).reshape(kvh, -1)

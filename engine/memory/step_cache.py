@@ -218,8 +218,9 @@ class StepCache:
             qs = [q_frame] * len(prefix_k) + [queries.q_window, q_frame]
             if blocks_at is not None:  # the retrieved blocks: the query rotated per block
                 n = prefix_k[1].shape[1] if retrieved_rows is None else retrieved_rows.shape[1]
-                block, rotary = frame.config.block, frame.rotary
-                qs[1] = step_kernels(query).block_queries(
+                block, rotary, kernels = frame.config.block, frame.rotary, step_kernels(query)
+                assert kernels is not None, "queries come from the kernels"
+                qs[1] = kernels.block_queries(
                     queries.q_pre, rotary.cos, rotary.sin,
                     self.frame_position - blocks_at, n // block, block,
                 )  # fmt: skip
