@@ -11,6 +11,9 @@ path's argmax equals the reference's:
 - `vs_fp32`: the lean step against transformers' forward on the fp32 model (the precision's
   own divergence).
 
+--kv-dtype float16 keeps the lean step's cache in half precision (EngineConfig.kv_dtype); the
+transformers caches stay in the model's dtype, so both figures then include its rounding.
+
     longserve bench decode_agreement --linear-dtypes auto int4 --context-tokens 512 2048
 """
 
@@ -45,10 +48,12 @@ def greedy_reference(model: Any, prompt: torch.Tensor, steps: int) -> list[int]:
     return tokens
 
 
-def agreement(model: Any, reference: Any, prompt: torch.Tensor, tokens: list[int]) -> dict:
-    lean, plain, ref = (
-        KVCacheState(m, len(prompt) + len(tokens) + 1) for m in (model, model, reference)
-    )
+def agreement(
+    model: Any, reference: Any, prompt: torch.Tensor, tokens: list[int], kv_dtype: str = "auto"
+) -> dict:
+    size = len(prompt) + len(tokens) + 1
+    lean = KVCacheState(model, size, kv_dtype=kv_dtype)
+    plain, ref = KVCacheState(model, size), KVCacheState(reference, size)
     logits = [s.prefill(prompt) for s in (lean, plain, ref)]
     same_path = same_fp32 = 0
     for token in tokens:
@@ -69,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context-tokens", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--kv-dtype", default="auto", help="the lean step's cache: auto, float16")
     parser.add_argument("--model", help="default: the embedded model")
     args = parser.parse_args(argv)
     reference = load_model(EngineConfig(model=args.model, device="cpu", lean_decode=False))
@@ -82,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
                 for seed in range(args.prompts):
                     prompt = passage(reference.tokenizer, seed, context)
                     tokens = greedy_reference(reference.model, prompt, args.new_tokens)
-                    got = agreement(loaded.model, reference.model, prompt, tokens)
+                    got = agreement(loaded.model, reference.model, prompt, tokens, args.kv_dtype)
                     totals = {k: totals[k] + got[k] for k in totals}
                 steps = totals["steps"]
                 print(
@@ -90,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
                         {
                             "bench": "decode_agreement",
                             "linear_dtype": linear_dtype,
+                            "kv_dtype": args.kv_dtype,
                             "context_tokens": context,
                             "prompts": args.prompts,
                             "steps": steps,
