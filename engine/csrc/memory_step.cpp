@@ -16,7 +16,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cfloat>
 #include <cmath>
 #include <vector>
 
