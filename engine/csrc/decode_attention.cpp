@@ -273,7 +273,8 @@ void decode_tasks(const torch::Tensor& q, const torch::Tensor& k, const torch::T
 // engine/memory/step_cache.py): queries[i] (kv_heads, nq, group, d) contiguous, keys[i] and
 // values[i] (kv_heads, n, d) with contiguous rows, key j of piece i scored by its query
 // j / (n / nq) (nq > 1: one query per block of keys); masks[i] (kv_heads, n) bool, or empty
-// for none (a False key is left out). -> (kv_heads, group, d). All float32.
+// for none (a False key is left out). -> (kv_heads, group, d) float32. Queries are float32;
+// a piece's keys and values float32, or float16 (widened as they are read).
 torch::Tensor attend_pieces(std::vector<torch::Tensor> queries, std::vector<torch::Tensor> keys,
                             std::vector<torch::Tensor> values, std::vector<torch::Tensor> masks,
                             std::vector<torch::Tensor> rows, double scale) {
@@ -285,9 +286,11 @@ torch::Tensor attend_pieces(std::vector<torch::Tensor> queries, std::vector<torc
   std::vector<int64_t> lengths(pieces);
   for (size_t i = 0; i < pieces; ++i) {
     const auto &q = queries[i], &k = keys[i], &v = values[i], &mask = masks[i], &row = rows[i];
-    TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
-                    v.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 4,
-                "attend_pieces: float32, queries (kv_heads, nq, group, d) contiguous");
+    TORCH_CHECK(q.scalar_type() == at::kFloat && v.scalar_type() == k.scalar_type() &&
+                    (k.scalar_type() == at::kFloat || k.scalar_type() == at::kHalf) &&
+                    q.is_contiguous() && q.dim() == 4,
+                "attend_pieces: float32 queries (kv_heads, nq, group, d) contiguous, float32 or "
+                "float16 keys and values");
     TORCH_CHECK(row.numel() == 0 || (row.scalar_type() == at::kLong && row.is_contiguous() &&
                                      row.dim() == 2 && row.size(0) == heads),
                 "attend_pieces: rows (kv_heads, n) int64");
@@ -312,6 +315,7 @@ torch::Tensor attend_pieces(std::vector<torch::Tensor> queries, std::vector<torc
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(group * kBlock), m(group), l(group), a(group * d);
+    std::vector<float> kbuf(kBlock * d), vbuf(kBlock * d);  // float16 rows, widened
     const float* krows[kBlock];
     const float* vrows[kBlock];
     for (int64_t h = begin; h < end; ++h) {
@@ -322,15 +326,23 @@ torch::Tensor attend_pieces(std::vector<torch::Tensor> queries, std::vector<torc
         const auto &q = queries[i], &k = keys[i], &v = values[i], &mask = masks[i];
         const int64_t n = lengths[i], nq = q.size(1), per = n / nq;
         const float* qp = q.data_ptr<float>() + h * nq * group * d;
-        const float* kp = k.data_ptr<float>() + h * k.stride(0);
-        const float* vp = v.data_ptr<float>() + h * v.stride(0);
+        const bool half = k.scalar_type() == at::kHalf;
         const bool* ok = mask.numel() ? mask.data_ptr<bool>() + h * n : nullptr;
         const int64_t* at = rows[i].numel() ? rows[i].data_ptr<int64_t>() + h * n : nullptr;
         for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
           const int64_t count = std::min(kBlock, n - b0);
           const auto index = [at, b0](int64_t j) { return at ? at[b0 + j] : b0 + j; };
-          row_pointers(kp, k.stride(1), count, d, nullptr, index, krows);
-          row_pointers(vp, v.stride(1), count, d, nullptr, index, vrows);
+          if (half) {
+            row_pointers(k.data_ptr<at::Half>() + h * k.stride(0), k.stride(1), count, d,
+                         kbuf.data(), index, krows);
+            row_pointers(v.data_ptr<at::Half>() + h * v.stride(0), v.stride(1), count, d,
+                         vbuf.data(), index, vrows);
+          } else {
+            row_pointers(k.data_ptr<float>() + h * k.stride(0), k.stride(1), count, d, nullptr,
+                         index, krows);
+            row_pointers(v.data_ptr<float>() + h * v.stride(0), v.stride(1), count, d, nullptr,
+                         index, vrows);
+          }
           for (int64_t j0 = 0; j0 < count;) {  // runs of keys that share a query
             const int64_t qi = (b0 + j0) / per;
             const int64_t j1 = std::min(count, (qi + 1) * per - b0);
@@ -362,5 +374,5 @@ torch::Tensor attend_pieces(std::vector<torch::Tensor> queries, std::vector<torc
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one decode token's attention (float32, CPU)");
-  m.def("attend_pieces", &attend_pieces, "one decode token over pieces of keys (float32, CPU)");
+  m.def("attend_pieces", &attend_pieces, "one decode token over pieces of keys (CPU)");
 }

@@ -93,14 +93,15 @@ class FrameState:
         empty = torch.empty(kv_heads, 0, head_dim, dtype=dtype, device=device)
         host = config.tier == "host"
         memory_device = torch.device("cpu") if host else device
+        memory_dtype = torch.float16 if config.memory_dtype == "float16" else dtype
         self.layers = [
             LayerStore(
                 empty,
                 empty,
                 GrowingBuffer(kv_heads, head_dim, dtype, device),
                 GrowingBuffer(kv_heads, head_dim, dtype, device),
-                GrowingBuffer(kv_heads, head_dim, dtype, memory_device, pin=host),
-                GrowingBuffer(kv_heads, head_dim, dtype, memory_device, pin=host),
+                GrowingBuffer(kv_heads, head_dim, memory_dtype, memory_device, pin=host),
+                GrowingBuffer(kv_heads, head_dim, memory_dtype, memory_device, pin=host),
             )
             for _ in range(num_layers)
         ]
@@ -122,7 +123,7 @@ class FrameState:
         self._window_angles: Angles | None = None
         self._window_skip = 0
         self._sinks_rotated: dict[int, torch.Tensor] = {}
-        self._device = device
+        self._device, self._dtype = device, dtype
         self.step_cache = StepCache()  # what decode steps keep between steps
         # memory keys are stored rotated by their offset in their block (block-local), so a
         # decode step that retrieves whole blocks rotates its query once per block instead of
@@ -354,10 +355,11 @@ class FrameState:
     def _take_blocks(
         self, store: LayerStore, idx: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Memory rows idx (kv_heads, R) as stored (keys block-local), on the frame's device."""
+        """Memory rows idx (kv_heads, R) as stored (keys block-local), on the frame's device
+        in its dtype."""
         rows = idx.clamp(min=0).to(store.mem_k.device)
-        mem_k = store.mem_k.take(rows).to(self._device, non_blocking=True)
-        mem_v = store.mem_v.take(rows).to(self._device, non_blocking=True)
+        mem_k = store.mem_k.take(rows).to(self._device, self._dtype, non_blocking=True)
+        mem_v = store.mem_v.take(rows).to(self._device, self._dtype, non_blocking=True)
         return mem_k, mem_v
 
     def _check_rows(

@@ -293,6 +293,18 @@ def test_the_pieces_kernel_reads_memory_rows_in_place():
         [None, rows],
     )  # fmt: skip
     torch.testing.assert_close(got, want)
+    # float16 memory (memory_dtype): widened as read, the same as its float32 copy
+    half_k, half_v = memory_k.half(), memory_v.half()
+    got = attend_pieces(
+        [q, q_blocks], [sinks_k, half_k], [sinks_v, half_v], [None, None], 0.125, [None, rows]
+    )
+    want = attend_pieces(
+        [q, q_blocks], [sinks_k, half_k.float()], [sinks_v, half_v.float()], [None, None],
+        0.125, [None, rows],
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="float16"):  # keys and values of one dtype
+        attend_pieces([q_blocks], [half_k], [memory_v], [None], 0.125, [rows])
     with pytest.raises(RuntimeError, match="outside"):
         bad = rows.clone()
         bad[0, 0] = 500

@@ -289,6 +289,9 @@ STEP_KNOBS = {
     "segments-fifo": dict(k=2, u=1, m=48),  # memory = k(2u+1) blocks: the same rows, shifted
     "tokens": dict(k=12),
     "neurocache": dict(k=4, w=2, c=2, r=0, fit_tokens=32),
+    # memory blocks in float16: read in place (widened by the kernel) or taken and cast
+    "segments-f16": dict(k=2, u=1, memory_dtype="float16"),
+    "tokens-f16": dict(k=12, memory_dtype="float16"),
 }
 
 
@@ -301,7 +304,7 @@ def test_a_decode_step_attends_what_the_whole_frame_would(monkeypatch, case):
     rebase of the window's positions (a 128-position table: its base moves every ~100 steps)."""
     model = tiny("llama", max_position_embeddings=128)
     spec = dict(sinks=8, local_window=32, chunk_size=16, block=8, tail=4, **STEP_KNOBS[case])
-    memory = SessionMemory(model, MemorySpec(case.removesuffix("-fifo"), spec))
+    memory = SessionMemory(model, MemorySpec(case.split("-")[0], spec))
     ids = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(11))
     logits = memory.append(ids)
     dense = memory.fork()

@@ -166,3 +166,27 @@ def test_a_dropped_session_and_its_forks_are_freed_without_the_garbage_collector
         assert [r() for r in frames + selectors] == [None] * 4
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_float16_memory_holds_half_the_bytes_and_rounds_only_memory(strategy):
+    """memory_dtype "float16" keeps memory blocks in half precision (sinks and window stay
+    fp32): half the bytes, logits within float16's rounding of the fp32 memory's, and a fork
+    (the prefix cache's) keeps them half."""
+    model = tiny("llama")
+    ids = torch.randint(0, 300, (400,), generator=torch.Generator().manual_seed(9))
+    full = SessionMemory(model, MemorySpec(strategy, SMALL[strategy]))
+    half = SessionMemory(model, MemorySpec(strategy, dict(SMALL[strategy], memory_dtype="float16")))
+    want, got = _run(full, ids), _run(half, ids)
+    for layer in half._frame.layers:
+        assert layer.mem_k.data.dtype == layer.mem_v.data.dtype == torch.float16
+        assert layer.window_k.data.dtype == torch.float32
+    assert half._frame.n_memory == full._frame.n_memory > 0
+    mem = sum(layer.mem_k.nbytes() + layer.mem_v.nbytes() for layer in half._frame.layers)
+    assert mem * 2 == sum(
+        layer.mem_k.nbytes() + layer.mem_v.nbytes() for layer in full._frame.layers
+    )
+    for g, w in zip(got, want, strict=True):  # float16 keeps ~3 decimal digits
+        torch.testing.assert_close(g, w, atol=2e-3 * float(w.abs().max()), rtol=0)
+    fork = half.fork()
+    assert all(layer.mem_k.data.dtype == torch.float16 for layer in fork._frame.layers)
