@@ -19,15 +19,22 @@ def int4_layer(n: int, k: int, seed: int = 0) -> Int4Linear:
     return Int4Linear(linear)
 
 
+def dequantized(layer: Int4Linear) -> torch.Tensor:
+    """The layer's weights (N, K) in fp32 from its codes, block scales and minimums: what the
+    kernel multiplies (layer.dense is rounded to bf16 where gemm_dtype() is bf16)."""
+    n, k = layer.out_features, layer.in_features
+    codes = torch.stack((layer.codes & 15, layer.codes >> 4), 2)  # (N, K/2, 2) low, high
+    q = codes.view(n, k // 32, 16, 2).permute(0, 1, 3, 2).reshape(n, k).float()  # k order
+    scales, mins = (t.repeat_interleave(32, 1) for t in (layer.block_scales, layer.block_mins))
+    return q * scales + mins
+
+
 def test_every_code_position_reaches_its_input():
     """A one-hot input quantizes exactly (its block's scale is 1/32767), so y = q d + m of the
     code at that input: the nibble layout, the block scales and the minimums, exactly."""
     layer = int4_layer(16, 64)
     kernels = quant_kernels()
-    codes = torch.stack((layer.codes & 15, layer.codes >> 4), 2)  # (N, K/2, 2) low, high
-    q = codes.view(16, 2, 16, 2).permute(0, 1, 3, 2).reshape(16, 64).float()  # back to k order
-    scales, mins = (t.repeat_interleave(32, 1) for t in (layer.block_scales, layer.block_mins))
-    dense = q * scales + mins  # (N, K)
+    dense = dequantized(layer)
     for j in range(64):
         x = torch.zeros(1, 64)
         x[0, j] = 1.0
@@ -42,7 +49,7 @@ def test_q4_matches_the_dequantized_product(rows):
     every row of a batch the same as alone."""
     layer = int4_layer(208, 96)
     x = torch.randn(rows, 96)
-    want = x @ layer.dense.float().t()
+    want = x @ dequantized(layer).t()
     got = small_matmul(layer)(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 208)
     assert float((got - want).norm() / want.norm()) < 1e-3
