@@ -61,13 +61,18 @@ def attend_pieces(
     -> (kv_heads, group, d)."""
     kernel = load_kernel()
     assert kernel is not None, "attend_pieces without a kernel: check load_kernel() first"
+    rows = rows or [None] * len(queries)
+    total = sum(k.shape[1] if r is None else r.shape[1] for k, r in zip(keys, rows, strict=True))
+    # tasks of at least MIN_CHUNK keys, about four per thread over the kv heads
+    splits = max(1, min(4 * torch.get_num_threads() // queries[0].shape[0], total // MIN_CHUNK))
     return kernel.attend_pieces(
         [q.contiguous() for q in queries],
         keys,
         values,
         [_NO_MASK if m is None else m.contiguous() for m in masks],
-        [_NO_ROWS if r is None else r.contiguous() for r in rows or [None] * len(queries)],
+        [_NO_ROWS if r is None else r.contiguous() for r in rows],
         scale,
+        splits,
     )
 
 

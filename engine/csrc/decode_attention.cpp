@@ -177,6 +177,36 @@ template <typename T>
 void decode_tasks(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                   float sc, int64_t splits, int64_t chunk, float* ap, float* mp, float* lp);
 
+// The (kv head, key chunk) tasks' partial results merged by their log-sum-exp: acc (heads,
+// splits, group, d), maxes and sums (heads, splits, group) -> (heads, group, d)
+torch::Tensor merge_splits(const torch::Tensor& acc, const torch::Tensor& maxes,
+                           const torch::Tensor& sums) {
+  const int64_t heads = acc.size(0), splits = acc.size(1), group = acc.size(2), d = acc.size(3);
+  const float* ap = acc.data_ptr<float>();
+  const float* mp = maxes.data_ptr<float>();
+  const float* lp = sums.data_ptr<float>();
+  auto out = torch::empty({heads, group, d}, acc.options());
+  float* op = out.data_ptr<float>();
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t g = 0; g < group; ++g) {
+      float top = -FLT_MAX;
+      for (int64_t c = 0; c < splits; ++c) top = std::max(top, mp[(h * splits + c) * group + g]);
+      float total = 0.f;
+      float* o = op + (h * group + g) * d;
+      std::fill(o, o + d, 0.f);
+      for (int64_t c = 0; c < splits; ++c) {
+        const int64_t idx = (h * splits + c) * group + g;
+        const float w = std::exp(mp[idx] - top);
+        total += lp[idx] * w;
+        const float* a = ap + idx * d;
+        for (int64_t i = 0; i < d; ++i) o[i] += w * a[i];
+      }
+      for (int64_t i = 0; i < d; ++i) o[i] /= total;
+    }
+  }
+  return out;
+}
+
 // q (kv_heads, group, d) contiguous float32; k, v (kv_heads, S, d) with contiguous rows, float32
 // or float16 (a float16 KV cache: each row widened as it is read) -> (kv_heads, group, d)
 // float32.
@@ -209,26 +239,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     decode_tasks<float>(q, k, v, sc, splits, chunk, ap, mp, lp);
   }
 
-  auto out = torch::empty({heads, group, d}, q.options());
-  float* op = out.data_ptr<float>();
-  for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t g = 0; g < group; ++g) {
-      float top = -FLT_MAX;
-      for (int64_t c = 0; c < splits; ++c) top = std::max(top, mp[(h * splits + c) * group + g]);
-      float total = 0.f;
-      float* o = op + (h * group + g) * d;
-      std::fill(o, o + d, 0.f);
-      for (int64_t c = 0; c < splits; ++c) {
-        const int64_t idx = (h * splits + c) * group + g;
-        const float w = std::exp(mp[idx] - top);
-        total += lp[idx] * w;
-        const float* a = ap + idx * d;
-        for (int64_t i = 0; i < d; ++i) o[i] += w * a[i];
-      }
-      for (int64_t i = 0; i < d; ++i) o[i] /= total;
-    }
-  }
-  return out;
+  return merge_splits(acc, maxes, sums);
 }
 
 // Every (kv head, key chunk) task's online softmax: acc (heads, splits, group, d), maxes and
@@ -274,10 +285,12 @@ void decode_tasks(const torch::Tensor& q, const torch::Tensor& k, const torch::T
 // values[i] (kv_heads, n, d) with contiguous rows, key j of piece i scored by its query
 // j / (n / nq) (nq > 1: one query per block of keys); masks[i] (kv_heads, n) bool, or empty
 // for none (a False key is left out). -> (kv_heads, group, d) float32. Queries are float32;
-// a piece's keys and values float32, or float16 (widened as they are read).
+// a piece's keys and values float32, or float16 (widened as they are read). The pieces' keys,
+// taken one after the other, are split into `splits` chunks per kv head, attended as tasks
+// across threads and merged as decode_attention's are (3 kv heads alone leave a thread idle).
 torch::Tensor attend_pieces(std::vector<torch::Tensor> queries, std::vector<torch::Tensor> keys,
                             std::vector<torch::Tensor> values, std::vector<torch::Tensor> masks,
-                            std::vector<torch::Tensor> rows, double scale) {
+                            std::vector<torch::Tensor> rows, double scale, int64_t splits) {
   const size_t pieces = queries.size();
   TORCH_CHECK(pieces > 0 && keys.size() == pieces && values.size() == pieces &&
                   masks.size() == pieces && rows.size() == pieces,
@@ -310,27 +323,42 @@ torch::Tensor attend_pieces(std::vector<torch::Tensor> queries, std::vector<torc
                                       mask.size(0) == heads && mask.size(1) == lengths[i]),
                 "attend_pieces: masks (kv_heads, n) bool");
   }
-  auto out = torch::empty({heads, group, d}, queries[0].options());
-  float* op = out.data_ptr<float>();
+  int64_t total = 0;
+  for (const int64_t n : lengths) total += n;
+  splits = std::max<int64_t>(1, std::min(splits, total));
+  const int64_t chunk = (total + splits - 1) / splits;
+  const auto options = queries[0].options();
+  auto acc = torch::zeros({heads, splits, group, d}, options);
+  auto maxes = torch::full({heads, splits, group}, -FLT_MAX, options);
+  auto sums = torch::zeros({heads, splits, group}, options);
+  float* ap = acc.data_ptr<float>();
+  float* mp = maxes.data_ptr<float>();
+  float* lp = sums.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * kBlock), m(group), l(group), a(group * d);
+  at::parallel_for(0, heads * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * kBlock);
     std::vector<float> kbuf(kBlock * d), vbuf(kBlock * d);  // float16 rows, widened
     const float* krows[kBlock];
     const float* vrows[kBlock];
-    for (int64_t h = begin; h < end; ++h) {
-      std::fill(m.begin(), m.end(), -FLT_MAX);
-      std::fill(l.begin(), l.end(), 0.f);
-      std::fill(a.begin(), a.end(), 0.f);
-      for (size_t i = 0; i < pieces; ++i) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / splits, first = (task % splits) * chunk;
+      const int64_t last = std::min(total, first + chunk);
+      float* a = ap + task * group * d;
+      float* m = mp + task * group;
+      float* l = lp + task * group;
+      int64_t offset = 0;  // of piece i in the pieces' keys taken one after the other
+      for (size_t i = 0; i < pieces; offset += lengths[i], ++i) {
+        const int64_t n = lengths[i];
+        const int64_t lo = std::max<int64_t>(0, first - offset), hi = std::min(n, last - offset);
+        if (lo >= hi) continue;
         const auto &q = queries[i], &k = keys[i], &v = values[i], &mask = masks[i];
-        const int64_t n = lengths[i], nq = q.size(1), per = n / nq;
+        const int64_t nq = q.size(1), per = n / nq;
         const float* qp = q.data_ptr<float>() + h * nq * group * d;
         const bool half = k.scalar_type() == at::kHalf;
         const bool* ok = mask.numel() ? mask.data_ptr<bool>() + h * n : nullptr;
         const int64_t* at = rows[i].numel() ? rows[i].data_ptr<int64_t>() + h * n : nullptr;
-        for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
-          const int64_t count = std::min(kBlock, n - b0);
+        for (int64_t b0 = lo; b0 < hi; b0 += kBlock) {
+          const int64_t count = std::min(kBlock, hi - b0);
           const auto index = [at, b0](int64_t j) { return at ? at[b0 + j] : b0 + j; };
           if (half) {
             row_pointers(k.data_ptr<at::Half>() + h * k.stride(0), k.stride(1), count, d,
@@ -357,17 +385,13 @@ torch::Tensor attend_pieces(std::vector<torch::Tensor> queries, std::vector<torc
               }
             }
           }
-          fold_scores(scores.data(), count, group, d, m.data(), l.data(), a.data());
-          accumulate(scores.data(), vrows, count, group, d, a.data());
+          fold_scores(scores.data(), count, group, d, m, l, a);
+          accumulate(scores.data(), vrows, count, group, d, a);
         }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* o = op + (h * group + g) * d;
-        for (int64_t i = 0; i < d; ++i) o[i] = a[g * d + i] / l[g];
       }
     }
   });
-  return out;
+  return merge_splits(acc, maxes, sums);
 }
 
 }  // namespace

@@ -268,6 +268,14 @@ def test_the_pieces_kernel_is_one_softmax_over_the_concatenated_keys():
     weights = (torch.cat(logits, -1) * 0.125).softmax(-1)
     want = weights @ torch.cat(values, 1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the pieces' keys split into chunks across threads, chunk edges inside pieces and inside
+    # a block's run of keys, a chunk all masked, more chunks than fit: the same softmax
+    kernel, no_mask, no_rows = load_kernel(), torch.empty(0, dtype=torch.bool), torch.empty(0)
+    masks = [no_mask, ok, no_mask, no_mask]
+    for splits in (2, 3, 7, 140, 500):
+        split = kernel.attend_pieces(queries, keys, values, masks, [no_rows.long()] * 4, 0.125,
+                                     splits)  # fmt: skip
+        torch.testing.assert_close(split, want, rtol=1e-5, atol=1e-5)
     # a piece whose keys are all left out adds nothing
     none = torch.zeros(kvh, 4 * block, dtype=torch.bool)
     alone = attend_pieces([q, q_blocks], keys[:2], values[:2], [None, none], 0.125)
