@@ -133,3 +133,10 @@ class LayerStore:
         return sum(t.numel() * t.element_size() for t in (self.sink_k, self.sink_v)) + sum(
             b.nbytes() for b in buffers
         )
+
+
+def storage_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
+    """What memory blocks hold keys and values in (FrameConfig.memory_dtype)."""
+    if setting == "float16" or (setting == "auto" and model_dtype == torch.float32):
+        return torch.float16
+    return model_dtype

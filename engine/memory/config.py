@@ -68,11 +68,13 @@ class FrameConfig:
         to the device, so a GPU holds sinks, window, summaries and indices while the bulk of
         a long session sits in host RAM. Sinks and window always stay on the device. On a
         CPU-only machine both tiers are the same memory.
-    memory_dtype: what memory blocks hold their keys and values in. "model" (default) the
-        model's dtype; "float16" half precision, as the memory store keeps them: half the
-        bytes a session holds, and half what a decode step reads from its retrieved blocks
-        (the CPU kernel widens them as it reads; other paths cast the rows they take). Sinks
-        and the local window keep the model's dtype.
+    memory_dtype: what memory blocks hold their keys and values in. "float16" half
+        precision, as the memory store keeps them: half the bytes a session holds, and half
+        what a decode step reads from its retrieved blocks (the CPU kernel widens them as it
+        reads; other paths cast the rows they take to the model's dtype). "model" the model's
+        dtype. "auto" (default): "float16" for a float32 model, else "model" (a bfloat16
+        model's range is kept). Sinks and the local window keep the model's dtype
+        (docs/decisions/041-float16-memory.md).
     """
 
     sinks: int = 64
@@ -85,7 +87,7 @@ class FrameConfig:
     read_window: int = 512
     read_dtype: str = "auto"
     tier: str = "device"
-    memory_dtype: str = "model"
+    memory_dtype: str = "auto"
     prior_k: int = 8
     prior_u: int = 1
     prior_order: str = "relevance"
@@ -203,7 +205,7 @@ _CHOICES = {
     "select": ("consensus", "head"),
     "index": ("auto", "torch", "faiss-flat", "faiss-hnsw", "faiss-ivf"),
     "tier": ("device", "host"),
-    "memory_dtype": ("model", "float16"),
+    "memory_dtype": ("auto", "model", "float16"),
     "read_dtype": ("auto", "model", "bfloat16"),
     "prior_order": ("document", "relevance"),
 }

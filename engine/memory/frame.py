@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from engine.cpu_attention import step_kernels
 from engine.memory.band import attend_band
-from engine.memory.buffers import GrowingBuffer, LayerStore
+from engine.memory.buffers import GrowingBuffer, LayerStore, storage_dtype
 from engine.memory.config import FrameConfig
 from engine.memory.prior import merge_rows
 from engine.memory.rotary import Angles, RotaryTable
@@ -93,7 +93,7 @@ class FrameState:
         empty = torch.empty(kv_heads, 0, head_dim, dtype=dtype, device=device)
         host = config.tier == "host"
         memory_device = torch.device("cpu") if host else device
-        memory_dtype = torch.float16 if config.memory_dtype == "float16" else dtype
+        memory_dtype = storage_dtype(config.memory_dtype, dtype)
         self.layers = [
             LayerStore(
                 empty,
@@ -550,3 +550,4 @@ class FrameState:
     def nbytes(self) -> int:
         step = self.step_cache.nbytes()
         return sum(s.nbytes() for s in self.layers) + self.selector.nbytes() + step
+

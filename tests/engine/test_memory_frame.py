@@ -289,9 +289,10 @@ STEP_KNOBS = {
     "segments-fifo": dict(k=2, u=1, m=48),  # memory = k(2u+1) blocks: the same rows, shifted
     "tokens": dict(k=12),
     "neurocache": dict(k=4, w=2, c=2, r=0, fit_tokens=32),
-    # memory blocks in float16: read in place (widened by the kernel) or taken and cast
-    "segments-f16": dict(k=2, u=1, memory_dtype="float16"),
-    "tokens-f16": dict(k=12, memory_dtype="float16"),
+    # memory blocks in the model's float32 (the others: float16, widened by the kernel as it
+    # reads them in place, or cast as they are taken)
+    "segments-fp32": dict(k=2, u=1, memory_dtype="model"),
+    "tokens-fp32": dict(k=12, memory_dtype="model"),
 }
 
 

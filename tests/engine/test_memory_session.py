@@ -170,13 +170,13 @@ def test_a_dropped_session_and_its_forks_are_freed_without_the_garbage_collector
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_float16_memory_holds_half_the_bytes_and_rounds_only_memory(strategy):
-    """memory_dtype "float16" keeps memory blocks in half precision (sinks and window stay
-    fp32): half the bytes, logits within float16's rounding of the fp32 memory's, and a fork
-    (the prefix cache's) keeps them half."""
+    """memory_dtype "auto" (the default) keeps a float32 model's memory blocks in float16
+    (sinks and window stay fp32): half the bytes of "model", logits within float16's rounding
+    of the fp32 memory's, and a fork (the prefix cache's) keeps them half."""
     model = tiny("llama")
     ids = torch.randint(0, 300, (400,), generator=torch.Generator().manual_seed(9))
-    full = SessionMemory(model, MemorySpec(strategy, SMALL[strategy]))
-    half = SessionMemory(model, MemorySpec(strategy, dict(SMALL[strategy], memory_dtype="float16")))
+    full = SessionMemory(model, MemorySpec(strategy, dict(SMALL[strategy], memory_dtype="model")))
+    half = SessionMemory(model, MemorySpec(strategy, SMALL[strategy]))
     want, got = _run(full, ids), _run(half, ids)
     for layer in half._frame.layers:
         assert layer.mem_k.data.dtype == layer.mem_v.data.dtype == torch.float16
@@ -190,3 +190,9 @@ def test_float16_memory_holds_half_the_bytes_and_rounds_only_memory(strategy):
         torch.testing.assert_close(g, w, atol=2e-3 * float(w.abs().max()), rtol=0)
     fork = half.fork()
     assert all(layer.mem_k.data.dtype == torch.float16 for layer in fork._frame.layers)
+
+
+def test_a_bfloat16_model_keeps_its_memory_in_bfloat16():
+    model = tiny("llama").to(torch.bfloat16)
+    memory = SessionMemory(model, MemorySpec("segments", SMALL["segments"]))
+    assert all(layer.mem_k.data.dtype == torch.bfloat16 for layer in memory._frame.layers)
