@@ -143,11 +143,11 @@ async def run(args: argparse.Namespace) -> None:
         if args.sessions:
             ids = []
             for text in docs:
-                spec = {"strategy": args.strategy, "params": json.loads(args.params)}
+                spec = {"strategy": args.strategy, **args.knobs}
                 session_id, tokens, seconds = upload(http, spec, text, 3600)
                 ids.append(session_id)
             print(json.dumps({"bench": "memory_load", "sessions": len(ids), "doc_tokens": tokens,
-                              "params": json.loads(args.params)}))  # fmt: skip
+                              "knobs": args.knobs}))  # fmt: skip
             # every session answers once first: its first question embeds its blocks for the
             # text prior (a one-off per document, which would land in whichever level asks first)
             hello = [{"role": "user", "content": "Hi"}]
@@ -174,7 +174,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sessions", type=int, help="default: the highest concurrency")
     parser.add_argument("--doc-tokens", type=int, default=3072)
     parser.add_argument("--strategy", default="segments")
-    parser.add_argument("--params", default="{}", help="the sessions' memory params, JSON")
+    parser.add_argument(
+        "--knobs", type=json.loads, default={}, help="the sessions' memory knobs (JSON)"
+    )
     parser.add_argument("--kind", default="docs", choices=["manpages", "docs", "docstrings"])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--requests-per-client", type=int, default=2)

@@ -126,6 +126,8 @@ def upload(http: httpx.Client, memory: dict, text: str, timeout: float) -> tuple
     count, seconds)."""
     started = time.perf_counter()
     session = http.post("/sessions", json={"memory": memory}).json()
+    if "id" not in session:
+        raise RuntimeError(f"session refused: {session}")
     response = http.post(
         f"/sessions/{session['id']}/documents", json={"name": "document.txt", "text": text}
     )
