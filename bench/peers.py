@@ -7,7 +7,8 @@ real text at each --contexts length, greedy, exactly --max-tokens new tokens, on
   prompt's text, which the server tokenizes back to the same ids, ignore_eos),
 - llama.cpp in this process (llama-cpp-python on the same GGUF, --threads threads; install it
   in the benchmark's environment: `pip install llama-cpp-python==0.3.36`, never a test
-  dependency),
+  dependency; on a CPU with AMX its default build segfaulted on the first decode, so build it
+  there with ggml's AMX backend off, as the README's peers row says),
 - transformers' own `generate` on the model longserve loads (fp32, eager), in this process.
 
 Prefill tokens/s: prompt tokens over the time to the first new token. Decode tokens/s: the

@@ -311,6 +311,13 @@ def test_the_pieces_kernel_reads_memory_rows_in_place():
         0.125, [None, rows],
     )  # fmt: skip
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    no_mask = torch.empty(0, dtype=torch.bool)
+    for splits in (3, 50):  # chunks of rows read in place, across the pieces' edge
+        split = load_kernel().attend_pieces(
+            [q, q_blocks], [sinks_k, half_k], [sinks_v, half_v], [no_mask, no_mask],
+            [torch.empty(0, dtype=torch.long), rows], 0.125, splits,
+        )  # fmt: skip
+        torch.testing.assert_close(split, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="float16"):  # keys and values of one dtype
         attend_pieces([q_blocks], [half_k], [memory_v], [None], 0.125, [rows])
     with pytest.raises(RuntimeError, match="outside"):
