@@ -207,6 +207,7 @@ BENCHMARKS = (
     "soak",
     "decode_floor",
     "decode_agreement",
+    "memory_batch",
 )
 
 

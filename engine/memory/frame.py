@@ -550,4 +550,3 @@ class FrameState:
     def nbytes(self) -> int:
         step = self.step_cache.nbytes()
         return sum(s.nbytes() for s in self.layers) + self.selector.nbytes() + step
-
