@@ -98,6 +98,60 @@ void q4_rows_avx2(const uint8_t* codes, const float* wd, const float* wm, const 
   }
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512DQ__)
+// q4_rows_avx2 two blocks at a time: a 512-bit vector holds block b's 16 codes or inputs in
+// lanes 0-15 and block b + 1's in lanes 16-31; an odd last block goes 256 bits wide.
+template <int R>
+void q4_rows_avx512(const uint8_t* codes, const float* wd, const float* wm, const int16_t* xq,
+                    const float* xd, const float* xs, int64_t N, int64_t K, int64_t n0,
+                    int64_t n1, float* y) {
+  const int64_t nb = K / QK;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const auto pair = [](const int16_t* a, const int16_t* b) {  // 16 int16 from a, then from b
+    const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+    const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
+  };
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = codes + n * (K / 2);
+    const float* d = wd + n * nb;
+    const float* mn = wm + n * nb;
+    __m512 acc[R];
+    float rest[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), rest[r] = 0.f;
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 16));
+      const __m512i lo = _mm512_cvtepu8_epi16(_mm256_and_si256(raw, low));  // q[0..15] of each
+      const __m512i hi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low));
+      const __m512 db = _mm512_insertf32x8(_mm512_set1_ps(d[b]), _mm256_set1_ps(d[b + 1]), 1);
+      for (int r = 0; r < R; ++r) {
+        const int16_t* x = xq + (r * nb + b) * QK;  // block b: x[0..32), block b + 1: x[32..64)
+        const __m512i sum = _mm512_add_epi32(_mm512_madd_epi16(lo, pair(x, x + 32)),
+                                             _mm512_madd_epi16(hi, pair(x + 16, x + 48)));
+        const float* xdr = xd + r * nb + b;
+        const __m512 xdb = _mm512_insertf32x8(_mm512_set1_ps(xdr[0]), _mm256_set1_ps(xdr[1]), 1);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(db, xdb), acc[r]);
+      }
+    }
+    if (b < nb) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+      const __m128i low128 = _mm_set1_epi8(0x0F);
+      const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low128));
+      const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low128));
+      for (int r = 0; r < R; ++r) {
+        rest[r] = hsum(dot_s16(lo, hi, xq + (r * nb + b) * QK)) * d[b] * xd[r * nb + b];
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float mins = 0.f;
+      for (int64_t c = 0; c < nb; ++c) mins += mn[c] * xs[r * nb + c];
+      y[r * N + n] = _mm512_reduce_add_ps(acc[r]) + rest[r] + mins;
+    }
+  }
+}
+#endif
+
 template <int R>
 void q8_rows_avx2(const int8_t* codes, const float* scales, const int16_t* xq, const float* xd,
                   int64_t N, int64_t K, int64_t n0, int64_t n1, float* y) {
@@ -121,6 +175,13 @@ void q8_rows_avx2(const int8_t* codes, const float* scales, const int16_t* xq, c
 
 #endif
 
+// The widest q4 kernel the build's vector extensions allow.
+#if defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define Q4_ROWS q4_rows_avx512
+#else
+#define Q4_ROWS q4_rows_avx2
+#endif
+
 // Output rows [n0, n1) of q4: y (M, N) fp32.
 void q4_rows(const uint8_t* codes, const float* wd, const float* wm, const int16_t* xq,
              const float* xd, const float* xs, int64_t M, int64_t N, int64_t K, int64_t n0,
@@ -132,14 +193,14 @@ void q4_rows(const uint8_t* codes, const float* wd, const float* wm, const int16
     const float *d = xd + r0 * nb, *s = xs + r0 * nb;
     float* out = y + r0 * N;
     switch (std::min<int64_t>(CHUNK_ROWS, M - r0)) {
-      case 1: q4_rows_avx2<1>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
-      case 2: q4_rows_avx2<2>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
-      case 3: q4_rows_avx2<3>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
-      case 4: q4_rows_avx2<4>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
-      case 5: q4_rows_avx2<5>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
-      case 6: q4_rows_avx2<6>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
-      case 7: q4_rows_avx2<7>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
-      default: q4_rows_avx2<8>(codes, wd, wm, x, d, s, N, K, n0, n1, out);
+      case 1: Q4_ROWS<1>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
+      case 2: Q4_ROWS<2>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
+      case 3: Q4_ROWS<3>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
+      case 4: Q4_ROWS<4>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
+      case 5: Q4_ROWS<5>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
+      case 6: Q4_ROWS<6>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
+      case 7: Q4_ROWS<7>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
+      default: Q4_ROWS<8>(codes, wd, wm, x, d, s, N, K, n0, n1, out);
     }
   }
 #else
