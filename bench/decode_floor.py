@@ -35,15 +35,16 @@ from engine.decode_step import decoder_of
 from engine.generate import KVCacheState, forward_kv
 from engine.kv_cache import KVCache
 from engine.loader import load_model
-from engine.weights import Int4Linear, LowPrecisionLinear
+from engine.weights import Int4Linear, LowPrecisionLinear, quant_kernels, small_matmul
 
 
 def bare_matmul(m: Any) -> Callable[[], torch.Tensor]:
-    """The layer's weight times one token, nothing else: the int4 kernel for Int4Linear."""
+    """The layer's weight times one token, nothing else: for Int4Linear the product a decode
+    step makes (quant_matmul.cpp where it is built, else torch's int4 kernel)."""
     if isinstance(m, Int4Linear):
-        x = torch.randn(1, m.in_features, dtype=torch.bfloat16)
-        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-        return lambda: mm(x, m.packed, m.group, m.scales_and_zeros)
+        x = torch.randn(1, m.in_features)
+        product = small_matmul(m)
+        return lambda: product(x)
     weight = m.weight
     x = torch.randn(1, m.in_features, dtype=weight.dtype)
     return lambda: torch.nn.functional.linear(x, weight)
@@ -51,7 +52,11 @@ def bare_matmul(m: Any) -> Callable[[], torch.Tensor]:
 
 def weight_nbytes(m: Any) -> int:
     """Bytes a decode step reads of the layer's weights."""
-    tensors = (m.packed, m.scales_and_zeros) if isinstance(m, Int4Linear) else (m.weight,)
+    if isinstance(m, Int4Linear):  # the codes the product reads (bare_matmul)
+        own = quant_kernels() is not None
+        tensors = (m.codes, m.block_scales, m.block_mins) if own else (m.packed, m.scales_and_zeros)
+    else:
+        tensors = (m.weight,)
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
