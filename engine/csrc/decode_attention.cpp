@@ -54,6 +54,18 @@ void row_pointers(const at::Half* x, int64_t stride, int64_t n, int64_t d, float
   }
 }
 
+// Rows of a block of head h of a piece's keys or values t (float32, or float16 widened into
+// buf), as row_pointers gives them
+template <typename F>
+void piece_rows(const torch::Tensor& t, int64_t h, int64_t n, int64_t d, float* buf, F index,
+                const float** rows) {
+  if (t.scalar_type() == at::kHalf) {
+    row_pointers(t.data_ptr<at::Half>() + h * t.stride(0), t.stride(1), n, d, buf, index, rows);
+  } else {
+    row_pointers(t.data_ptr<float>() + h * t.stride(0), t.stride(1), n, d, buf, index, rows);
+  }
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 // the sums of eight vectors, in order
 inline __m256 sums8(const __m256* a) {
@@ -354,23 +366,13 @@ torch::Tensor attend_pieces(std::vector<torch::Tensor> queries, std::vector<torc
         const auto &q = queries[i], &k = keys[i], &v = values[i], &mask = masks[i];
         const int64_t nq = q.size(1), per = n / nq;
         const float* qp = q.data_ptr<float>() + h * nq * group * d;
-        const bool half = k.scalar_type() == at::kHalf;
         const bool* ok = mask.numel() ? mask.data_ptr<bool>() + h * n : nullptr;
         const int64_t* at = rows[i].numel() ? rows[i].data_ptr<int64_t>() + h * n : nullptr;
         for (int64_t b0 = lo; b0 < hi; b0 += kBlock) {
           const int64_t count = std::min(kBlock, hi - b0);
           const auto index = [at, b0](int64_t j) { return at ? at[b0 + j] : b0 + j; };
-          if (half) {
-            row_pointers(k.data_ptr<at::Half>() + h * k.stride(0), k.stride(1), count, d,
-                         kbuf.data(), index, krows);
-            row_pointers(v.data_ptr<at::Half>() + h * v.stride(0), v.stride(1), count, d,
-                         vbuf.data(), index, vrows);
-          } else {
-            row_pointers(k.data_ptr<float>() + h * k.stride(0), k.stride(1), count, d, nullptr,
-                         index, krows);
-            row_pointers(v.data_ptr<float>() + h * v.stride(0), v.stride(1), count, d, nullptr,
-                         index, vrows);
-          }
+          piece_rows(k, h, count, d, kbuf.data(), index, krows);
+          piece_rows(v, h, count, d, vbuf.data(), index, vrows);
           for (int64_t j0 = 0; j0 < count;) {  // runs of keys that share a query
             const int64_t qi = (b0 + j0) / per;
             const int64_t j1 = std::min(count, (qi + 1) * per - b0);

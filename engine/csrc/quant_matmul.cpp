@@ -58,7 +58,22 @@ inline __m256 dot_s16(__m256i lo, __m256i hi, const int16_t* xq) {
   const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1));
   return _mm256_cvtepi32_ps(sum);
 }
+
+// one block's 16 bytes of codes as int16: lo = q[0..15] (low nibbles), hi = q[16..31]
+inline void unpack_q4(const uint8_t* block, __m256i& lo, __m256i& hi) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
+  const __m128i low = _mm_set1_epi8(0x0F);
+  lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low));
+  hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
+}
 #endif
+
+// an output row's minimum term: sum over its blocks of m times the block's exact sum of x
+inline float min_term(const float* mn, const float* xs, int64_t nb) {
+  float total = 0.f;
+  for (int64_t b = 0; b < nb; ++b) total += mn[b] * xs[b];
+  return total;
+}
 
 constexpr int64_t MAX_ROWS = 16;
 // activation rows multiplied per pass over the weights: 8 accumulators and the block's
@@ -73,18 +88,14 @@ void q4_rows_avx2(const uint8_t* codes, const float* wd, const float* wm, const 
                   const float* xd, const float* xs, int64_t N, int64_t K, int64_t n0, int64_t n1,
                   float* y) {
   const int64_t nb = K / QK;
-  const __m128i low = _mm_set1_epi8(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = codes + n * (K / 2);
     const float* d = wd + n * nb;
-    const float* mn = wm + n * nb;
     __m256 acc[R];
-    float mins[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = 0.f;
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
-      const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low));  // q[0..15]
-      const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
+      __m256i lo, hi;
+      unpack_q4(row + b * 16, lo, hi);
       const __m256 db = _mm256_set1_ps(d[b]);
       for (int r = 0; r < R; ++r) {
         const __m256 scale = _mm256_mul_ps(db, _mm256_set1_ps(xd[r * nb + b]));
@@ -92,8 +103,7 @@ void q4_rows_avx2(const uint8_t* codes, const float* wd, const float* wm, const 
       }
     }
     for (int r = 0; r < R; ++r) {
-      for (int64_t b = 0; b < nb; ++b) mins[r] += mn[b] * xs[r * nb + b];
-      y[r * N + n] = hsum(acc[r]) + mins[r];
+      y[r * N + n] = hsum(acc[r]) + min_term(wm + n * nb, xs + r * nb, nb);
     }
   }
 }
@@ -115,7 +125,6 @@ void q4_rows_avx512(const uint8_t* codes, const float* wd, const float* wm, cons
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = codes + n * (K / 2);
     const float* d = wd + n * nb;
-    const float* mn = wm + n * nb;
     __m512 acc[R];
     float rest[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), rest[r] = 0.f;
@@ -135,17 +144,14 @@ void q4_rows_avx512(const uint8_t* codes, const float* wd, const float* wm, cons
       }
     }
     if (b < nb) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
-      const __m128i low128 = _mm_set1_epi8(0x0F);
-      const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low128));
-      const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low128));
+      __m256i lo, hi;
+      unpack_q4(row + b * 16, lo, hi);
       for (int r = 0; r < R; ++r) {
         rest[r] = hsum(dot_s16(lo, hi, xq + (r * nb + b) * QK)) * d[b] * xd[r * nb + b];
       }
     }
     for (int r = 0; r < R; ++r) {
-      float mins = 0.f;
-      for (int64_t c = 0; c < nb; ++c) mins += mn[c] * xs[r * nb + c];
+      const float mins = min_term(wm + n * nb, xs + r * nb, nb);
       y[r * N + n] = _mm512_reduce_add_ps(acc[r]) + rest[r] + mins;
     }
   }
