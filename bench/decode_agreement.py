@@ -14,7 +14,7 @@ path's argmax equals the reference's:
 --kv-dtype float16 keeps the lean step's cache in half precision (EngineConfig.kv_dtype); the
 transformers caches stay in the model's dtype, so both figures then include its rounding.
 
-    longserve bench decode_agreement --linear-dtypes auto int4 --context-tokens 512 2048
+    longserve bench decode_agreement --linear-dtypes float32 int4 --context-tokens 512 2048
 """
 
 from __future__ import annotations
@@ -70,14 +70,16 @@ def agreement(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--linear-dtypes", nargs="+", default=["auto", "int4"])
+    parser.add_argument("--linear-dtypes", nargs="+", default=["float32", "int4"])
     parser.add_argument("--context-tokens", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--kv-dtype", default="auto", help="the lean step's cache: auto, float16")
+    parser.add_argument("--kv-dtype", default="model", help="the lean step's cache: model, float16")
     parser.add_argument("--model", help="default: the embedded model")
     args = parser.parse_args(argv)
-    reference = load_model(EngineConfig(model=args.model, device="cpu", lean_decode=False))
+    reference = load_model(
+        EngineConfig(model=args.model, device="cpu", linear_dtype="float32", lean_decode=False)
+    )
     with torch.inference_mode():
         for linear_dtype in args.linear_dtypes:
             loaded = load_model(

@@ -95,7 +95,7 @@ def attention_ms(cache: KVCache, model: Any, steps: int) -> dict[str, float]:
 def measure(dtype: str, args: argparse.Namespace) -> dict:
     """dtype: the model's ("float32", "bfloat16"), or "float32+bfloat16-linears" and the like."""
     model_dtype, _, linears = dtype.partition("+")
-    linear_dtype = linears.removesuffix("-linears") or "auto"
+    linear_dtype = linears.removesuffix("-linears") or model_dtype
     config = EngineConfig(
         model=args.model, device="cpu", dtype=model_dtype, linear_dtype=linear_dtype
     )
@@ -143,7 +143,9 @@ def main(argv: list[str] | None = None) -> None:
         "--dtypes", nargs="+", default=["float32", "bfloat16", "float32+bfloat16-linears"]
     )
     parser.add_argument("--context-tokens", type=int, default=512)
-    parser.add_argument("--kv-dtype", default="auto", help="the engine step's cache: auto, float16")
+    parser.add_argument(
+        "--kv-dtype", default="model", help="the engine step's cache: model, float16"
+    )
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--model", help="default: the embedded model")
     args = parser.parse_args(argv)

@@ -124,7 +124,8 @@ def run(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     gguf = args.gguf or str(embedded_model_path())
-    loaded = load_model(EngineConfig(model=args.gguf, device="cpu"))
+    # transformers' generate runs the reference a user of transformers gets: fp32, eager
+    loaded = load_model(EngineConfig(model=args.gguf, device="cpu", linear_dtype="float32"))
     llm = Llama(model_path=gguf, n_ctx=8192, n_threads=args.threads, n_batch=512, verbose=False)
     lines: list[dict] = []
     with served(None, serve_args=["--model", gguf] if args.gguf else [], ready_timeout=300) as base:

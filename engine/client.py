@@ -274,7 +274,7 @@ class LocalEngine:
         state = KVCacheState(
             self.loaded.model,
             max_tokens=len(prompt_ids) + sampling.max_tokens,
-            kv_dtype=self.config.kv_dtype,
+            kv_dtype=self.loaded.kv_dtype,
         )
         return Generation(
             state,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LINEAR_DTYPES = (*DTYPES, "int4")
-KV_DTYPES = ("auto", "float16")
+KV_DTYPES = ("auto", "model", "float16")
 
 
 @dataclass(frozen=True)
@@ -42,15 +42,17 @@ class EngineConfig:
     prompt on any replica imports what it shares with them (engine/prefix_store.py). The store
     keeps those chunks as it keeps uploaded documents'.
     linear_dtype: the precision the linear layers keep their weights in and multiply in
-    (engine/weights.py); "auto" keeps the model's dtype. "bfloat16" on a float32 CPU model
-    halves the bytes a decode step reads; "int4" keeps them in 4-bit groups of 32 (the
-    embedded GGUF's Q4_1 grid; CPU only), the output head in int8 rows (the GGUF's is Q8_0);
-    everything else stays in
-    the model's dtype.
-    kv_dtype: what plain requests' KV caches hold keys and values in: "auto" the model's dtype,
-    "float16" half of that for a float32 model, widened by the CPU decode kernel as it reads
-    them (as llama.cpp's caches hold them); prefill attends them in the model's dtype. Memory
-    frames keep the model's dtype.
+    (engine/weights.py). "auto": a GGUF whose linears are Q4_1 (the embedded one), run on the
+    CPU, keeps them as the file holds them, i.e. "int4"; anything else keeps the model's dtype
+    (engine/loader.py's resolve_precision). "float32" forces the dequantized fp32 reference;
+    "bfloat16" on a float32 CPU model halves the bytes a decode step reads; "int4" keeps 4-bit
+    groups of 32 (Q4_1's grid; CPU only) and the output head in int8 rows (the GGUF's Q8_0);
+    everything else stays in the model's dtype.
+    kv_dtype: what plain requests' KV caches hold keys and values in: "auto" is "float16"
+    where the linears resolve to int4 (as llama.cpp caches the same file) and "model"
+    elsewhere; "model" the model's dtype; "float16" half of fp32, widened by the CPU decode
+    kernel as it reads them. Prefill attends them in the model's dtype. Memory frames have
+    their own knob (memory_dtype, engine/memory/config.py).
     lean_decode: decode steps of plain (non-memory) requests on a Llama-family model run
     engine/decode_step.py's lean step instead of transformers' forward (the same function in
     far fewer eager ops); False keeps transformers' forward for every step.

@@ -68,11 +68,12 @@ class KVCacheState:
 
     strategy: str | None = None
 
-    def __init__(self, model: Any, max_tokens: int | None = None, kv_dtype: str = "auto") -> None:
+    def __init__(self, model: Any, max_tokens: int | None = None, kv_dtype: str = "model") -> None:
         require_longserve_attention(model)
         self._model = model
         self._device = next(model.parameters()).device
-        dtype = None if kv_dtype == "auto" else getattr(torch, kv_dtype)
+        # "model" (or an unresolved "auto") keeps the model's dtype; LoadedModel.kv_dtype resolves
+        dtype = None if kv_dtype in ("model", "auto") else getattr(torch, kv_dtype)
         self.cache = KVCache(model, max_tokens, dtype)
 
     @property

@@ -36,6 +36,8 @@ class LoadedModel:
     max_model_len: int
     device: torch.device
     dtype: torch.dtype
+    linear_dtype: str = "auto"  # EngineConfig.linear_dtype resolved: "auto" (kept) or what
+    kv_dtype: str = "model"  # plain requests' KV caches: "model" or "float16"
 
 
 def embedded_model_path() -> Path:
@@ -65,6 +67,40 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
+
+
+# The decoder linears a GGUF must hold as Q4_1 for "auto" to keep them as 4-bit codes.
+_GGUF_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def gguf_linears_are_q4_1(path: Path) -> bool:
+    """Whether every decoder linear of the GGUF at `path` is stored as Q4_1 (the grid
+    engine/weights.py's int4 codes hold exactly)."""
+    try:
+        from gguf import GGUFReader
+
+        tensors = GGUFReader(path).tensors
+    except Exception as e:  # an unreadable header: keep the model's dtype
+        logger.warning("cannot read the tensor types of %s: %s", path, e)
+        return False
+    kinds = {t.tensor_type.name for t in tensors if t.name.split(".")[-2] in _GGUF_LINEARS}
+    return kinds == {"Q4_1"}
+
+
+def resolve_precision(
+    config: EngineConfig, source: str, kwargs: dict[str, Any], device: torch.device
+) -> tuple[str, str]:
+    """(linear_dtype, kv_dtype) for `config`'s "auto" values. A GGUF whose linears are Q4_1,
+    run on the CPU, keeps them as the file holds them (int4, the head in int8) and caches keys
+    and values in float16, as llama.cpp runs the same file; anything else keeps the model's
+    dtype. Explicit values pass through ("model" for the model's dtype)."""
+    linear, kv = config.linear_dtype, config.kv_dtype
+    gguf = Path(source) / kwargs["gguf_file"] if "gguf_file" in kwargs else None
+    if linear == "auto" and device.type == "cpu" and gguf and gguf_linears_are_q4_1(gguf):
+        linear = "int4"
+    if kv == "auto":
+        kv = "float16" if linear == "int4" else "model"
+    return linear, kv
 
 
 def _hub_offline() -> bool:
@@ -120,10 +156,13 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model = model.to(device=device, dtype=dtype).eval()
     if config.linear_dtype == "int4" and device.type != "cpu":
         raise ModelLoadError("linear_dtype int4 runs on the CPU only (torch's CPU int4 kernel)")
-    if config.linear_dtype not in ("auto", str(dtype).removeprefix("torch.")):
-        target = "int4" if config.linear_dtype == "int4" else _DTYPES[config.linear_dtype]
+    linear_dtype, kv_dtype = resolve_precision(config, source, kwargs, device)
+    if linear_dtype not in ("auto", str(dtype).removeprefix("torch.")):
+        target = "int4" if linear_dtype == "int4" else _DTYPES[linear_dtype]
         lowered = lower_linear_weights(model, target)
-        logger.info("%d linear layers keep their weights in %s", lowered, config.linear_dtype)
+        logger.info("%d linear layers keep their weights in %s", lowered, linear_dtype)
+    if kv_dtype != "model":
+        logger.info("plain requests' KV caches hold keys and values in %s", kv_dtype)
     use_longserve_attention(model)
     if config.lean_decode:
         attach_decoder(model)
@@ -144,4 +183,6 @@ def load_model(config: EngineConfig) -> LoadedModel:
         max_model_len=int(max_model_len),
         device=device,
         dtype=dtype,
+        linear_dtype=linear_dtype,
+        kv_dtype=kv_dtype,
     )

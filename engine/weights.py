@@ -66,6 +66,22 @@ def quantize_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     return q.reshape(n, k), torch.stack((scale, zero), -1).transpose(0, 1).contiguous()
 
 
+def min_max_groups(
+    weight: torch.Tensor, group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """4-bit codes of weight (N, K) per row and `group` inputs with fp32 block scales and
+    minimums: w ~ q * scale + min, q in 0..15, min the block's least weight. Returns (q (N, K)
+    int32, scale (N, K/group), min (N, K/group)). Q4_1 weights (w = q d + m, fp16 d and m, every
+    block holding codes 0 and 15) come back as the file holds them, up to fp32 rounding of d."""
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // group, group)
+    low, high = w.amin(-1), w.amax(-1)
+    scale = (high - low) / 15
+    step = scale.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+    q = ((w - low[..., None]) / step).round().clamp(0, 15).to(torch.int32)
+    return q.reshape(n, k), scale.contiguous(), low.contiguous()
+
+
 def quant_kernels() -> Any | None:
     """engine/csrc/quant_matmul.cpp (int16 activations, integer dot products), or None."""
     return load_extension("quant_matmul")
@@ -94,14 +110,16 @@ class Int4Linear(torch.nn.Module):
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         self.register_buffer("packed", packed)
         self.scales_and_zeros = torch.nn.Parameter(scales_and_zeros, requires_grad=False)
-        sz = scales_and_zeros.float().transpose(0, 1)  # (N, K/group, 2)
+        # quant_matmul and the dense copy keep the scales and minimums in fp32: bf16 ones, as
+        # torch's kernel takes them, moved a forward's hidden state by ~2 % (decision 043)
+        q, scales, mins = min_max_groups(linear.weight.detach(), group)
         blocks = q.reshape(self.out_features, -1, 2, group // 2).to(torch.uint8)
         codes = blocks[:, :, 0] | (blocks[:, :, 1] << 4)  # GROUP = 32: quant_matmul's block
         self.register_buffer("codes", codes.reshape(self.out_features, -1))
-        self.register_buffer("block_scales", sz[..., 0].contiguous())
-        self.register_buffer("block_mins", (sz[..., 1] - 8 * sz[..., 0]).contiguous())
-        centred = q.reshape(self.out_features, -1, group).float() - 8
-        dense = centred * sz[..., :1] + sz[..., 1:]
+        self.register_buffer("block_scales", scales)
+        self.register_buffer("block_mins", mins)
+        dense = q.reshape(self.out_features, -1, group).float() * scales[..., None]
+        dense += mins[..., None]
         self.register_buffer("dense", dense.reshape(q.shape).to(gemm_dtype()))
         bias = linear.bias
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
@@ -147,31 +165,40 @@ class Int4Linear(torch.nn.Module):
 
 
 class Int8Linear(torch.nn.Module):
-    """y = x W^T with W kept as int8 rows and one bf16 scale per row (symmetric). The output
-    head under int4: the GGUF keeps it in Q8_0 (8 bits, a scale per 32 weights), and it is the
-    largest single read of a decode step (49152 x 576 for SmolLM2). A forward of at most
-    SMALL_M rows uses torch's CPU int8 kernel; a larger one dequantizes into gemm_dtype() first."""
+    """y = x W^T with W kept as int8 codes and an fp32 scale per block of 32 inputs (symmetric,
+    w = q d): Q8_0's grid, so the GGUF's Q8_0 output head is kept as the file holds it. It is
+    the largest single read of a decode step (49152 x 576 for SmolLM2). A forward of at most
+    SMALL_M rows uses quant_matmul.cpp where it is built; a larger one, or one without the
+    kernel, dequantizes into gemm_dtype() first. Inputs not a multiple of 32: one block per
+    row."""
 
     codes: torch.Tensor  # (N, K) int8
-    scales: torch.Tensor  # (N,) bf16
+    block_scales: torch.Tensor  # (N, K/group) fp32
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach().float()
-        scale = (weight.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-        codes = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-        self.register_buffer("codes", codes)
-        self.register_buffer("scales", scale.to(torch.bfloat16))
-        self.register_buffer("scales_fp32", self.scales.float())  # for quant_matmul
+        k = self.in_features
+        self.group = GROUP if k % GROUP == 0 else k
+        weight = linear.weight.detach().float().reshape(self.out_features, -1, self.group)
+        scale = weight.abs().amax(-1) / 127
+        step = scale.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+        codes = (weight / step).round().clamp(-127, 127).to(torch.int8)
+        self.register_buffer("codes", codes.reshape(self.out_features, k))
+        self.register_buffer("block_scales", scale.contiguous())
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        blocks = self.codes.reshape(self.out_features, -1, self.group).to(dtype)
+        return (blocks * self.block_scales[..., None].to(dtype)).reshape(self.codes.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= SMALL_M:
-            y = _int8_product(self)(rows)
+        product = _int8_product(self) if rows.shape[0] <= SMALL_M else None
+        if product is not None:
+            y = product(rows)
         else:
             dtype = gemm_dtype()
-            y = F.linear(rows.to(dtype), self.codes.to(dtype) * self.scales[:, None].to(dtype))
+            y = F.linear(rows.to(dtype), self.dequantized(dtype))
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -188,7 +215,7 @@ def small_matmul(
     if isinstance(module, Int4Linear) and module.bias is None:
         return _int4_product(module)
     if isinstance(module, Int8Linear):
-        return _int8_product(module)
+        return _int8_product(module) or module
     return module
 
 
@@ -204,14 +231,17 @@ def _int4_product(m: Int4Linear) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: mm4(x.to(torch.bfloat16), packed, group, sz)
 
 
-def _int8_product(m: Int8Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x (rows <= SMALL_M, in) -> x W^T: quant_matmul.cpp, else torch's int8 kernel."""
+def _int8_product(m: Int8Linear) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """x (rows <= SMALL_M, in) -> x W^T: quant_matmul.cpp, else torch's int8 kernel where the
+    scales are per row, else None (the caller dequantizes)."""
     kernels = quant_kernels()
-    if kernels is not None and m.in_features % GROUP == 0:
-        q8, codes, scales = kernels.q8_matmul, m.codes, m.scales_fp32
+    if kernels is not None and m.group == GROUP:
+        q8, codes, scales = kernels.q8_matmul, m.codes, m.block_scales
         return lambda x: q8(x.float(), codes, scales)
-    mm8, codes8, scales8 = torch.ops.aten._weight_int8pack_mm, m.codes, m.scales
-    return lambda x: mm8(x.to(torch.bfloat16), codes8, scales8)
+    if m.group == m.in_features:
+        mm8, codes8, scales8 = torch.ops.aten._weight_int8pack_mm, m.codes, m.block_scales
+        return lambda x: mm8(x.to(torch.bfloat16), codes8, scales8[:, 0].to(torch.bfloat16))
+    return None
 
 
 def lower_linear_weights(model: torch.nn.Module, dtype: torch.dtype | str) -> int:

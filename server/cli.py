@@ -49,10 +49,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", help="auto, float32, bfloat16, float16")
     parser.add_argument(
         "--linear-dtype",
-        help="the linear layers' weight precision: auto (the model's), bfloat16, int4 (CPU)",
+        help="the linear layers' weight precision: auto (a Q4_1 GGUF on CPU: int4, else the "
+        "model's), float32, bfloat16, int4 (CPU)",
     )
     parser.add_argument(
-        "--kv-dtype", help="plain requests' KV caches: auto (the model's dtype), float16"
+        "--kv-dtype",
+        help="plain requests' KV caches: auto (float16 under int4 linears, else model), model, "
+        "float16",
     )
     parser.add_argument(
         "--api-key",

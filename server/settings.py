@@ -39,12 +39,11 @@ class ServerSettings(BaseSettings):
     served_model_name: str | None = None
     device: str = "auto"
     dtype: str = "auto"
-    # Linear layers' weights in this precision ("auto": the model's dtype); bfloat16 on a
-    # float32 CPU model halves what a decode step reads, int4 (CPU only) reads an eighth
-    # (engine/weights.py).
+    # Linear layers' weights in this precision ("auto": a Q4_1 GGUF on the CPU keeps its 4-bit
+    # codes, "int4"; anything else the model's dtype; "float32" the dequantized reference).
     linear_dtype: str = "auto"
-    # Plain requests' KV caches: "auto" (the model's dtype) or "float16" (half the bytes a
-    # decode step reads on a float32 model).
+    # Plain requests' KV caches: "auto" (float16 under int4 linears, else "model"), "model"
+    # or "float16".
     kv_dtype: str = "auto"
     # Plain requests' decode steps on a Llama-family model skip transformers' forward
     # (engine/decode_step.py); false keeps it for every step.

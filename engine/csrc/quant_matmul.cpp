@@ -1,7 +1,7 @@
 // Quantized weights times a few rows of float activations (decode steps), for the CPU.
 //
 // q4_matmul: 4-bit codes in blocks of 32 inputs, each block with a scale d and a minimum m
-// (w = q d + m, Q4_1's grid). q8_matmul: int8 codes with one scale per output row.
+// (w = q d + m, Q4_1's grid). q8_matmul: int8 codes with a scale per block of 32 (Q8_0's grid).
 // The activations are quantized to int16 per block of 32 (scale = max |x| / 32767) and
 // multiplied with integer dot products (AVX2 madd); each block's sum of x is kept exact in fp32
 // for the minimum's term. (llama.cpp quantizes them to int8; int16 costs about the same here
@@ -172,10 +172,10 @@ void q8_rows_avx2(const int8_t* codes, const float* scales, const int16_t* xq, c
       const __m256i lo = _mm256_cvtepi8_epi16(w0), hi = _mm256_cvtepi8_epi16(w1);
       for (int r = 0; r < R; ++r) {
         const __m256 p = dot_s16(lo, hi, xq + (r * nb + b) * QK);
-        acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(xd[r * nb + b]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(xd[r * nb + b] * scales[n * nb + b]), acc[r]);
       }
     }
-    for (int r = 0; r < R; ++r) y[r * N + n] = scales[n] * hsum(acc[r]);
+    for (int r = 0; r < R; ++r) y[r * N + n] = hsum(acc[r]);
   }
 }
 
@@ -257,9 +257,9 @@ void q8_rows(const int8_t* codes, const float* scales, const int16_t* xq, const 
       for (int64_t b = 0; b < nb; ++b) {
         int32_t dot = 0;
         for (int64_t j = 0; j < QK; ++j) dot += row[b * QK + j] * xq[(r * nb + b) * QK + j];
-        total += xd[r * nb + b] * dot;
+        total += scales[n * nb + b] * xd[r * nb + b] * dot;
       }
-      y[r * N + n] = scales[n] * total;
+      y[r * N + n] = total;
     }
   }
 #endif
@@ -334,13 +334,15 @@ torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
   return y;
 }
 
-// x (M, K) float32; codes (N, K) int8; scales (N,) float32 -> (M, N) float32.
+// x (M, K) float32; codes (N, K) int8; scales (N, K/32) float32 -> (M, N) float32.
 torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales) {
   const int64_t N = codes.size(0), K = codes.size(1);
   x = x.contiguous();
   check_x(x, K);
   TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.is_contiguous(), "codes: int8");
-  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.is_contiguous(), "scales: (N,)");
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / QK &&
+                  scales.is_contiguous(),
+              "scales: (N, K/32) float32");
   const int64_t M = x.size(0);
   auto y = torch::empty({M, N}, x.options());
   const Quantized xq = quantize(x.data_ptr<float>(), M, K);

@@ -63,13 +63,27 @@ def test_q8_head_matches_the_dequantized_product(rows):
     linear.weight.data.normal_(0, 0.02)
     head = Int8Linear(linear)
     x = torch.randn(rows, 64)
-    want = x @ (head.codes.float() * head.scales.float()[:, None]).t()
+    want = x @ head.dequantized(torch.float32).t()
     got = head(x)
     assert float((got - want).norm() / want.norm()) < 1e-3
     x = torch.zeros(1, 64)
-    x[0, 37] = 1.0  # one-hot: exact
-    want = head.codes[:, 37].float() * head.scales_fp32
+    x[0, 37] = 1.0  # one-hot: exact, with the scale of the second block of 32
+    want = head.codes[:, 37].float() * head.block_scales[:, 1]
     torch.testing.assert_close(head(x)[0], want, rtol=1e-6, atol=0)
+
+
+def test_q8_0_weights_are_kept_as_the_file_holds_them():
+    """Weights on Q8_0's grid (a scale per 32, codes in -127..127 with one at +-127 per block)
+    dequantize back to themselves."""
+    torch.manual_seed(0)
+    codes = torch.randint(-127, 128, (40, 96))
+    codes[:, ::32] = 127
+    scales = torch.rand(40, 3) * 0.01
+    weight = (codes.reshape(40, 3, 32) * scales[..., None]).reshape(40, 96)
+    linear = torch.nn.Linear(96, 40, bias=False)
+    linear.weight.data.copy_(weight)
+    head = Int8Linear(linear)
+    torch.testing.assert_close(head.dequantized(torch.float32), weight, rtol=1e-6, atol=0)
 
 
 def test_fused_parts_are_views_and_multiply_as_before():

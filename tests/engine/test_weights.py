@@ -8,10 +8,22 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.loader import load_model
+from engine.loader import (
+    embedded_model_path,
+    gguf_linears_are_q4_1,
+    load_model,
+    resolve_precision,
+)
 from engine.protocol import SamplingParams
 from engine.store import model_fingerprint
-from engine.weights import SMALL_M, Int4Linear, Int8Linear, LowPrecisionLinear, quantize_groups
+from engine.weights import (
+    SMALL_M,
+    Int4Linear,
+    Int8Linear,
+    LowPrecisionLinear,
+    min_max_groups,
+    quantize_groups,
+)
 
 
 def test_linear_weights_in_bf16_keep_the_rest_in_fp32(tiny_model_dir, tiny_loaded):
@@ -84,8 +96,13 @@ def test_int4_codes_are_the_q4_1_grid_and_both_paths_multiply_them():
     linear = torch.nn.Linear(128, 96, bias=False)
     linear.weight.data = weight
     layer = Int4Linear(linear)
-    step = scales_and_zeros[..., 0].float().t().repeat_interleave(32, dim=1)  # (96, 128)
-    assert ((layer.dense.float() - weight).abs() / step).max() < 0.1  # bf16 scales and zeros
+    # the kernels' fp32 scales and minimums give the file's weights back, up to fp32 rounding
+    q, scales, mins = min_max_groups(weight, 32)
+    assert torch.equal(q, codes.to(torch.int32))
+    kept = (q.reshape(96, 4, 32) * scales[..., None] + mins[..., None]).reshape(96, 128)
+    torch.testing.assert_close(kept, weight, rtol=1e-6, atol=1e-7)
+    assert torch.equal(layer.block_scales, scales) and torch.equal(layer.block_mins, mins)
+    torch.testing.assert_close(layer.dense.float(), weight.to(layer.dense.dtype).float())
     for rows in (1, SMALL_M, SMALL_M + 1, 64):  # the int4 kernel, then the bf16 copy
         x = torch.randn(rows, 128)
         want = x @ layer.dense.float().t()
@@ -103,3 +120,21 @@ def test_int4_linears_swap_the_layers_and_the_head_goes_to_int8(tiny_model_dir, 
     assert next(model.parameters()).dtype == torch.float32
     bf16 = load_model(EngineConfig(model=str(tiny_model_dir), linear_dtype="bfloat16")).model
     assert len({model_fingerprint("m", m) for m in (model, bf16, tiny_loaded.model)}) == 3
+
+
+def test_auto_precision_keeps_a_q4_1_gguf_as_the_file_holds_it(tiny_model_dir, tmp_path):
+    cpu = torch.device("cpu")
+    embedded = embedded_model_path()
+    assert gguf_linears_are_q4_1(embedded)
+    source, kwargs = str(embedded.parent), {"gguf_file": embedded.name}
+    assert resolve_precision(EngineConfig(), source, kwargs, cpu) == ("int4", "float16")
+    explicit = EngineConfig(linear_dtype="float32")
+    assert resolve_precision(explicit, source, kwargs, cpu) == ("float32", "model")
+    cached = EngineConfig(kv_dtype="model")
+    assert resolve_precision(cached, source, kwargs, cpu) == ("int4", "model")
+    # a checkpoint directory (not a GGUF) and an unreadable GGUF keep the model's dtype
+    assert resolve_precision(EngineConfig(), str(tiny_model_dir), {}, cpu) == ("auto", "model")
+    (tmp_path / "broken.gguf").write_bytes(b"not a gguf")
+    assert not gguf_linears_are_q4_1(tmp_path / "broken.gguf")
+    loaded = load_model(EngineConfig(model=str(tiny_model_dir)))
+    assert (loaded.linear_dtype, loaded.kv_dtype) == ("auto", "model")
