@@ -69,10 +69,12 @@ def decode_ms_per_token(memory: SessionMemory, first: int, steps: int, device) -
 
 
 @torch.inference_mode()
-def engine_plain_decode_ms_per_token(model, ids: torch.Tensor, steps: int) -> float:
-    """Decode ms/token of the server's plain path (a KVCacheState, engine/generate.py) after a
-    prompt of ids, no session."""
-    state = KVCacheState(model, len(ids) + steps + 1)
+def engine_plain_decode_ms_per_token(
+    model, ids: torch.Tensor, steps: int, kv_dtype: str = "model"
+) -> float:
+    """Decode ms/token of the server's plain path (a KVCacheState, engine/generate.py, its cache
+    in the server's kv_dtype) after a prompt of ids, no session."""
+    state = KVCacheState(model, len(ids) + steps + 1, kv_dtype=kv_dtype)
     token = int(state.prefill(ids).argmax())
     started = time.perf_counter()
     for _ in range(steps):
@@ -136,7 +138,13 @@ def measure_ingest(
 
 
 def measure_decode(
-    model, strategy: str, all_ids: torch.Tensor, small: int, large: int, steps: int
+    model,
+    strategy: str,
+    all_ids: torch.Tensor,
+    small: int,
+    large: int,
+    steps: int,
+    kv_dtype: str = "model",
 ) -> list[dict]:
     """Decode ms/token with `small` and `large` tokens of memory, and bytes per token."""
     device = all_ids.device
@@ -171,7 +179,7 @@ def measure_decode(
     )
     if small <= model.config.max_position_embeddings:
         plain = plain_decode_ms_per_token(model, all_ids[:small], steps)
-        engine_plain = engine_plain_decode_ms_per_token(model, all_ids[:small], steps)
+        engine_plain = engine_plain_decode_ms_per_token(model, all_ids[:small], steps, kv_dtype)
         records.append(
             {
                 "bench": "decode_vs_plain",
@@ -229,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
             )
         if "decode" in args.parts:
             for record in measure_decode(
-                model, strategy, all_ids, args.small, args.large, args.decode_steps
+                model, strategy, all_ids, args.small, args.large, args.decode_steps, loaded.kv_dtype
             ):
                 emit(record)
 
