@@ -36,7 +36,7 @@ class LoadedModel:
     max_model_len: int
     device: torch.device
     dtype: torch.dtype
-    linear_dtype: str = "auto"  # EngineConfig.linear_dtype resolved: "auto" (kept) or what
+    linear_dtype: str = "auto"  # EngineConfig.linear_dtype resolved ("auto": the model's kept)
     kv_dtype: str = "model"  # plain requests' KV caches: "model" or "float16"
 
 
