@@ -8,6 +8,9 @@
 //   whole_blocks  whether a retrieval's rows are whole memory blocks (read by block)
 //   block_scores  segments' scores of one token's query against the block summaries: the
 //                 softmax over blocks of each query head, averaged over the heads of a KV group
+//   consensus_step segments' whole consensus choice of one token's layer: its block scores
+//                 summed into the forward's running sum, ranked with the carry, top k with
+//                 their neighbours (a dozen torch ops and a Python set a layer otherwise)
 //
 // The rotary table is the frame's (engine/memory/rotary.py): cos and sin rows with the sign of
 // rotate_half folded into sin's first half, so x rotated is x*cos + swap_halves(x)*sin, and
@@ -17,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -105,29 +109,28 @@ torch::Tensor block_queries(torch::Tensor q_pre, torch::Tensor cos, torch::Tenso
   return out;
 }
 
-// q_pre (kv_heads, group, d) contiguous; high (kv_heads, nb, d) and low (the same, or empty)
-// with contiguous rows: the per-dimension key maxima and minima of each block (score "bound":
-// sum_i max(q_i * high_i, q_i * low_i)), or with low empty the blocks' mean keys (score "mean":
-// q . high). -> (kv_heads, nb): softmax over blocks of scale * logits per query head, averaged
-// over the group.
-torch::Tensor block_scores(torch::Tensor q_pre, torch::Tensor high, torch::Tensor low,
-                           double scale) {
+void check_summaries(const torch::Tensor& q_pre, const torch::Tensor& high,
+                     const torch::Tensor& low) {
   TORCH_CHECK(q_pre.scalar_type() == at::kFloat && high.scalar_type() == at::kFloat &&
                   q_pre.is_contiguous() && q_pre.dim() == 3 && high.dim() == 3 &&
                   high.size(0) == q_pre.size(0) && high.size(2) == q_pre.size(2) &&
                   high.stride(2) == 1,
               "block_scores: q_pre (kv_heads, group, d), summaries (kv_heads, blocks, d) float32");
-  const bool bound = low.numel() > 0;
-  TORCH_CHECK(!bound || (low.scalar_type() == at::kFloat && low.sizes() == high.sizes() &&
-                         low.stride(2) == 1),
+  TORCH_CHECK(low.numel() == 0 || (low.scalar_type() == at::kFloat && low.sizes() == high.sizes() &&
+                                   low.stride(2) == 1),
               "block_scores: low as high");
+}
+
+// out (kv_heads, nb), zeroed: softmax over blocks of scale * logits per query head, averaged
+// over the group (block_scores below); q_pre, high and low checked by check_summaries
+void scores_into(const torch::Tensor& q_pre, const torch::Tensor& high, const torch::Tensor& low,
+                 float sc, float* op) {
+  const bool bound = low.numel() > 0;
   const int64_t kvh = q_pre.size(0), group = q_pre.size(1), d = q_pre.size(2), nb = high.size(1);
-  auto logits = torch::empty({kvh, group, nb}, q_pre.options());
-  auto out = torch::zeros({kvh, nb}, q_pre.options());
-  if (nb == 0) return out;
-  float* lp = logits.data_ptr<float>();
+  if (nb == 0) return;
+  std::vector<float> logits(kvh * group * nb);
+  float* lp = logits.data();
   const float* qp = q_pre.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
   // logits, split over blocks when there are many (a 1M-token memory has 16K blocks a layer)
   at::parallel_for(0, nb, 256, [&](int64_t begin, int64_t end) {
     for (int64_t h = 0; h < kvh; ++h) {
@@ -151,7 +154,6 @@ torch::Tensor block_scores(torch::Tensor q_pre, torch::Tensor high, torch::Tenso
       }
     }
   });
-  float* op = out.data_ptr<float>();
   for (int64_t h = 0; h < kvh; ++h) {
     for (int64_t g = 0; g < group; ++g) {
       float* row = lp + (h * group + g) * nb;
@@ -165,7 +167,72 @@ torch::Tensor block_scores(torch::Tensor q_pre, torch::Tensor high, torch::Tenso
       for (int64_t b = 0; b < nb; ++b) op[h * nb + b] += row[b] * weight;
     }
   }
+}
+
+// q_pre (kv_heads, group, d) contiguous; high (kv_heads, nb, d) and low (the same, or empty)
+// with contiguous rows: the per-dimension key maxima and minima of each block (score "bound":
+// sum_i max(q_i * high_i, q_i * low_i)), or with low empty the blocks' mean keys (score "mean":
+// q . high). -> (kv_heads, nb): softmax over blocks of scale * logits per query head, averaged
+// over the group.
+torch::Tensor block_scores(torch::Tensor q_pre, torch::Tensor high, torch::Tensor low,
+                           double scale) {
+  check_summaries(q_pre, high, low);
+  auto out = torch::zeros({q_pre.size(0), high.size(1)}, q_pre.options());
+  scores_into(q_pre, high, low, static_cast<float>(scale), out.data_ptr<float>());
   return out;
+}
+
+// segments' consensus choice for one decode token of one layer (segments.py, select
+// "consensus"), in one call: the block scores summed over the KV heads, added to `running`
+// (this forward's sum over the layers before, (nb,); empty to start a new sum), ranked with
+// `carry` (the last forward's whole sum, cut or zero-padded to nb; empty for none) added.
+// -> (the new running sum (nb,), the top k blocks with u neighbours on each side, clamped to
+// the memory, ascending without repeats). Ties rank the lower block first.
+std::tuple<torch::Tensor, std::vector<int64_t>> consensus_step(
+    torch::Tensor q_pre, torch::Tensor high, torch::Tensor low, double scale,
+    torch::Tensor running, torch::Tensor carry, int64_t k, int64_t u) {
+  check_summaries(q_pre, high, low);
+  const int64_t kvh = q_pre.size(0), nb = high.size(1);
+  TORCH_CHECK(k > 0 && u >= 0 && nb > 0, "consensus_step: k > 0, u >= 0 and some blocks");
+  for (const auto* t : {&running, &carry}) {
+    TORCH_CHECK(t->numel() == 0 || (t->scalar_type() == at::kFloat && t->dim() == 1 &&
+                                    t->is_contiguous()),
+                "consensus_step: running and carry (blocks,) float32 contiguous, or empty");
+  }
+  TORCH_CHECK(running.numel() == 0 || running.size(0) == nb,
+              "consensus_step: running has one score per block");
+  std::vector<float> per_head(kvh * nb, 0.f);
+  scores_into(q_pre, high, low, static_cast<float>(scale), per_head.data());
+  auto total = torch::empty({nb}, q_pre.options());
+  float* tp = total.data_ptr<float>();
+  const float* before = running.numel() ? running.data_ptr<float>() : nullptr;
+  for (int64_t b = 0; b < nb; ++b) {
+    float sum = per_head[b];  // over the KV heads in order, as torch's sum over dim 0
+    for (int64_t h = 1; h < kvh; ++h) sum += per_head[h * nb + b];
+    tp[b] = before ? before[b] + sum : sum;
+  }
+  std::vector<float> rank(tp, tp + nb);
+  if (carry.numel()) {
+    const float* cp = carry.data_ptr<float>();
+    for (int64_t b = 0; b < std::min(nb, carry.size(0)); ++b) rank[b] += cp[b];
+  }
+  std::vector<int64_t> order(nb);
+  for (int64_t b = 0; b < nb; ++b) order[b] = b;
+  const int64_t top = std::min(k, nb);
+  std::partial_sort(order.begin(), order.begin() + top, order.end(), [&](int64_t a, int64_t b) {
+    return rank[a] > rank[b] || (rank[a] == rank[b] && a < b);
+  });
+  std::vector<char> chosen(nb, 0);
+  for (int64_t i = 0; i < top; ++i) {
+    for (int64_t o = -u; o <= u; ++o) {
+      chosen[std::min(std::max(order[i] + o, int64_t{0}), nb - 1)] = 1;
+    }
+  }
+  std::vector<int64_t> blocks;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (chosen[b]) blocks.push_back(b);
+  }
+  return {total, blocks};
 }
 
 // idx (kv_heads, R) int64 contiguous memory rows, -1 for padding -> (whole, padded): whether
@@ -199,4 +266,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_queries", &block_queries, "a query rotated per retrieved block (float32, CPU)");
   m.def("whole_blocks", &whole_blocks, "whether memory rows are whole blocks, and padded");
   m.def("block_scores", &block_scores, "segments' block scores of one token (float32, CPU)");
+  m.def("consensus_step", &consensus_step, "segments' consensus blocks of one token (float32, CPU)");
 }

@@ -118,6 +118,11 @@ class SegmentSelector(Selector):
         wanted = c.k * (2 * c.u + 1)
         if num_blocks <= wanted:
             return self._same_blocks(layer, range(num_blocks), kvh, device)
+        if c.select == "consensus" and q_pre.shape[2] == 1 and self._vote is None:
+            kernels = step_kernels(q_pre)
+            if kernels is not None:  # a decode step's whole choice in one call
+                blocks = self._consensus_step(kernels, layer, q_pre, scaling, num_blocks)
+                return self._same_blocks(layer, blocks, kvh, device)
         scores = self.block_scores(layer, q_pre, scaling)
         if c.select == "consensus":  # the same blocks for every KV head
             scores = self._consensus(layer, scores.sum(dim=0), q_pre.shape[2])
@@ -152,6 +157,30 @@ class SegmentSelector(Selector):
         rows = rows.expand(kvh, -1).contiguous()
         self._rows[layer] = (chosen, rows)
         return rows
+
+    def _consensus_step(
+        self, kernels: Any, layer: int, q_pre: torch.Tensor, scaling: float, num_blocks: int
+    ) -> list[int]:
+        """A decode step's blocks under "consensus" from engine/csrc/memory_step.cpp: what
+        block_scores, _consensus (running sum plus the carry), topk and the neighbours compute
+        in Python, in one call (a layer's selection was a dozen small ops)."""
+        summary = self.summaries[layer]
+        if self.config.score == "mean":
+            high, low = summary["mean"].view(), _NONE
+        else:
+            high, low = summary["max"].view(), summary["min"].view()
+        running = self._running
+        if layer <= self._last_layer or running is None or running.shape[0] != num_blocks:
+            running = _NONE  # a new forward (or memory grew): start the sum
+        carry = _NONE if self._last_sum is None else self._last_sum
+        kvh, d = q_pre.shape[0], q_pre.shape[-1]
+        rows = q_pre.reshape(kvh, -1, d).contiguous()
+        c = self.config
+        self._running, blocks = kernels.consensus_step(
+            rows, high, low, scaling, running, carry, c.k, c.u
+        )
+        self._last_layer = layer
+        return blocks
 
     def _consensus(self, layer: int, scores: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """Add a layer's block scores (blocks,) to this forward's running sum (a forward

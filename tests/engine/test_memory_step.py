@@ -125,3 +125,43 @@ def test_whole_blocks_agrees_with_the_frames_torch_check(rows, whole, padded):
     )
     ok = idx >= 0
     assert frame._whole_blocks(idx, ok) == whole and bool((~ok).any()) == padded
+
+
+@pytest.mark.parametrize("carry_blocks", [None, 5, 40])  # no carry, a shorter one, a longer one
+@pytest.mark.parametrize("score", ["bound", "mean"])
+def test_consensus_step_is_segments_torch_choice(score, carry_blocks):
+    """The running sum (over KV heads, added to the layers' sum so far) and the blocks chosen:
+    top k of the sum plus the carry (cut or zero-padded), u neighbours each side, clamped."""
+    g = torch.Generator().manual_seed(3)
+    blocks, k, u = 23, 4, 1
+    q = torch.randn(3, 4, 64, generator=g)
+    high = torch.randn(3, blocks + 5, 64, generator=g)[:, :blocks]
+    low = (
+        high - torch.rand(3, blocks + 5, 64, generator=g)[:, :blocks] if score == "bound" else None
+    )
+    none = torch.empty(0)
+    kernels = load_extension("memory_step")
+    scores = kernels.block_scores(q, high, none if low is None else low, 0.125).sum(0)
+    before = torch.rand(blocks, generator=g)
+    carry = None if carry_blocks is None else torch.rand(carry_blocks, generator=g)
+    for running in (None, before):
+        got_sum, got_blocks = kernels.consensus_step(
+            q, high, none if low is None else low, 0.125,
+            none if running is None else running, none if carry is None else carry, k, u,
+        )  # fmt: skip
+        want_sum = scores if running is None else running + scores
+        torch.testing.assert_close(got_sum, want_sum, rtol=1e-6, atol=1e-7)
+        rank = want_sum.clone()
+        if carry is not None:
+            n = min(blocks, carry_blocks)
+            rank[:n] += carry[:n]
+        best = rank.topk(k).indices.tolist()
+        want = sorted({min(max(b + o, 0), blocks - 1) for b in best for o in range(-u, u + 1)})
+        assert got_blocks == want
+
+
+def test_consensus_step_refuses_a_running_sum_of_another_length():
+    kernels = load_extension("memory_step")
+    q, high = torch.randn(2, 2, 16), torch.randn(2, 6, 16)
+    with pytest.raises(RuntimeError, match="one score per block"):
+        kernels.consensus_step(q, high, torch.empty(0), 0.25, torch.zeros(5), torch.empty(0), 2, 0)

@@ -175,3 +175,29 @@ def test_reading_chunks_do_not_vote():
     # 200 tokens: chunks of 16 and the last 8 (the tail) on their own; only the tail votes,
     # and only once memory holds more than k blocks to choose from (it does by then)
     assert calls[0] == len(memory._chunks(200)) + 1
+
+
+def test_decode_steps_choose_as_the_torch_path_does(monkeypatch):
+    """memory_step.cpp's consensus_step (a decode step's choice in one call) against the torch
+    ops it replaces: the same blocks, layer after layer and step after step, and the same carry."""
+    import engine.memory.segments as segments
+
+    if segments.step_kernels(queries(0, tokens=1)) is None:
+        pytest.skip("no C++ compiler or ninja to build the kernel")
+    config = SegmentsConfig(block=BLOCK, k=2, u=1, select="consensus", tail=8)
+    runs = []
+    for kernels in (True, False):
+        if not kernels:
+            monkeypatch.setattr(segments, "step_kernels", lambda q: None)
+        chooser, stores = selector("consensus", layers=3)
+        chooser.config = config
+        chosen = []
+        for step in range(4):
+            for layer in range(3):
+                q = queries(100 + 10 * step + layer, tokens=1)
+                chosen.append(chosen_blocks(chooser.select(layer, q, stores[layer], SCALING)))
+            chooser.on_commit(1, 0)
+        runs.append((chosen, chooser._last_sum))
+    assert runs[0][0] == runs[1][0]
+    assert len({tuple(c[0]) for c in runs[0][0]}) > 1  # the choice moved between steps or layers
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=1e-6, atol=1e-7)
