@@ -121,8 +121,8 @@ class SegmentSelector(Selector):
         if c.select == "consensus" and q_pre.shape[2] == 1 and self._vote is None:
             kernels = step_kernels(q_pre)
             if kernels is not None:  # a decode step's whole choice in one call
-                chosen = self._consensus_step(kernels, layer, q_pre, scaling, num_blocks)
-                return self._same_blocks(layer, chosen, kvh, device)
+                voted = self._consensus_step(kernels, layer, q_pre, scaling, num_blocks)
+                return self._same_blocks(layer, voted, kvh, device)
         scores = self.block_scores(layer, q_pre, scaling)
         if c.select == "consensus":  # the same blocks for every KV head
             scores = self._consensus(layer, scores.sum(dim=0), q_pre.shape[2])
