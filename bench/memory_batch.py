@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     ids = torch.tensor(loaded.tokenizer(text).input_ids[: args.tokens])
     for memory_dtype in args.memory_dtypes:
         knobs = {**args.knobs, "memory_dtype": memory_dtype}
-        memory = SessionMemory(loaded.model, MemorySpec(args.strategy, knobs))
+        memory = SessionMemory(loaded.model, MemorySpec(args.strategy, knobs), loaded.kv_dtype)
         with torch.inference_mode():
             token = int(memory.append(ids).argmax())
         ms = {rows: step_ms(loaded.model, memory, args.strategy, rows, token, args.steps)

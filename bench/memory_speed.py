@@ -99,7 +99,12 @@ def plain_decode_ms_per_token(model, ids: torch.Tensor, steps: int) -> float:
 
 
 def measure_ingest(
-    model, strategy: str, ids: torch.Tensor, rounds: int, params: dict | None = None
+    model,
+    strategy: str,
+    ids: torch.Tensor,
+    rounds: int,
+    params: dict | None = None,
+    kv_dtype: str = "model",
 ) -> dict:
     """Ingest vs bare forward over the same tokens in the same chunks, interleaved chunk by
     chunk (a bare forward of a chunk, then the session reading it, as the engine's ingest
@@ -113,7 +118,7 @@ def measure_ingest(
     bare = ingest = 0.0
     with torch.inference_mode():
         for _ in range(rounds):
-            memory = SessionMemory(model, spec)
+            memory = SessionMemory(model, spec, kv_dtype)
             for start in range(0, len(ids), chunk):
                 piece = ids[start : start + chunk]
                 bare += bare_forward_seconds(model, piece, chunk)
@@ -151,7 +156,7 @@ def measure_decode(
     records: list[dict] = []
     results: dict[int, float] = {}
     for size in (small, large):
-        memory = SessionMemory(model, MemorySpec(strategy))
+        memory = SessionMemory(model, MemorySpec(strategy), kv_dtype)
         started = time.perf_counter()
         logits = memory.append(all_ids[:size])
         fill = time.perf_counter() - started
@@ -232,7 +237,12 @@ def main(argv: list[str] | None = None) -> None:
         if "ingest" in args.parts:
             emit(
                 measure_ingest(
-                    model, strategy, all_ids[: args.ingest_tokens], args.rounds, args.params
+                    model,
+                    strategy,
+                    all_ids[: args.ingest_tokens],
+                    args.rounds,
+                    args.params,
+                    loaded.kv_dtype,
                 )
             )
         if "decode" in args.parts:

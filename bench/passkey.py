@@ -55,8 +55,11 @@ def first_number(text: str) -> str | None:
 
 
 @torch.inference_mode()
-def answer_with_memory(model, tokenizer, ids: list[int], spec: MemorySpec, new_tokens: int):
-    return decode_answer(tokenizer, SessionMemory(model, spec), ids, new_tokens)
+def answer_with_memory(
+    model, tokenizer, ids: list[int], spec: MemorySpec, new_tokens: int, kv_dtype: str = "model"
+):
+    memory = SessionMemory(model, spec, kv_dtype)
+    return decode_answer(tokenizer, memory, ids, new_tokens)
 
 
 def decode_answer(tokenizer, memory: SessionMemory, ids: list[int], new_tokens: int):
@@ -82,7 +85,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 @torch.inference_mode()
 def answers_sharing_prefix(
-    model, tokenizer, prompts: list[list[int]], spec: MemorySpec, new_tokens: int
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    spec: MemorySpec,
+    new_tokens: int,
+    kv_dtype: str = "model",
 ):
     """Answer every prompt of a cell, reading the opening they share only once.
 
@@ -93,8 +101,9 @@ def answers_sharing_prefix(
     appending the whole prompt at once, and a chunk of a prompt that long does not retrieve,
     so every forward is the one the whole prompt would get: the answers are the same, the
     shared filler is forwarded once instead of once per prompt. Pass the prompts shallowest
-    needle first (any order is exact, that one shares most). Yields (index, text, memory)."""
-    base = SessionMemory(model, spec)
+    needle first (any order is exact, that one shares most). kv_dtype: the frames' sinks and
+    window, as the server holds them (LoadedModel.kv_dtype). Yields (index, text, memory)."""
+    base = SessionMemory(model, spec, kv_dtype)
     chunk = base.config.chunk_size
     device = next(model.parameters()).device
     read = 0
@@ -102,7 +111,7 @@ def answers_sharing_prefix(
         shared = min((common_prefix(ids, later) for later in prompts[i + 1 :]), default=0)
         body = base.config.tail_start(len(ids))  # where a whole-prompt append's chunks end
         if read > body:  # cannot happen for prompts of one length; stay exact if it does
-            yield i, *answer_with_memory(model, tokenizer, ids, spec, new_tokens)
+            yield i, *answer_with_memory(model, tokenizer, ids, spec, new_tokens, kv_dtype)
             continue
         cut = max(read, min(shared, body) // chunk * chunk)
         if cut > read:
@@ -184,8 +193,9 @@ def main(argv: list[str] | None = None) -> None:
             hits, started, misses = 0, time.perf_counter(), []
             memory_bytes, memory_tokens = 0, 0
             prompts = [passkey_prompt(tokenizer, length, key, depth) for key, depth in by_depth]
+            spec = MemorySpec(strategy, params)
             answers = answers_sharing_prefix(
-                model, tokenizer, prompts, MemorySpec(strategy, params), args.new_tokens
+                model, tokenizer, prompts, spec, args.new_tokens, loaded.kv_dtype
             )
             for i, text, memory in answers:
                 key, depth = by_depth[i]

@@ -121,6 +121,7 @@ class LocalEngine:
             self._encode,
             self._store,
             self._model_fingerprint,
+            self.loaded.kv_dtype,
         )
         self._larimar_sessions = LarimarSessions(
             self, lambda text: len(self.encode_prompt(text)), self.config, store

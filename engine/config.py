@@ -48,11 +48,12 @@ class EngineConfig:
     "bfloat16" on a float32 CPU model halves the bytes a decode step reads; "int4" keeps 4-bit
     groups of 32 (Q4_1's grid; CPU only) and the output head in int8 rows (the GGUF's Q8_0);
     everything else stays in the model's dtype.
-    kv_dtype: what plain requests' KV caches hold keys and values in: "auto" is "float16"
-    where the linears resolve to int4 (as llama.cpp caches the same file) and "model"
-    elsewhere; "model" the model's dtype; "float16" half of fp32, widened by the CPU decode
-    kernel as it reads them. Prefill attends them in the model's dtype. Memory frames have
-    their own knob (memory_dtype, engine/memory/config.py).
+    kv_dtype: what KV caches hold keys and values in (plain requests' caches, and the sinks
+    and local window of memory frames): "auto" is "float16" where the linears resolve to int4
+    (as llama.cpp caches the same file) and "model" elsewhere; "model" the model's dtype;
+    "float16" half of fp32, widened by the CPU decode kernels as they read them. Prefill
+    attends them in the model's dtype. Memory blocks have their own knob (memory_dtype,
+    engine/memory/config.py).
     lean_decode: decode steps of plain (non-memory) requests on a Llama-family model run
     engine/decode_step.py's lean step instead of transformers' forward (the same function in
     far fewer eager ops); False keeps transformers' forward for every step.

@@ -129,9 +129,11 @@ class MemorySessions:
         encode: Callable[[Prompt], torch.Tensor],
         store: StoreBridge | None,
         model_fingerprint: str,
+        kv_dtype: str = "model",
     ) -> None:
         self.model = model
         self.config = config
+        self.kv_dtype = kv_dtype  # resolved (LoadedModel.kv_dtype): memories' sinks and window
         self.decoding = decoding
         self._worker = worker
         self._encode = encode  # asyncio side: prompt -> ids (T,), InvalidRequest when empty
@@ -260,7 +262,7 @@ class MemorySessions:
 
     def new_memory(self, spec: MemorySpec) -> SessionMemory:
         """A memory of this engine's model, with the text prior when the engine has one."""
-        memory = SessionMemory(self.model, spec)
+        memory = SessionMemory(self.model, spec, self.kv_dtype)
         if self.encoder is not None:
             tokenizer = self.decoding.tokenizer
             memory.attach_prior(self.encoder, lambda ids: str(tokenizer.decode(list(ids))))

@@ -194,6 +194,8 @@ def session_fingerprint(model_fp: str, memory: SessionMemory) -> str:
         "config": config,
         "frame_layout": FRAME_LAYOUT,  # encodings depend on the frame a chunk attended
     }
+    if memory.window_dtype != memory.model_dtype:  # ... and on the precision of its window
+        record["window_dtype"] = str(memory.window_dtype)
     return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()
 
 

@@ -17,6 +17,9 @@
 // undone is (x*cos - swap_halves(x)*sin) / scale_sq.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -24,6 +27,8 @@
 #include <vector>
 
 namespace {
+
+constexpr int64_t kMaxDim = 512;  // head_dim bound for the summaries' widening buffers
 
 // out (d) = x rotated by table row p (sign +1) or undone (sign -1, divided by scale_sq)
 void rotate_row(const float* x, const float* cos, const float* sin, int64_t d, float sign,
@@ -111,34 +116,48 @@ torch::Tensor block_queries(torch::Tensor q_pre, torch::Tensor cos, torch::Tenso
 
 void check_summaries(const torch::Tensor& q_pre, const torch::Tensor& high,
                      const torch::Tensor& low) {
-  TORCH_CHECK(q_pre.scalar_type() == at::kFloat && high.scalar_type() == at::kFloat &&
+  const auto held = high.scalar_type();
+  TORCH_CHECK(q_pre.scalar_type() == at::kFloat && (held == at::kFloat || held == at::kHalf) &&
                   q_pre.is_contiguous() && q_pre.dim() == 3 && high.dim() == 3 &&
                   high.size(0) == q_pre.size(0) && high.size(2) == q_pre.size(2) &&
-                  high.stride(2) == 1,
-              "block_scores: q_pre (kv_heads, group, d), summaries (kv_heads, blocks, d) float32");
-  TORCH_CHECK(low.numel() == 0 || (low.scalar_type() == at::kFloat && low.sizes() == high.sizes() &&
+                  high.stride(2) == 1 && q_pre.size(2) <= kMaxDim,
+              "block_scores: q_pre (kv_heads, group, d) float32, summaries (kv_heads, blocks, d) "
+              "float32 or float16");
+  TORCH_CHECK(low.numel() == 0 || (low.scalar_type() == held && low.sizes() == high.sizes() &&
                                    low.stride(2) == 1),
               "block_scores: low as high");
 }
 
-// out (kv_heads, nb), zeroed: softmax over blocks of scale * logits per query head, averaged
-// over the group (block_scores below); q_pre, high and low checked by check_summaries
-void scores_into(const torch::Tensor& q_pre, const torch::Tensor& high, const torch::Tensor& low,
-                 float sc, float* op) {
+// a summary row as floats: in place for float32, widened into buf for float16
+const float* summary_row(const float* x, int64_t, float*) { return x; }
+const float* summary_row(const at::Half* x, int64_t d, float* buf) {
+  int64_t i = 0;
+#ifdef __F16C__
+  for (; i + 8 <= d; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
+    _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(h));
+  }
+#endif
+  for (; i < d; ++i) buf[i] = static_cast<float>(x[i]);
+  return buf;
+}
+
+// logits (kv_heads, group, nb) of q_pre against summaries held as T (float or at::Half)
+template <typename T>
+void summary_logits(const torch::Tensor& q_pre, const torch::Tensor& high,
+                    const torch::Tensor& low, float sc, float* lp) {
   const bool bound = low.numel() > 0;
   const int64_t kvh = q_pre.size(0), group = q_pre.size(1), d = q_pre.size(2), nb = high.size(1);
-  if (nb == 0) return;
-  std::vector<float> logits(kvh * group * nb);
-  float* lp = logits.data();
   const float* qp = q_pre.data_ptr<float>();
-  // logits, split over blocks when there are many (a 1M-token memory has 16K blocks a layer)
+  // split over blocks when there are many (a 1M-token memory has 16K blocks a layer)
   at::parallel_for(0, nb, 256, [&](int64_t begin, int64_t end) {
+    float hbuf[kMaxDim], lbuf[kMaxDim];
     for (int64_t h = 0; h < kvh; ++h) {
-      const float* hp = high.data_ptr<float>() + h * high.stride(0);
-      const float* lo = bound ? low.data_ptr<float>() + h * low.stride(0) : nullptr;
+      const T* hp = high.data_ptr<T>() + h * high.stride(0);
+      const T* lo = bound ? low.data_ptr<T>() + h * low.stride(0) : nullptr;
       for (int64_t b = begin; b < end; ++b) {
-        const float* hb = hp + b * high.stride(1);
-        const float* lb = bound ? lo + b * low.stride(1) : nullptr;
+        const float* hb = summary_row(hp + b * high.stride(1), d, hbuf);
+        const float* lb = bound ? summary_row(lo + b * low.stride(1), d, lbuf) : nullptr;
         for (int64_t g = 0; g < group; ++g) {
           const float* q = qp + (h * group + g) * d;
           float total = 0.f;
@@ -154,6 +173,21 @@ void scores_into(const torch::Tensor& q_pre, const torch::Tensor& high, const to
       }
     }
   });
+}
+
+// out (kv_heads, nb), zeroed: softmax over blocks of scale * logits per query head, averaged
+// over the group (block_scores below); q_pre, high and low checked by check_summaries
+void scores_into(const torch::Tensor& q_pre, const torch::Tensor& high, const torch::Tensor& low,
+                 float sc, float* op) {
+  const int64_t kvh = q_pre.size(0), group = q_pre.size(1), nb = high.size(1);
+  if (nb == 0) return;
+  std::vector<float> logits(kvh * group * nb);
+  float* lp = logits.data();
+  if (high.scalar_type() == at::kHalf) {
+    summary_logits<at::Half>(q_pre, high, low, sc, lp);
+  } else {
+    summary_logits<float>(q_pre, high, low, sc, lp);
+  }
   for (int64_t h = 0; h < kvh; ++h) {
     for (int64_t g = 0; g < group; ++g) {
       float* row = lp + (h * group + g) * nb;
@@ -172,8 +206,8 @@ void scores_into(const torch::Tensor& q_pre, const torch::Tensor& high, const to
 // q_pre (kv_heads, group, d) contiguous; high (kv_heads, nb, d) and low (the same, or empty)
 // with contiguous rows: the per-dimension key maxima and minima of each block (score "bound":
 // sum_i max(q_i * high_i, q_i * low_i)), or with low empty the blocks' mean keys (score "mean":
-// q . high). -> (kv_heads, nb): softmax over blocks of scale * logits per query head, averaged
-// over the group.
+// q . high); summaries in float32 or float16. -> (kv_heads, nb): softmax over blocks of
+// scale * logits per query head, averaged over the group.
 torch::Tensor block_scores(torch::Tensor q_pre, torch::Tensor high, torch::Tensor low,
                            double scale) {
   check_summaries(q_pre, high, low);

@@ -74,8 +74,8 @@ def attend_band(
     v_all = torch.cat((store.local_v[:, skip:], store.sink_v, value[0]), dim=1)[None]
     out = query.new_empty(1, T, query.shape[1], query.shape[3])
     dtype = read_dtype(frame.config.read_dtype, query.dtype, query.device)
-    if dtype != query.dtype:  # see FrameConfig.read_dtype; the output is cast back
-        query, k_all, v_all = query.to(dtype), k_all.to(dtype), v_all.to(dtype)
+    # see FrameConfig.read_dtype (the output is cast back); sinks and window may be float16
+    query, k_all, v_all = query.to(dtype), k_all.to(dtype), v_all.to(dtype)
     for s in range(0, T, BAND_ROWS):
         rows = min(BAND_ROWS, T - s)
         start, end = min(s, rw), rw + S + s + rows

@@ -73,8 +73,10 @@ class FrameConfig:
         what a decode step reads from its retrieved blocks (the CPU kernel widens them as it
         reads; other paths cast the rows they take to the model's dtype). "model" the model's
         dtype. "auto" (default): "float16" for a float32 model, else "model" (a bfloat16
-        model's range is kept). Sinks and the local window keep the model's dtype
-        (docs/decisions/041-float16-memory.md).
+        model's range is kept). segments' block summaries are held in the same dtype (maxima
+        rounded up, minima down). Sinks and the local window follow the engine's kv_dtype
+        (float16 under int4 weights, else the model's dtype; docs/decisions/041-float16-memory.md,
+        045-memory-step-fixed-cost.md).
     """
 
     sinks: int = 64

@@ -85,12 +85,16 @@ class FrameState:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        window_dtype: torch.dtype | None = None,
     ) -> None:
         self.config = config
         self.selector = selector
         self.rotary = rotary
         self.kv_heads = kv_heads
-        empty = torch.empty(kv_heads, 0, head_dim, dtype=dtype, device=device)
+        # sinks and window hold keys and values in window_dtype (the engine's kv_dtype: float16
+        # under int4 weights, as plain KV caches), else in the model's dtype
+        self.window_dtype = window_dtype or dtype
+        empty = torch.empty(kv_heads, 0, head_dim, dtype=self.window_dtype, device=device)
         host = config.tier == "host"
         memory_device = torch.device("cpu") if host else device
         memory_dtype = storage_dtype(config.memory_dtype, dtype)
@@ -98,8 +102,8 @@ class FrameState:
             LayerStore(
                 empty,
                 empty,
-                GrowingBuffer(kv_heads, head_dim, dtype, device),
-                GrowingBuffer(kv_heads, head_dim, dtype, device),
+                GrowingBuffer(kv_heads, head_dim, self.window_dtype, device),
+                GrowingBuffer(kv_heads, head_dim, self.window_dtype, device),
                 GrowingBuffer(kv_heads, head_dim, memory_dtype, memory_device, pin=host),
                 GrowingBuffer(kv_heads, head_dim, memory_dtype, memory_device, pin=host),
             )
@@ -304,8 +308,9 @@ class FrameState:
         keys.append(key[0])
         values.append(value[0])
 
-        k_frame = torch.cat(keys, dim=1)[None]  # (1, kv_heads, F, d)
-        v_frame = torch.cat(values, dim=1)[None]
+        # (1, kv_heads, F, d) in the query's dtype (sinks and window may be held in float16)
+        k_frame = torch.cat(keys, dim=1)[None].to(query.dtype)
+        v_frame = torch.cat(values, dim=1)[None].to(query.dtype)
         P = k_frame.shape[2] - T
         # the session's first chunk attends only itself: plain causal attention, which SDPA's
         # kernels compute without the blocks above the diagonal that an explicit mask costs
@@ -447,8 +452,8 @@ class FrameState:
         for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
             if k.shape != (self.kv_heads, T, store.sink_k.shape[-1]) or v.shape != k.shape:
                 raise ValueError(f"layer {layer}: expected (kv_heads, {T}, head_dim) keys/values")
-            pending.k_pre[layer] = k.to(store.sink_k.device, store.sink_k.dtype)
-            pending.v[layer] = v.to(store.sink_k.device, store.sink_k.dtype)
+            pending.k_pre[layer] = k.to(self._device, self._dtype)
+            pending.v[layer] = v.to(self._device, self._dtype)
         self._pending = pending
 
     def begin_import(self, num_new: int) -> None:
@@ -466,8 +471,9 @@ class FrameState:
         for layer, store in enumerate(self.layers):
             k_pre, v = self._pending.k_pre[layer], self._pending.v[layer]
             if to_sinks:
-                store.sink_k = torch.cat((store.sink_k, k_pre[:, :to_sinks]), dim=1)
-                store.sink_v = torch.cat((store.sink_v, v[:, :to_sinks]), dim=1)
+                held = self.window_dtype
+                store.sink_k = torch.cat((store.sink_k, k_pre[:, :to_sinks].to(held)), dim=1)
+                store.sink_v = torch.cat((store.sink_v, v[:, :to_sinks].to(held)), dim=1)
             store.window_k.append(k_pre[:, to_sinks:])
             store.window_v.append(v[:, to_sinks:])
         pending = self._pending
@@ -498,9 +504,9 @@ class FrameState:
             blk_k, blk_v = store.local_k[:, :move], store.local_v[:, :move]
             store.mem_k.append(self.rotary.rotate(blk_k, offsets) if self.block_local else blk_k)
             store.mem_v.append(blk_v)
-            # views of the window's rows, valid until the window's next append: selectors
-            # copy what they keep
-            self.selector.on_memory_added(layer, blk_k, blk_v)
+            # views of the window's rows (in the model's dtype), valid until the window's next
+            # append: selectors copy what they keep
+            self.selector.on_memory_added(layer, blk_k.to(self._dtype), blk_v.to(self._dtype))
             store.window_k.drop_front(move)
             store.window_v.drop_front(move)
             self.step_cache.drop_window_front(layer, move)

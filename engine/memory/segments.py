@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from engine.cpu_attention import step_kernels
-from engine.memory.buffers import GrowingBuffer, LayerStore
+from engine.memory.buffers import GrowingBuffer, LayerStore, storage_dtype
 from engine.memory.config import SegmentsConfig
 from engine.memory.selector import Selector
 
@@ -53,8 +53,11 @@ class SegmentSelector(Selector):
     ) -> None:
         self.config = config
         names = ("mean",) if config.score == "mean" else ("max", "min")
+        # held as memory blocks are (memory_dtype: float16 for an fp32 model): a decode step
+        # reads every summary, and at 32K tokens they are a fifth of what it reads besides weights
+        held = storage_dtype(config.memory_dtype, dtype)
         self.summaries = [
-            {n: GrowingBuffer(kv_heads, head_dim, dtype, device) for n in names}
+            {n: GrowingBuffer(kv_heads, head_dim, held, device) for n in names}
             for _ in range(num_layers)
         ]
         # consensus (select "consensus"): this forward's scores so far, the last finished
@@ -76,8 +79,9 @@ class SegmentSelector(Selector):
         if self.config.score == "mean":
             summary["mean"].append(blocks.mean(dim=2))
         else:
-            summary["max"].append(blocks.amax(dim=2))
-            summary["min"].append(blocks.amin(dim=2))
+            held = summary["max"].data.dtype
+            summary["max"].append(_rounded_outward(blocks.amax(dim=2), held, up=True))
+            summary["min"].append(_rounded_outward(blocks.amin(dim=2), held, up=False))
 
     def on_memory_dropped(self, layer: int, n: int) -> None:
         for buf in self.summaries[layer].values():
@@ -98,12 +102,11 @@ class SegmentSelector(Selector):
             else:
                 high, low = summary["max"].view(), summary["min"].view()
             return kernels.block_scores(rows.contiguous(), high, low, scaling)
+        views = {name: buf.view().to(rows.dtype).transpose(1, 2) for name, buf in summary.items()}
         if self.config.score == "mean":
-            logits = rows @ summary["mean"].view().transpose(1, 2)
+            logits = rows @ views["mean"]
         else:
-            logits = rows.clamp(min=0) @ summary["max"].view().transpose(1, 2) + (
-                rows.clamp(max=0) @ summary["min"].view().transpose(1, 2)
-            )
+            logits = rows.clamp(min=0) @ views["max"] + rows.clamp(max=0) @ views["min"]
         return (logits * scaling).softmax(dim=-1).mean(dim=1)
 
     def select(
@@ -251,6 +254,19 @@ def _same_choice(last: torch.Tensor | tuple, chosen: torch.Tensor) -> bool:
     return (
         isinstance(last, torch.Tensor) and last.shape == chosen.shape and torch.equal(last, chosen)
     )
+
+
+def _rounded_outward(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
+    """x in dtype, rounded up (or down) where it is not exact and clamped to finite values:
+    per-dimension maxima held in float16 stay at or above the true ones, minima at or below,
+    so the score "bound" stays a bound (up to the clamp, far beyond any key)."""
+    if dtype == x.dtype:
+        return x
+    finite = torch.finfo(dtype).max
+    held = x.clamp(-finite, finite).to(dtype)
+    off = held.to(x.dtype) < x if up else held.to(x.dtype) > x
+    toward = torch.full_like(held, finite if up else -finite)
+    return torch.where(off, torch.nextafter(held, toward), held)
 
 
 def _fit(scores: torch.Tensor, num_blocks: int) -> torch.Tensor:

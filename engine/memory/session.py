@@ -51,7 +51,12 @@ class MemoryMark:
 
 
 class SessionMemory:
-    def __init__(self, model: PreTrainedModel, spec: MemorySpec | None = None) -> None:
+    def __init__(
+        self, model: PreTrainedModel, spec: MemorySpec | None = None, kv_dtype: str = "model"
+    ) -> None:
+        """kv_dtype: what the frame's sinks and local window hold keys and values in, the
+        engine's resolved EngineConfig.kv_dtype ("model" or "float16"); memory blocks follow
+        FrameConfig.memory_dtype."""
         cfg = model.config
         max_positions = int(cfg.max_position_embeddings)
         require_longserve_attention(model)
@@ -92,6 +97,7 @@ class SessionMemory:
             head_dim,
             dtype,
             device,
+            None if kv_dtype in ("model", "auto") else getattr(torch, kv_dtype),
         )
         selector.frame = self._frame
         self.prior: TextPrior | None = None  # attach_prior: DCP's EmbQ . EmbD (prior.py)
@@ -397,6 +403,15 @@ class SessionMemory:
                     raise
                 self._commit(torch.tensor(enc.token_ids[piece], dtype=torch.long))
         self._last_logits = None
+
+    @property
+    def window_dtype(self) -> torch.dtype:
+        """What the frame's sinks and local window hold keys and values in."""
+        return self._frame.window_dtype
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        return self._frame._dtype
 
     def fork(self) -> SessionMemory:
         """An independent copy of this memory (frame, blocks, summaries, indices, chain hash)

@@ -239,7 +239,7 @@ class StepCache:
                                        retrieved_rows, scaling)  # fmt: skip
         assert retrieved_rows is None, "memory rows read in place need the CPU kernel"
         logits = [
-            q @ k.transpose(1, 2)
+            q @ k.to(q.dtype).transpose(1, 2)
             for q, k in zip([q_frame] * len(prefix_k) + [q_window, q_frame], pieces_k, strict=True)
             if blocks_at is None or k is not prefix_k[1]
         ]  # (kv_heads, group, n) each
@@ -249,7 +249,7 @@ class StepCache:
             logits[1] = logits[1].masked_fill(~retrieved_ok[:, None, :], float("-inf"))
         weights = (torch.cat(logits, dim=-1).float() * scaling).softmax(dim=-1)
         weights = weights.to(value.dtype).split([k.shape[1] for k in pieces_k], dim=-1)
-        out = sum(w @ v for w, v in zip(weights, pieces_v, strict=True))
+        out = sum(w @ v.to(w.dtype) for w, v in zip(weights, pieces_v, strict=True))
         assert isinstance(out, torch.Tensor)
         return out.reshape(1, 1, kvh * group, d)
 
@@ -298,7 +298,8 @@ class StepCache:
         block, d = frame.config.block, keys.shape[-1]
         nb = keys.shape[1] // block
         q_blocks = self._block_queries(frame, q_pre, keys.shape[1], first, kvh, group)
-        logits = q_blocks @ keys.view(kvh, nb, block, d).transpose(-1, -2)  # (kvh, nb, g, block)
+        blocks = keys.view(kvh, nb, block, d).to(q_blocks.dtype)
+        logits = q_blocks @ blocks.transpose(-1, -2)  # (kvh, nb, g, block)
         return logits.permute(0, 2, 1, 3).reshape(kvh, group, nb * block)
 
 

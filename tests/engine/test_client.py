@@ -339,3 +339,22 @@ async def test_real_model_answers_paris():
         assert deltas[-1].finish_reason == "stop"
     finally:
         await engine.shutdown()
+
+
+async def test_session_memories_hold_their_window_in_the_engines_kv_dtype(
+    make_engine, tiny_loaded, small_memory_spec
+):
+    """A session's sinks and window follow the engine's resolved kv_dtype, as plain caches do
+    (float16 under the embedded GGUF's int4 weights)."""
+    import dataclasses
+
+    import torch
+
+    engine = make_engine(loaded=dataclasses.replace(tiny_loaded, kv_dtype="float16"))
+    await engine.create_session("s", small_memory_spec)
+    await collect(engine.ingest("i", "s", "The access code is 4721. " * 20))
+    memory = engine._memory_sessions.sessions["s"].memory
+    assert memory.window_dtype == torch.float16
+    assert memory._frame.layers[0].window_k.data.dtype == torch.float16
+    deltas = await collect(engine.generate("g", "What is the code?", GREEDY, session_id="s"))
+    assert deltas[-1].finish_reason == "length"

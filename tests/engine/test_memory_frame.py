@@ -293,6 +293,10 @@ STEP_KNOBS = {
     # reads them in place, or cast as they are taken)
     "segments-fp32": dict(k=2, u=1, memory_dtype="model"),
     "tokens-fp32": dict(k=12, memory_dtype="model"),
+    # sinks and window in float16 (the engine's kv_dtype under int4 weights)
+    "segments-f16window": dict(k=2, u=1),
+    "tokens-f16window": dict(k=12),
+    "neurocache-f16window": dict(k=4, w=2, c=2, r=0, fit_tokens=32),
 }
 
 
@@ -305,7 +309,8 @@ def test_a_decode_step_attends_what_the_whole_frame_would(monkeypatch, case):
     rebase of the window's positions (a 128-position table: its base moves every ~100 steps)."""
     model = tiny("llama", max_position_embeddings=128)
     spec = dict(sinks=8, local_window=32, chunk_size=16, block=8, tail=4, **STEP_KNOBS[case])
-    memory = SessionMemory(model, MemorySpec(case.split("-")[0], spec))
+    kv_dtype = "float16" if case.endswith("f16window") else "model"
+    memory = SessionMemory(model, MemorySpec(case.split("-")[0], spec), kv_dtype)
     ids = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(11))
     logits = memory.append(ids)
     dense = memory.fork()

@@ -192,7 +192,56 @@ def test_float16_memory_holds_half_the_bytes_and_rounds_only_memory(strategy):
     assert all(layer.mem_k.data.dtype == torch.float16 for layer in fork._frame.layers)
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_float16_window_holds_half_its_bytes_and_rounds_only_within_float16(strategy):
+    """kv_dtype "float16" (the engine's under int4 weights) keeps sinks and window in float16,
+    as plain KV caches: half their bytes, logits within float16's rounding of the fp32
+    window's (tokens: most of the same rows retrieved; its per-token top-k on a random model
+    has near ties that rounding swaps), memory blocks as memory_dtype says; a fork keeps it."""
+    model = tiny("llama")
+    ids = torch.randint(0, 300, (400,), generator=torch.Generator().manual_seed(9))
+    spec = MemorySpec(strategy, SMALL[strategy])
+    full, half = SessionMemory(model, spec), SessionMemory(model, spec, "float16")
+    want, got = _run(full, ids), _run(half, ids)
+    assert half.window_dtype == torch.float16 and full.window_dtype == torch.float32
+    for layer in half._frame.layers:
+        assert layer.sink_k.dtype == layer.sink_v.dtype == torch.float16
+        assert layer.window_k.data.dtype == layer.window_v.data.dtype == torch.float16
+        assert layer.mem_k.data.dtype == torch.float16  # memory_dtype "auto"
+
+    def window_bytes(memory):
+        return sum(
+            layer.window_k.nbytes() + layer.window_v.nbytes() + layer.sink_k.nbytes
+            for layer in memory._frame.layers
+        )
+
+    assert half._frame.n_memory == full._frame.n_memory > 0
+    assert window_bytes(half) * 2 == window_bytes(full)
+    if strategy == "tokens":  # token-level top-k: rounding may swap near-tied tokens
+        for layer, rows in full._frame.last_selected.items():
+            chosen = half._frame.last_selected[layer].tolist()
+            for a, b in zip(rows.tolist(), chosen, strict=True):
+                assert len(set(a) & set(b)) >= 0.75 * len(a)
+    else:
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, atol=3e-3 * float(w.abs().max()), rtol=0)
+    fork = half.fork()
+    assert all(layer.window_k.data.dtype == torch.float16 for layer in fork._frame.layers)
+
+
 def test_a_bfloat16_model_keeps_its_memory_in_bfloat16():
     model = tiny("llama").to(torch.bfloat16)
     memory = SessionMemory(model, MemorySpec("segments", SMALL["segments"]))
     assert all(layer.mem_k.data.dtype == torch.bfloat16 for layer in memory._frame.layers)
+
+
+def test_stored_encodings_are_kept_apart_by_window_precision():
+    """A chunk's keys depend on the window it attended: a float16 window's encodings get a
+    session fingerprint of their own; the model's dtype keeps the one it had."""
+    from engine.store import session_fingerprint
+
+    model = tiny("llama")
+    spec = MemorySpec("segments", SMALL["segments"])
+    full, half = SessionMemory(model, spec), SessionMemory(model, spec, "float16")
+    assert session_fingerprint("m", full) == session_fingerprint("m", SessionMemory(model, spec))
+    assert session_fingerprint("m", full) != session_fingerprint("m", half)

@@ -165,3 +165,19 @@ def test_consensus_step_refuses_a_running_sum_of_another_length():
     q, high = torch.randn(2, 2, 16), torch.randn(2, 6, 16)
     with pytest.raises(RuntimeError, match="one score per block"):
         kernels.consensus_step(q, high, torch.empty(0), 0.25, torch.zeros(5), torch.empty(0), 2, 0)
+
+
+@pytest.mark.parametrize("score", ["bound", "mean"])
+def test_float16_summaries_score_as_their_float32_values(score):
+    """Summaries held in float16 (memory_dtype "auto") are widened as read: the scores of
+    their exact float32 values."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(3, 4, 64, generator=g)
+    high = torch.randn(3, 700, 64, generator=g).half()
+    low = (high.float() - torch.rand(3, 700, 64, generator=g)).half()
+    none = torch.empty(0)
+    kernels = load_extension("memory_step")
+    lows = (low, low.float()) if score == "bound" else (none, none)
+    got = kernels.block_scores(q, high, lows[0], 0.125)
+    want = kernels.block_scores(q, high.float(), lows[1], 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8)
