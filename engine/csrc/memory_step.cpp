@@ -221,13 +221,15 @@ torch::Tensor block_scores(torch::Tensor q_pre, torch::Tensor high, torch::Tenso
 // (this forward's sum over the layers before, (nb,); empty to start a new sum), ranked with
 // `carry` (the last forward's whole sum, cut or zero-padded to nb; empty for none) added.
 // -> (the new running sum (nb,), the top k blocks with u neighbours on each side, clamped to
-// the memory, ascending without repeats). Ties rank the lower block first.
-std::tuple<torch::Tensor, std::vector<int64_t>> consensus_step(
+// the memory, ascending without repeats, and their memory rows (kv_heads, blocks * block),
+// the same for every KV head). Ties rank the lower block first.
+std::tuple<torch::Tensor, std::vector<int64_t>, torch::Tensor> consensus_step(
     torch::Tensor q_pre, torch::Tensor high, torch::Tensor low, double scale,
-    torch::Tensor running, torch::Tensor carry, int64_t k, int64_t u) {
+    torch::Tensor running, torch::Tensor carry, int64_t k, int64_t u, int64_t block) {
   check_summaries(q_pre, high, low);
   const int64_t kvh = q_pre.size(0), nb = high.size(1);
-  TORCH_CHECK(k > 0 && u >= 0 && nb > 0, "consensus_step: k > 0, u >= 0 and some blocks");
+  TORCH_CHECK(k > 0 && u >= 0 && nb > 0 && block > 0,
+              "consensus_step: k > 0, u >= 0, block > 0 and some blocks");
   for (const auto* t : {&running, &carry}) {
     TORCH_CHECK(t->numel() == 0 || (t->scalar_type() == at::kFloat && t->dim() == 1 &&
                                     t->is_contiguous()),
@@ -266,7 +268,16 @@ std::tuple<torch::Tensor, std::vector<int64_t>> consensus_step(
   for (int64_t b = 0; b < nb; ++b) {
     if (chosen[b]) blocks.push_back(b);
   }
-  return {total, blocks};
+  const int64_t width = static_cast<int64_t>(blocks.size()) * block;
+  auto rows = torch::empty({kvh, width}, q_pre.options().dtype(at::kLong));
+  int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t h = 0; h < kvh; ++h) {
+    int64_t* out = rp + h * width;
+    for (const int64_t b : blocks) {
+      for (int64_t j = 0; j < block; ++j) *out++ = b * block + j;
+    }
+  }
+  return {total, blocks, rows};
 }
 
 // idx (kv_heads, R) int64 contiguous memory rows, -1 for padding -> (whole, padded): whether

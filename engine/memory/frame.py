@@ -336,7 +336,7 @@ class FrameState:
         whole, padding = self._check_rows(idx, query, step)
         if whole:
             if in_place_ok(query, store.mem_k.data):  # the kernel reads the rows
-                rows = idx.clamp(min=0)
+                rows = idx if padding is None else idx.clamp(min=0)
                 return Retrieved(
                     idx, store.mem_k.view(), store.mem_v.view(), "in_place", padding, rows
                 )

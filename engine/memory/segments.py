@@ -124,8 +124,8 @@ class SegmentSelector(Selector):
         if c.select == "consensus" and q_pre.shape[2] == 1 and self._vote is None:
             kernels = step_kernels(q_pre)
             if kernels is not None:  # a decode step's whole choice in one call
-                voted = self._consensus_step(kernels, layer, q_pre, scaling, num_blocks)
-                return self._same_blocks(layer, voted, kvh, device)
+                voted, rows = self._consensus_step(kernels, layer, q_pre, scaling, num_blocks)
+                return self._same_blocks(layer, voted, kvh, device, rows)
         scores = self.block_scores(layer, q_pre, scaling)
         if c.select == "consensus":  # the same blocks for every KV head
             scores = self._consensus(layer, scores.sum(dim=0), q_pre.shape[2])
@@ -146,14 +146,23 @@ class SegmentSelector(Selector):
         return rows
 
     def _same_blocks(
-        self, layer: int, blocks: Sequence[int], kvh: int, device: torch.device
+        self,
+        layer: int,
+        blocks: Sequence[int],
+        kvh: int,
+        device: torch.device,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Token rows (kv_heads, R) of these blocks (ascending) for every KV head; the tensor
-        the layer's last step returned when it chose the same blocks."""
+        """Token rows (kv_heads, R) of these blocks (ascending) for every KV head (`rows`, when
+        the caller has them); the tensor the layer's last step returned when it chose the same
+        blocks."""
         chosen = tuple(blocks)
         last = self._rows.get(layer)
         if last is not None and last[0] == chosen:
             return last[1]
+        if rows is not None:
+            self._rows[layer] = (chosen, rows)
+            return rows
         block = self.config.block
         starts = torch.tensor(chosen, dtype=torch.long, device=device) * block
         rows = (starts[:, None] + torch.arange(block, device=device)).reshape(1, -1)
@@ -163,10 +172,11 @@ class SegmentSelector(Selector):
 
     def _consensus_step(
         self, kernels: Any, layer: int, q_pre: torch.Tensor, scaling: float, num_blocks: int
-    ) -> list[int]:
-        """A decode step's blocks under "consensus" from engine/csrc/memory_step.cpp: what
-        block_scores, _consensus (running sum plus the carry), topk and the neighbours compute
-        in Python, in one call (a layer's selection was a dozen small ops)."""
+    ) -> tuple[list[int], torch.Tensor]:
+        """A decode step's blocks under "consensus", and their rows (kv_heads, R), from
+        engine/csrc/memory_step.cpp: what block_scores, _consensus (running sum plus the carry),
+        topk, the neighbours and _same_blocks compute in Python, in one call (a layer's
+        selection was a dozen small ops)."""
         summary = self.summaries[layer]
         if self.config.score == "mean":
             high, low = summary["mean"].view(), _NONE
@@ -179,11 +189,11 @@ class SegmentSelector(Selector):
         kvh, d = q_pre.shape[0], q_pre.shape[-1]
         rows = q_pre.reshape(kvh, -1, d).contiguous()
         c = self.config
-        self._running, blocks = kernels.consensus_step(
-            rows, high, low, scaling, running, carry, c.k, c.u
+        self._running, blocks, token_rows = kernels.consensus_step(
+            rows, high, low, scaling, running, carry, c.k, c.u, c.block
         )
         self._last_layer = layer
-        return blocks
+        return blocks, token_rows
 
     def _consensus(self, layer: int, scores: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """Add a layer's block scores (blocks,) to this forward's running sum (a forward

@@ -145,9 +145,9 @@ def test_consensus_step_is_segments_torch_choice(score, carry_blocks):
     before = torch.rand(blocks, generator=g)
     carry = None if carry_blocks is None else torch.rand(carry_blocks, generator=g)
     for running in (None, before):
-        got_sum, got_blocks = kernels.consensus_step(
+        got_sum, got_blocks, got_rows = kernels.consensus_step(
             q, high, none if low is None else low, 0.125,
-            none if running is None else running, none if carry is None else carry, k, u,
+            none if running is None else running, none if carry is None else carry, k, u, 8,
         )  # fmt: skip
         want_sum = scores if running is None else running + scores
         torch.testing.assert_close(got_sum, want_sum, rtol=1e-6, atol=1e-7)
@@ -158,13 +158,17 @@ def test_consensus_step_is_segments_torch_choice(score, carry_blocks):
         best = rank.topk(k).indices.tolist()
         want = sorted({min(max(b + o, 0), blocks - 1) for b in best for o in range(-u, u + 1)})
         assert got_blocks == want
+        rows = [b * 8 + j for b in want for j in range(8)]
+        assert got_rows.tolist() == [rows] * 3
 
 
 def test_consensus_step_refuses_a_running_sum_of_another_length():
     kernels = load_extension("memory_step")
     q, high = torch.randn(2, 2, 16), torch.randn(2, 6, 16)
     with pytest.raises(RuntimeError, match="one score per block"):
-        kernels.consensus_step(q, high, torch.empty(0), 0.25, torch.zeros(5), torch.empty(0), 2, 0)
+        kernels.consensus_step(
+            q, high, torch.empty(0), 0.25, torch.zeros(5), torch.empty(0), 2, 0, 4
+        )
 
 
 @pytest.mark.parametrize("score", ["bound", "mean"])
