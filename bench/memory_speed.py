@@ -8,7 +8,8 @@ Each figure is a ratio measured in one run, so machine noise cancels:
 - decode ms/token with a large memory (default 128K tokens) vs a small one (4K), each step a
   decode row as the engine's worker runs it; the small one vs the model's own KV-cache decode
   over the same tokens (when they fit its window), and the large one vs the engine's plain
-  decode over the small one's tokens (`ratio_large_memory_vs_engine_plain`);
+  decode over the small one's tokens (`ratio_large_memory_vs_engine_plain`), in rounds of
+  plain, small, large and plain again: medians of the per-round ratios, and their spread;
 - memory bytes per token for each strategy.
 
     python -m bench.memory_speed --strategies segments tokens neurocache --small 4096 --large 131072
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 
@@ -57,15 +59,21 @@ def bare_forward_seconds(model, ids: torch.Tensor, chunk: int) -> float:
 
 
 @torch.inference_mode()
-def decode_ms_per_token(memory: SessionMemory, first: int, steps: int, device) -> float:
+def decode_ms_per_token(
+    memory: SessionMemory, first: int, steps: int, device, last: list[int] | None = None
+) -> float:
     """The engine's decode step on the memory: a decode row (engine/rows.py), as the worker
-    runs it (through engine/decode_step.py's lean step where the model has one)."""
+    runs it (through engine/decode_step.py's lean step where the model has one). last[0], if
+    given, receives the next input token."""
     token = first
     started = time.perf_counter()
     for _ in range(steps):
         logits = decode_rows(memory.model, [memory.decode_row(token)], [token])[0]
         token = int(logits.argmax())
-    return 1000 * (time.perf_counter() - started) / steps
+    elapsed = time.perf_counter() - started
+    if last is not None:
+        last[:] = [token]
+    return 1000 * elapsed / steps
 
 
 @torch.inference_mode()
@@ -150,17 +158,45 @@ def measure_decode(
     large: int,
     steps: int,
     kv_dtype: str = "model",
+    rounds: int = 5,
 ) -> list[dict]:
-    """Decode ms/token with `small` and `large` tokens of memory, and bytes per token."""
+    """Decode ms/token with `small` and `large` tokens of memory against the engine's plain
+    decode over the small one's tokens, in `rounds` rounds of `steps` steps each (plain, small,
+    large, plain again), so a ratio is taken within a round, under one machine load: medians
+    over the rounds, and the spread of the ratios. Bytes per token of each memory."""
     device = all_ids.device
     records: list[dict] = []
-    results: dict[int, float] = {}
+    memories: dict[int, list] = {}
     for size in (small, large):
         memory = SessionMemory(model, MemorySpec(strategy), kv_dtype)
         started = time.perf_counter()
         logits = memory.append(all_ids[:size])
-        fill = time.perf_counter() - started
-        results[size] = decode_ms_per_token(memory, int(logits.argmax()), steps, device)
+        memories[size] = [memory, int(logits.argmax()), time.perf_counter() - started]
+    fits = small <= model.config.max_position_embeddings
+    plain = None
+    if fits:
+        plain = KVCacheState(model, small + 2 * rounds * steps + 3, kv_dtype=kv_dtype)
+        with torch.inference_mode():
+            plain_token = [int(plain.prefill(all_ids[:small]).argmax())]
+    times: dict[str, list[float]] = {"small": [], "large": [], "plain": []}
+    for size in (small, large):  # a first step builds the step caches: not timed
+        last = [memories[size][1]]
+        decode_ms_per_token(memories[size][0], last[0], 2, device, last)
+        memories[size][1] = last[0]
+    if plain is not None:
+        _plain_steps(plain, plain_token, 2)
+    for _ in range(rounds):
+        if plain is not None:
+            times["plain"].append(_plain_steps(plain, plain_token, steps))
+        for size, name in ((small, "small"), (large, "large")):
+            memory, token, _ = memories[size]
+            last = [token]
+            times[name].append(decode_ms_per_token(memory, token, steps, device, last))
+            memories[size][1] = last[0]
+        if plain is not None:
+            times["plain"][-1] = (times["plain"][-1] + _plain_steps(plain, plain_token, steps)) / 2
+    for size, name in ((small, "small"), (large, "large")):
+        memory, _, fill = memories[size]
         records.append(
             {
                 "bench": "memory",
@@ -169,34 +205,55 @@ def measure_decode(
                 "bytes": memory.nbytes(),
                 "bytes_per_token": round(memory.nbytes() / max(memory.num_tokens, 1), 1),
                 "fill_seconds": round(fill, 2),
-                "decode_ms_per_token": round(results[size], 2),
+                "decode_ms_per_token": round(statistics.median(times[name]), 2),
+                "decode_ms_per_round": [round(t, 2) for t in times[name]],
             }
         )
-        del memory
     records.append(
         {
             "bench": "decode",
             "strategy": strategy,
             "small": small,
             "large": large,
-            "ratio_large_vs_small": round(results[large] / results[small], 3),
+            "rounds": rounds,
+            **_ratio("ratio_large_vs_small", times["large"], times["small"]),
         }
     )
-    if small <= model.config.max_position_embeddings:
-        plain = plain_decode_ms_per_token(model, all_ids[:small], steps)
-        engine_plain = engine_plain_decode_ms_per_token(model, all_ids[:small], steps, kv_dtype)
+    del memories
+    if fits:
+        reference = plain_decode_ms_per_token(model, all_ids[:small], steps)
+        small_ms = statistics.median(times["small"])
         records.append(
             {
                 "bench": "decode_vs_plain",
                 "strategy": strategy,
                 "tokens": small,
-                "plain_kv_decode_ms_per_token": round(plain, 2),
-                "ratio_memory_vs_plain": round(results[small] / plain, 3),
-                "engine_plain_decode_ms_per_token": round(engine_plain, 2),
-                "ratio_large_memory_vs_engine_plain": round(results[large] / engine_plain, 3),
+                "rounds": rounds,
+                "plain_kv_decode_ms_per_token": round(reference, 2),
+                "ratio_memory_vs_plain": round(small_ms / reference, 3),
+                "engine_plain_decode_ms_per_token": round(statistics.median(times["plain"]), 2),
+                **_ratio("ratio_large_memory_vs_engine_plain", times["large"], times["plain"]),
             }
         )
     return records
+
+
+@torch.inference_mode()
+def _plain_steps(state: KVCacheState, token: list[int], steps: int) -> float:
+    """ms/token of `steps` plain decode steps on state, token[0] the next input (updated)."""
+    started = time.perf_counter()
+    for _ in range(steps):
+        token[0] = int(state.step(token[0]).argmax())
+    return 1000 * (time.perf_counter() - started) / steps
+
+
+def _ratio(name: str, top: list[float], bottom: list[float]) -> dict:
+    """The median of the per-round ratios top/bottom, and their spread."""
+    ratios = [a / b for a, b in zip(top, bottom, strict=True)]
+    return {
+        name: round(statistics.median(ratios), 3),
+        f"{name}_spread": [round(min(ratios), 3), round(max(ratios), 3)],
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -206,7 +263,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--small", type=int, default=4096)
     parser.add_argument("--large", type=int, default=131072)
     parser.add_argument("--ingest-tokens", type=int, default=8192)
-    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--decode-steps", type=int, default=32, help="per round")
+    parser.add_argument(
+        "--decode-rounds", type=int, default=5, help="rounds of plain, small, large, plain"
+    )
     parser.add_argument("--linear-dtype", default="auto", help="auto, bfloat16 or int4")
     parser.add_argument("--rounds", type=int, default=3, help="ingest vs bare forward rounds")
     parser.add_argument(
@@ -247,7 +307,14 @@ def main(argv: list[str] | None = None) -> None:
             )
         if "decode" in args.parts:
             for record in measure_decode(
-                model, strategy, all_ids, args.small, args.large, args.decode_steps, loaded.kv_dtype
+                model,
+                strategy,
+                all_ids,
+                args.small,
+                args.large,
+                args.decode_steps,
+                loaded.kv_dtype,
+                args.decode_rounds,
             ):
                 emit(record)
 
