@@ -361,3 +361,27 @@ def test_growing_buffer_take_returns_each_heads_rows():
     idx = torch.randint(0, buffer.size, (3, 37), generator=g)
     want = buffer.view().gather(1, idx[..., None].expand(-1, -1, 4))
     torch.testing.assert_close(buffer.take(idx), want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("strategy", ["segments", "tokens"])
+def test_a_float16_window_steps_alike_with_and_without_the_cpu_kernels(monkeypatch, strategy):
+    """Sinks and window in float16 (kv_dtype "float16"): the torch path of a decode step (no
+    compiler, or a GPU) widens them as the kernels do, so both give the same logits."""
+    import engine.cpu_attention as cpu_attention
+
+    if cpu_attention.load_kernel() is None:
+        pytest.skip("no C++ compiler or ninja to build the kernels")
+    model = tiny("llama")
+    spec = dict(sinks=8, local_window=32, chunk_size=16, block=8, tail=4, **STEP_KNOBS[strategy])
+    ids = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(12))
+    runs = []
+    for kernels in (True, False):
+        if not kernels:
+            monkeypatch.setattr(cpu_attention, "load_kernel", lambda: None)
+            monkeypatch.setattr(cpu_attention, "load_extension", lambda stem: None)
+        memory = SessionMemory(model, MemorySpec(strategy, spec), "float16")
+        logits = [memory.append(ids)]
+        for _ in range(12):
+            logits.append(memory.append(logits[-1].argmax()[None]))
+        runs.append(torch.stack(logits))
+    torch.testing.assert_close(runs[0], runs[1], atol=ATOL, rtol=0)
