@@ -121,6 +121,9 @@ class FrameState:
         self._positions: torch.Tensor | None = None
         self._pending = _Pending()
         self._mask_cache: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        # (rows, their angles) of the forward's last gathered retrieval: layers that retrieve the
+        # same rows tensor (neurocache's) rotate at angles looked up once
+        self._retrieved_angles: tuple[torch.Tensor, Angles] | None = None
         # fixed by begin() for all layers of a forward: the rotary angles of the chunk and of
         # the window tokens it attends, and how many of the oldest window tokens it skips
         self._chunk_angles: Angles | None = None
@@ -165,6 +168,7 @@ class FrameState:
         if num_new > 1:
             self.step_cache.retrieved.clear()
         self._mask_cache = {}
+        self._retrieved_angles = None
         self._chunk_angles = self.rotary.angles(self._positions)
         self._window_skip = self.n_local - self._window_seen(num_new)
         self.step_cache.angles = None
@@ -349,13 +353,16 @@ class FrameState:
         """Memory rows idx (kv_heads, R) -> their keys rotated at the retrieved slots' frame
         positions, and their values, on the frame's device (host tier: only these rows cross)."""
         mem_k, mem_v = self._take_blocks(store, idx)
-        # right-aligned against the window: unused budget is a gap after the sinks, and the
-        # retrieved text runs into the window as if it preceded it (docs/decisions/022)
-        first = self.config.sinks + self.config.retrieval_budget - idx.shape[1]
-        frame_pos = first + torch.arange(idx.shape[1], device=self._device)
-        if self.block_local:  # stored rotated by their offset in their block already
-            frame_pos = frame_pos - idx.clamp(min=0) % self.config.block
-        return self.rotary.rotate(mem_k, frame_pos), mem_v
+        kept = self._retrieved_angles
+        if kept is None or kept[0] is not idx:
+            # right-aligned against the window: unused budget is a gap after the sinks, and the
+            # retrieved text runs into the window as if it preceded it (docs/decisions/022)
+            first = self.config.sinks + self.config.retrieval_budget - idx.shape[1]
+            frame_pos = first + torch.arange(idx.shape[1], device=self._device)
+            if self.block_local:  # stored rotated by their offset in their block already
+                frame_pos = frame_pos - idx.clamp(min=0) % self.config.block
+            kept = self._retrieved_angles = (idx, self.rotary.angles(frame_pos))
+        return self.rotary.rotate(mem_k, kept[1]), mem_v
 
     def _take_blocks(
         self, store: LayerStore, idx: torch.Tensor

@@ -60,6 +60,7 @@ class VectorIndex:
         self.device = torch.device(device)
         self.threshold = threshold
         self._vectors = torch.empty(0, dim, device=self.device)
+        self._norms = torch.empty(0, device=self.device)  # squared L2 norms, for "l2" search
         self._size = 0
         self._faiss = None  # built lazily: the faiss index over _vectors[:_faiss_size]
         self._faiss_size = 0
@@ -70,7 +71,7 @@ class VectorIndex:
         next search (faiss objects do not deep-copy, and a forked session may never search)."""
         twin = copy.copy(self)
         memo[id(self)] = twin
-        twin._vectors = self._vectors.clone()
+        twin._vectors, twin._norms = self._vectors.clone(), self._norms.clone()
         twin._faiss, twin._faiss_size, twin._trained_at = None, 0, 0
         twin.__dict__.pop("_resources", None)
         twin.__dict__.pop("_on_faiss_gpu", None)
@@ -89,8 +90,11 @@ class VectorIndex:
             capacity = max(2 * self._vectors.shape[0], self._size + x.shape[0], 1024)
             grown = self._vectors.new_empty(capacity, self.dim)
             grown[: self._size] = self._vectors[: self._size]
-            self._vectors = grown
+            norms = self._norms.new_empty(capacity)
+            norms[: self._size] = self._norms[: self._size]
+            self._vectors, self._norms = grown, norms
         self._vectors[self._size : self._size + x.shape[0]] = x
+        self._norms[self._size : self._size + x.shape[0]] = x.square().sum(-1)
         self._size += x.shape[0]
         if self._faiss is not None or self.current_backend() in ("faiss-hnsw", "faiss-flat"):
             # keep a graph or flat faiss index current as vectors arrive: building it belongs
@@ -100,6 +104,8 @@ class VectorIndex:
     def drop_front(self, n: int) -> None:
         kept = self._vectors[n : self._size].clone()
         self._vectors[: kept.shape[0]] = kept
+        norms = self._norms[n : self._size].clone()
+        self._norms[: norms.shape[0]] = norms
         self._size -= n
         self._faiss, self._faiss_size, self._trained_at = None, 0, 0
 
@@ -107,6 +113,7 @@ class VectorIndex:
         """Move the vectors to device; a faiss index is rebuilt on the next search."""
         self.device = torch.device(device)
         self._vectors = self._vectors[: self._size].to(self.device).clone()
+        self._norms = self._norms[: self._size].to(self.device).clone()
         self._faiss, self._faiss_size, self._trained_at = None, 0, 0
         self._on_faiss_gpu = False
 
@@ -125,8 +132,12 @@ class VectorIndex:
             return empty, empty.long()
         if self.current_backend() == "torch":
             data = self.vectors()
-            scores = q @ data.T if self.metric == "ip" else -torch.cdist(q, data).square()
-            return scores.topk(k, dim=-1)
+            if self.metric == "ip":
+                return (q @ data.T).topk(k, dim=-1)
+            # -|q - x|^2 = 2 q.x - |x|^2 - |q|^2, the vectors' norms kept as they were added:
+            # one pass over the vectors (cdist reads them twice and takes square roots)
+            scores = torch.addmm(self._norms[None, : self._size], q, data.T, beta=-1, alpha=2)
+            return scores.sub_(q.square().sum(-1, keepdim=True)).topk(k, dim=-1)
         index = self._faiss_index()
         if self._on_faiss_gpu:
             k = min(k, FAISS_GPU_MAX_K)

@@ -83,6 +83,7 @@ class NeurocacheSelector(Selector):
         self._window_h = torch.empty(0, self.hidden, device=self.device)
         self._previous: deque[torch.Tensor] = deque(maxlen=max(config.c - 1, 1))
         self._current: torch.Tensor | None = None  # memory indices retrieved for this chunk
+        self._expanded: tuple[torch.Tensor, torch.Tensor] | None = None  # (_current, its rows)
         self._window: torch.Tensor | None = None  # this chunk's own hits + window (for export)
         self._layer = model.get_decoder().layers[self.r]
         self._hook_layer_r()
@@ -173,7 +174,13 @@ class NeurocacheSelector(Selector):
     ) -> torch.Tensor | None:
         if layer <= self.r or self._current is None:
             return None
-        return self._current[None].expand(q_pre.shape[0], -1).to(q_pre.device)
+        # one tensor for every layer of the forward: the frame then rotates the rows' keys at
+        # angles it computed once (FrameState._take_retrieved)
+        kept = self._expanded
+        if kept is None or kept[0] is not self._current or kept[1].shape[0] != q_pre.shape[0]:
+            rows = self._current[None].expand(q_pre.shape[0], -1).to(q_pre.device)
+            kept = self._expanded = (self._current, rows)
+        return kept[1]
 
     # -- bookkeeping, driven by the frame ---------------------------------------------------
 

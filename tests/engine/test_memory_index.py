@@ -63,3 +63,23 @@ def test_search_of_an_empty_index_returns_nothing():
     index = VectorIndex(8, "faiss-flat")
     scores, ids = index.search(torch.randn(3, 8), 5)
     assert scores.shape == (3, 0) and ids.shape == (3, 0)
+
+
+def test_torch_l2_search_keeps_its_norms_through_growth_drops_and_copies():
+    """The torch backend's L2 scores come from norms kept as vectors are added: they stay the
+    negative squared distances through growth, a FIFO drop, a deep copy and a move."""
+    import copy
+
+    gen = torch.Generator().manual_seed(2)
+    data, queries = torch.randn(3000, 24, generator=gen), torch.randn(5, 24, generator=gen)
+    index = VectorIndex(24, "torch", "l2")
+    for part in data.split(700):  # past the first capacity, so the buffers grow
+        index.add(part)
+    index.drop_front(400)
+    twin = copy.deepcopy(index)
+    twin.to("cpu")
+    want = -torch.cdist(queries, data[400:]).square()
+    for held in (index, twin):
+        scores, ids = held.search(queries, 7)
+        assert torch.equal(ids, want.topk(7, dim=-1).indices)
+        torch.testing.assert_close(scores, want.gather(1, ids), atol=1e-3, rtol=1e-5)
