@@ -2,12 +2,13 @@
 
 A --tokens document of real text is read once into a session (segments by default; --knobs
 adds memory knobs), forked B times, and `decode_batch` steps all forks in one forward, as the
-server batches concurrent questions on memory. For each --memory-dtypes entry and each
---rows B: the median ms per step over --steps after two warm-up steps, and the tokens/s of B
-rows relative to one row. The text prior is off unless --knobs sets prior_k, so set k to fill
+server batches concurrent questions on memory. For each --kv-dtypes entry (what sinks and
+window hold; default the server's), each --memory-dtypes entry and each --rows B: the median ms
+per step over --steps after two warm-up steps, and the tokens/s of B rows relative to one row. The text prior is off unless --knobs sets prior_k, so set k to fill
 the retrieval budget (the default knobs give 3,072 retrieved rows, as a server session has).
 
     longserve bench memory_batch --rows 1 8 --memory-dtypes model float16
+    longserve bench memory_batch --rows 1 8 --memory-dtypes auto --kv-dtypes float16 model
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--strategy", default="segments")
     parser.add_argument("--knobs", type=json.loads, default={"k": 16, "prior_k": 0})
     parser.add_argument("--memory-dtypes", nargs="+", default=["model", "float16"])
+    parser.add_argument(
+        "--kv-dtypes", nargs="+", default=None, help="sinks and window: model, float16"
+    )
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--tokens", type=int, default=6000)
     parser.add_argument("--steps", type=int, default=10)
@@ -57,9 +61,10 @@ def main(argv: list[str] | None = None) -> None:
     counter = load_token_counter(args.model)
     text = "\n\n".join(p for p, _ in filler("docs", "memory-batch", args.tokens + 800, counter))
     ids = torch.tensor(loaded.tokenizer(text).input_ids[: args.tokens])
-    for memory_dtype in args.memory_dtypes:
+    cells = [(kv, m) for kv in args.kv_dtypes or [loaded.kv_dtype] for m in args.memory_dtypes]
+    for kv_dtype, memory_dtype in cells:
         knobs = {**args.knobs, "memory_dtype": memory_dtype}
-        memory = SessionMemory(loaded.model, MemorySpec(args.strategy, knobs), loaded.kv_dtype)
+        memory = SessionMemory(loaded.model, MemorySpec(args.strategy, knobs), kv_dtype)
         with torch.inference_mode():
             token = int(memory.append(ids).argmax())
         ms = {rows: step_ms(loaded.model, memory, args.strategy, rows, token, args.steps)
@@ -70,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
                 "bench": "memory_batch",
                 "strategy": args.strategy,
                 "knobs": knobs,
+                "kv_dtype": kv_dtype,
                 "tokens": len(ids),
                 "rows": rows,
                 "step_ms": round(value, 1),
