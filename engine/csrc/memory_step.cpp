@@ -6,6 +6,8 @@
 //   block_queries the pre-rotary query rotated once per retrieved block (its distance to the
 //                 block's block-local keys)
 //   whole_blocks  whether a retrieval's rows are whole memory blocks (read by block)
+//   gather_rotated memory rows gathered and rotated at their frame slots (a retrieval of
+//                 single rows: tokens, neurocache), widened to float32
 //   block_scores  segments' scores of one token's query against the block summaries: the
 //                 softmax over blocks of each query head, averaged over the heads of a KV group
 //   consensus_step segments' whole consensus choice of one token's layer: its block scores
@@ -280,6 +282,59 @@ std::tuple<torch::Tensor, std::vector<int64_t>, torch::Tensor> consensus_step(
   return {total, blocks, rows};
 }
 
+// Memory rows gathered and rotated at their frame slots, as FrameState._take_retrieved does
+// with a dozen torch ops: keys and values (kv_heads, n, d) float32 or float16 with contiguous
+// rows (a memory buffer's view), rows (kv_heads, R) int64 in range, positions (kv_heads, R)
+// int64 rows of the rotary table -> keys rotated and values, (kv_heads, R, d) float32 each.
+std::vector<torch::Tensor> gather_rotated(torch::Tensor keys, torch::Tensor values,
+                                          torch::Tensor rows, torch::Tensor positions,
+                                          torch::Tensor cos, torch::Tensor sin) {
+  const auto held = keys.scalar_type();
+  TORCH_CHECK((held == at::kFloat || held == at::kHalf) && values.scalar_type() == held &&
+                  keys.dim() == 3 && values.sizes() == keys.sizes() && keys.stride(2) == 1 &&
+                  values.stride(2) == 1,
+              "gather_rotated: keys and values (kv_heads, n, d) float32 or float16");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
+                  rows.is_contiguous() && positions.is_contiguous() && rows.dim() == 2 &&
+                  rows.sizes() == positions.sizes() && rows.size(0) == keys.size(0),
+              "gather_rotated: rows and positions (kv_heads, R) int64 contiguous");
+  const int64_t kvh = keys.size(0), n = keys.size(1), d = keys.size(2), width = rows.size(1);
+  check_table(cos, sin, d);
+  TORCH_CHECK(d <= kMaxDim, "gather_rotated: head_dim above ", kMaxDim);
+  auto out_k = torch::empty({kvh, width, d}, cos.options());
+  auto out_v = torch::empty({kvh, width, d}, cos.options());
+  const int64_t *rp = rows.data_ptr<int64_t>(), *pp = positions.data_ptr<int64_t>();
+  const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
+  const int64_t half = d / 2;
+  float kbuf[kMaxDim];
+  for (int64_t h = 0; h < kvh; ++h) {
+    for (int64_t j = 0; j < width; ++j) {
+      const int64_t row = rp[h * width + j], p = pp[h * width + j];
+      TORCH_CHECK(row >= 0 && row < n, "gather_rotated: row ", row, " outside the memory");
+      check_position(p, cos);
+      float* ok = out_k.data_ptr<float>() + (h * width + j) * d;
+      float* ov = out_v.data_ptr<float>() + (h * width + j) * d;
+      const float* k;
+      if (held == at::kHalf) {
+        k = summary_row(keys.data_ptr<at::Half>() + h * keys.stride(0) + row * keys.stride(1), d,
+                        kbuf);
+        summary_row(values.data_ptr<at::Half>() + h * values.stride(0) + row * values.stride(1),
+                    d, ov);
+      } else {
+        k = keys.data_ptr<float>() + h * keys.stride(0) + row * keys.stride(1);
+        const float* v = values.data_ptr<float>() + h * values.stride(0) + row * values.stride(1);
+        std::copy(v, v + d, ov);
+      }
+      const float *cp = c + p * d, *sp = s + p * d;
+      for (int64_t i = 0; i < d; ++i) {
+        const float swapped = i < half ? k[i + half] : k[i - half];
+        ok[i] = k[i] * cp[i] + swapped * sp[i];
+      }
+    }
+  }
+  return {out_k, out_v};
+}
+
 // idx (kv_heads, R) int64 contiguous memory rows, -1 for padding -> (whole, padded): whether
 // every run of `block` slots holds one whole memory block in order (padding aside), and whether
 // any slot is padding.
@@ -310,6 +365,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("step_queries", &step_queries, "a memory decode step's queries (float32, CPU)");
   m.def("block_queries", &block_queries, "a query rotated per retrieved block (float32, CPU)");
   m.def("whole_blocks", &whole_blocks, "whether memory rows are whole blocks, and padded");
+  m.def("gather_rotated", &gather_rotated, "memory rows gathered and rotated (CPU)");
   m.def("block_scores", &block_scores, "segments' block scores of one token (float32, CPU)");
   m.def("consensus_step", &consensus_step, "segments' consensus blocks of one token (float32, CPU)");
 }

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.cpu_attention import step_kernels
+from engine.cpu_extensions import load_extension
 from engine.memory.band import attend_band
 from engine.memory.buffers import GrowingBuffer, LayerStore, storage_dtype
 from engine.memory.config import FrameConfig
@@ -121,9 +122,9 @@ class FrameState:
         self._positions: torch.Tensor | None = None
         self._pending = _Pending()
         self._mask_cache: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
-        # (rows, their angles) of the forward's last gathered retrieval: layers that retrieve the
-        # same rows tensor (neurocache's) rotate at angles looked up once
-        self._retrieved_angles: tuple[torch.Tensor, Angles] | None = None
+        # (rows, their frame positions, angles or None) of the forward's last gathered
+        # retrieval: layers that retrieve the same rows tensor (neurocache's) reuse them
+        self._retrieved_angles: tuple[torch.Tensor, torch.Tensor, Angles | None] | None = None
         # fixed by begin() for all layers of a forward: the rotary angles of the chunk and of
         # the window tokens it attends, and how many of the oldest window tokens it skips
         self._chunk_angles: Angles | None = None
@@ -352,7 +353,6 @@ class FrameState:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Memory rows idx (kv_heads, R) -> their keys rotated at the retrieved slots' frame
         positions, and their values, on the frame's device (host tier: only these rows cross)."""
-        mem_k, mem_v = self._take_blocks(store, idx)
         kept = self._retrieved_angles
         if kept is None or kept[0] is not idx:
             # right-aligned against the window: unused budget is a gap after the sinks, and the
@@ -361,8 +361,30 @@ class FrameState:
             frame_pos = first + torch.arange(idx.shape[1], device=self._device)
             if self.block_local:  # stored rotated by their offset in their block already
                 frame_pos = frame_pos - idx.clamp(min=0) % self.config.block
-            kept = self._retrieved_angles = (idx, self.rotary.angles(frame_pos))
-        return self.rotary.rotate(mem_k, kept[1]), mem_v
+            kept = self._retrieved_angles = (idx, frame_pos.expand_as(idx).contiguous(), None)
+        kernels = self._gather_kernels(store)
+        if kernels is not None:  # one call: gathered, widened and rotated (memory_step.cpp)
+            rows = idx.clamp(min=0).contiguous()
+            k, v = kernels.gather_rotated(
+                store.mem_k.view(),
+                store.mem_v.view(),
+                rows,
+                kept[1],
+                self.rotary.cos,
+                self.rotary.sin,
+            )
+            return k, v
+        mem_k, mem_v = self._take_blocks(store, idx)
+        if kept[2] is None:
+            kept = self._retrieved_angles = (idx, kept[1], self.rotary.angles(kept[1]))
+        assert kept[2] is not None
+        return self.rotary.rotate(mem_k, kept[2]), mem_v
+
+    def _gather_kernels(self, store: LayerStore) -> Any | None:
+        """memory_step.cpp where it gathers this frame's retrieved rows: an fp32 frame on the
+        CPU, its memory on the CPU too, the kernels built."""
+        cpu = self._device.type == "cpu" and store.mem_k.device.type == "cpu"
+        return load_extension("memory_step") if cpu and self._dtype == torch.float32 else None
 
     def _take_blocks(
         self, store: LayerStore, idx: torch.Tensor

@@ -363,11 +363,12 @@ def test_growing_buffer_take_returns_each_heads_rows():
     torch.testing.assert_close(buffer.take(idx), want, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("strategy", ["segments", "tokens"])
+@pytest.mark.parametrize("strategy", ["segments", "tokens", "neurocache"])
 def test_a_float16_window_steps_alike_with_and_without_the_cpu_kernels(monkeypatch, strategy):
     """Sinks and window in float16 (kv_dtype "float16"): the torch path of a decode step (no
     compiler, or a GPU) widens them as the kernels do, so both give the same logits."""
     import engine.cpu_attention as cpu_attention
+    import engine.memory.frame as frame_module
 
     if cpu_attention.load_kernel() is None:
         pytest.skip("no C++ compiler or ninja to build the kernels")
@@ -379,6 +380,7 @@ def test_a_float16_window_steps_alike_with_and_without_the_cpu_kernels(monkeypat
         if not kernels:
             monkeypatch.setattr(cpu_attention, "load_kernel", lambda: None)
             monkeypatch.setattr(cpu_attention, "load_extension", lambda stem: None)
+            monkeypatch.setattr(frame_module, "load_extension", lambda stem: None)
         memory = SessionMemory(model, MemorySpec(strategy, spec), "float16")
         logits = [memory.append(ids)]
         for _ in range(12):

@@ -185,3 +185,31 @@ def test_float16_summaries_score_as_their_float32_values(score):
     got = kernels.block_scores(q, high, lows[0], 0.125)
     want = kernels.block_scores(q, high.float(), lows[1], 0.125)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("held", [torch.float32, torch.float16])
+def test_gather_rotated_is_take_then_rotate(held):
+    """Memory rows gathered from a buffer's strided view (rows from its start), widened and
+    rotated at their positions: what GrowingBuffer.take and RotaryTable.rotate give."""
+    from engine.memory.buffers import GrowingBuffer
+
+    rotary = table()
+    g = torch.Generator().manual_seed(6)
+    buffer = GrowingBuffer(2, 16, held, torch.device("cpu"))
+    buffer.append(torch.randn(2, 40, 16, generator=g))
+    buffer.drop_front(7)  # a view that does not start at the data's first row
+    values = GrowingBuffer(2, 16, held, torch.device("cpu"))
+    values.append(torch.randn(2, 40, 16, generator=g))
+    values.drop_front(7)
+    rows = torch.randint(0, 33, (2, 9), generator=g)
+    positions = torch.randint(0, 256, (2, 9), generator=g)
+    keys, vals = load_extension("memory_step").gather_rotated(
+        buffer.view(), values.view(), rows, positions, rotary.cos, rotary.sin
+    )
+    want = rotary.rotate(buffer.take(rows).float(), positions)
+    torch.testing.assert_close(keys, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(vals, values.take(rows).float())
+    with pytest.raises(RuntimeError, match="outside the memory"):
+        load_extension("memory_step").gather_rotated(
+            buffer.view(), values.view(), rows + 33, positions, rotary.cos, rotary.sin
+        )
