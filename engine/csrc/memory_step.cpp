@@ -309,7 +309,10 @@ std::vector<torch::Tensor> gather_rotated(torch::Tensor keys, torch::Tensor valu
   float kbuf[kMaxDim];
   for (int64_t h = 0; h < kvh; ++h) {
     for (int64_t j = 0; j < width; ++j) {
-      const int64_t row = rp[h * width + j], p = pp[h * width + j];
+      const int64_t row = rp[h * width + j];
+      // a negative slot counts from the table's end, as the torch path's indexing does (it
+      // arises only with fewer sinks than a block; noted in docs/decisions/045)
+      const int64_t p = pp[h * width + j] < 0 ? pp[h * width + j] + cos.size(0) : pp[h * width + j];
       TORCH_CHECK(row >= 0 && row < n, "gather_rotated: row ", row, " outside the memory");
       check_position(p, cos);
       float* ok = out_k.data_ptr<float>() + (h * width + j) * d;
