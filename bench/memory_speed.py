@@ -77,20 +77,6 @@ def decode_ms_per_token(
 
 
 @torch.inference_mode()
-def engine_plain_decode_ms_per_token(
-    model, ids: torch.Tensor, steps: int, kv_dtype: str = "model"
-) -> float:
-    """Decode ms/token of the server's plain path (a KVCacheState, engine/generate.py, its cache
-    in the server's kv_dtype) after a prompt of ids, no session."""
-    state = KVCacheState(model, len(ids) + steps + 1, kv_dtype=kv_dtype)
-    token = int(state.prefill(ids).argmax())
-    started = time.perf_counter()
-    for _ in range(steps):
-        token = int(state.step(token).argmax())
-    return 1000 * (time.perf_counter() - started) / steps
-
-
-@torch.inference_mode()
 def plain_decode_ms_per_token(model, ids: torch.Tensor, steps: int) -> float:
     """Decode ms/token on transformers' own KV cache (DynamicCache) after a prompt of ids, no
     session: the model's plain decode over the same tokens. (The server's plain requests use

@@ -122,9 +122,11 @@ class FrameState:
         self._positions: torch.Tensor | None = None
         self._pending = _Pending()
         self._mask_cache: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
-        # (rows, their frame positions, angles or None) of the forward's last gathered
-        # retrieval: layers that retrieve the same rows tensor (neurocache's) reuse them
-        self._retrieved_angles: tuple[torch.Tensor, torch.Tensor, Angles | None] | None = None
+        # (idx, its rows clamped, their frame positions, their angles or None) of the forward's
+        # last gathered retrieval: layers retrieving the same idx tensor (neurocache's) reuse them
+        self._retrieved_slots: (
+            tuple[torch.Tensor, torch.Tensor, torch.Tensor, Angles | None] | None
+        ) = None
         # fixed by begin() for all layers of a forward: the rotary angles of the chunk and of
         # the window tokens it attends, and how many of the oldest window tokens it skips
         self._chunk_angles: Angles | None = None
@@ -169,7 +171,7 @@ class FrameState:
         if num_new > 1:
             self.step_cache.retrieved.clear()
         self._mask_cache = {}
-        self._retrieved_angles = None
+        self._retrieved_slots = None
         self._chunk_angles = self.rotary.angles(self._positions)
         self._window_skip = self.n_local - self._window_seen(num_new)
         self.step_cache.angles = None
@@ -353,32 +355,30 @@ class FrameState:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Memory rows idx (kv_heads, R) -> their keys rotated at the retrieved slots' frame
         positions, and their values, on the frame's device (host tier: only these rows cross)."""
-        kept = self._retrieved_angles
+        kept = self._retrieved_slots
         if kept is None or kept[0] is not idx:
+            rows = idx.clamp(min=0)
             # right-aligned against the window: unused budget is a gap after the sinks, and the
             # retrieved text runs into the window as if it preceded it (docs/decisions/022)
             first = self.config.sinks + self.config.retrieval_budget - idx.shape[1]
             frame_pos = first + torch.arange(idx.shape[1], device=self._device)
             if self.block_local:  # stored rotated by their offset in their block already
-                frame_pos = frame_pos - idx.clamp(min=0) % self.config.block
-            kept = self._retrieved_angles = (idx, frame_pos.expand_as(idx).contiguous(), None)
+                frame_pos = frame_pos - rows % self.config.block
+            positions = frame_pos.expand_as(idx).contiguous()
+            kept = self._retrieved_slots = (idx, rows.contiguous(), positions, None)
+        _, rows, positions, angles = kept
         kernels = self._gather_kernels(store)
         if kernels is not None:  # one call: gathered, widened and rotated (memory_step.cpp)
-            rows = idx.clamp(min=0).contiguous()
             k, v = kernels.gather_rotated(
-                store.mem_k.view(),
-                store.mem_v.view(),
-                rows,
-                kept[1],
-                self.rotary.cos,
-                self.rotary.sin,
-            )
+                store.mem_k.view(), store.mem_v.view(), rows, positions,
+                self.rotary.cos, self.rotary.sin,
+            )  # fmt: skip
             return k, v
         mem_k, mem_v = self._take_blocks(store, idx)
-        if kept[2] is None:
-            kept = self._retrieved_angles = (idx, kept[1], self.rotary.angles(kept[1]))
-        assert kept[2] is not None
-        return self.rotary.rotate(mem_k, kept[2]), mem_v
+        if angles is None:
+            angles = self.rotary.angles(positions)
+            self._retrieved_slots = (idx, rows, positions, angles)
+        return self.rotary.rotate(mem_k, angles), mem_v
 
     def _gather_kernels(self, store: LayerStore) -> Any | None:
         """memory_step.cpp where it gathers this frame's retrieved rows: an fp32 frame on the
