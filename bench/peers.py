@@ -9,13 +9,19 @@ real text at each --contexts length, greedy, exactly --max-tokens new tokens, on
   in the benchmark's environment: `pip install llama-cpp-python==0.3.36`, never a test
   dependency; on a CPU with AMX its default build segfaulted on the first decode, so build it
   there with ggml's AMX backend off, as the README's peers row says),
-- transformers' own `generate` on the model longserve loads (fp32, eager), in this process.
+- transformers' own `generate` on the model longserve loads (fp32, eager; on a GPU the
+  dtype a transformers user gets there, bfloat16), in this process.
+
+`--peers` picks a subset (llama.cpp is left out where its build is not installed, e.g. on a
+GPU machine with no registry); `--device cuda` runs the server and the transformers reference
+on the GPU.
 
 Prefill tokens/s: prompt tokens over the time to the first new token. Decode tokens/s: the
 new tokens after the first over the time after it. Peers alternate within each round; one JSON
 line per measurement, then per context the medians and longserve's ratios to each peer.
 
     longserve bench peers --contexts 512 4096 8000 --rounds 2
+    longserve bench peers --device cuda --peers longserve transformers
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ import httpx
 
 from bench.recall_corpus import filler, load_token_counter
 from bench.server_process import served
+
+PEERS = ("longserve", "llama.cpp", "transformers")
 
 
 def prompt_ids(tokenizer: Any, tokens: int) -> list[int]:
@@ -107,7 +115,7 @@ def transformers_tokens(model: Any, ids: list[int], n: int):
     import torch
 
     streamer = _Stamps()
-    inputs = torch.tensor([ids])
+    inputs = torch.tensor([ids], device=model.device)
     kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, streamer=streamer)
     thread = threading.Thread(target=model.generate, args=(inputs,), kwargs=kwargs)
     thread.start()
@@ -117,27 +125,30 @@ def transformers_tokens(model: Any, ids: list[int], n: int):
 
 def run(args: argparse.Namespace) -> None:
     import torch
-    from llama_cpp import Llama
 
     from engine.config import EngineConfig
     from engine.loader import embedded_model_path, load_model
 
     torch.set_num_threads(args.threads)
     gguf = args.gguf or str(embedded_model_path())
-    # transformers' generate runs the reference a user of transformers gets: fp32, eager
-    loaded = load_model(EngineConfig(model=args.gguf, device="cpu", linear_dtype="float32"))
-    llm = Llama(model_path=gguf, n_ctx=8192, n_threads=args.threads, n_batch=512, verbose=False)
+    # transformers' generate runs the reference a user of transformers gets: fp32 eager on a
+    # CPU, the device's default dtype (bfloat16) on a GPU
+    linear = "float32" if args.device == "cpu" else "auto"
+    loaded = load_model(EngineConfig(model=args.gguf, device=args.device, linear_dtype=linear))
+    makers = {
+        "longserve": lambda: (
+            lambda ids: longserve_tokens(http, model, loaded.tokenizer.decode(ids), args.max_tokens)
+        ),
+        "llama.cpp": lambda: llama_peer(gguf, args),
+        "transformers": lambda: lambda ids: transformers_tokens(loaded.model, ids, args.max_tokens),
+    }
+    serve_args = ["--model", gguf] if args.gguf else []
+    serve_args += ["--device", args.device]
     lines: list[dict] = []
-    with served(None, serve_args=["--model", gguf] if args.gguf else [], ready_timeout=300) as base:
+    with served(None, serve_args=serve_args, ready_timeout=300) as base:
         http = httpx.Client(base_url=f"{base}/v1", timeout=3600)
         model = http.get("/models").json()["data"][0]["id"]
-        peers = {
-            "longserve": lambda ids: longserve_tokens(
-                http, model, loaded.tokenizer.decode(ids), args.max_tokens
-            ),
-            "llama.cpp": lambda ids: llama_tokens(llm, ids, args.max_tokens),
-            "transformers": lambda ids: transformers_tokens(loaded.model, ids, args.max_tokens),
-        }
+        peers = {name: makers[name]() for name in args.peers}
         warm = prompt_ids(loaded.tokenizer, 64)
         for tokens_of in peers.values():
             list(tokens_of(warm))
@@ -149,9 +160,10 @@ def run(args: argparse.Namespace) -> None:
                     line.update(timed(tokens_of(ids), len(ids)))
                     print(json.dumps(line), flush=True)
                     lines.append(line)
+    others = [p for p in args.peers if p != "longserve"]
     for context in sorted({x["context"] for x in lines}):
         med: dict[str, dict[str, float]] = {}
-        for peer in ("longserve", "llama.cpp", "transformers"):
+        for peer in args.peers:
             rows = [x for x in lines if x["context"] == context and x["peer"] == peer]
             med[peer] = {
                 key: statistics.median(r[key] for r in rows if r[key])
@@ -159,10 +171,18 @@ def run(args: argparse.Namespace) -> None:
             }
         ratios = {
             f"longserve/{peer}_{key}": round(med["longserve"][key] / med[peer][key], 2)
-            for peer in ("llama.cpp", "transformers")
+            for peer in others
             for key in ("prefill_tok_s", "decode_tok_s")
+            if "longserve" in med
         }
         print(json.dumps({"bench": "peers", "context": context, "median": med, **ratios}))
+
+
+def llama_peer(gguf: str, args: argparse.Namespace):
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf, n_ctx=8192, n_threads=args.threads, n_batch=512, verbose=False)
+    return lambda ids: llama_tokens(llm, ids, args.max_tokens)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -172,6 +192,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gguf", help="a GGUF file (default: the embedded SmolLM2)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (server and reference)")
+    parser.add_argument(
+        "--peers", nargs="+", default=list(PEERS), choices=PEERS, help="which to run"
+    )
     args = parser.parse_args(argv)
     run(args)
 

@@ -211,6 +211,7 @@ BENCHMARKS = (
     "decode_floor",
     "decode_agreement",
     "memory_batch",
+    "long_docs",
 )
 
 

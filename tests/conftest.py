@@ -11,6 +11,18 @@ from tests.redis_cluster import RedisClusterProcesses, find_redis_cli
 from tests.redis_process import RedisProcess, find_redis_server
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` are skipped where CUDA is not available (`pytest -m gpu` on a CPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisProcess]:
     binary = find_redis_server()
