@@ -3,13 +3,15 @@
 # the gpu-marked tests, memory decode against plain decode, longserve vs transformers'
 # generate, and TTFT / decode for 8K, 128K and 1M-token documents through the HTTP API.
 #
-#   bash bench/gpu_checks.sh [SECONDS]     # total budget (default 520); results under $OUT
+#   bash bench/gpu_checks.sh [SECONDS] [STEP...]   # budget (default 520); results under $OUT
 #
 # Needs longserve's dependencies and the embedded model importable (PYTHONPATH is fine).
 # Each step gets what is left of the budget (capped per step) and writes $OUT/<step>.txt, so
 # a run cut short still leaves every finished step's figures.
 set -u
 budget=${1:-520}
+shift $(($# > 0 ? 1 : 0))
+only=" $* "  # the steps to run; all of them when none is named
 out=${OUT:-gpu-checks}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -20,6 +22,9 @@ log() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$out/steps.txt"; }
 step() {  # step NAME CAP COMMAND...: run with min(CAP, time left) seconds
     local name=$1 cap=$2 left=$((deadline - SECONDS))
     shift 2
+    if [[ $only != "  " && $only != *" $name "* ]]; then
+        return
+    fi
     ((left < cap)) && cap=$left
     if ((cap < 20)); then
         log "skip $name (${left}s left)"

@@ -198,7 +198,7 @@ class LeanDecoder:
                     x, attn, *o_codes, w_post, self.eps, *gu_codes, *down_codes
                 )
             else:
-                x = x + o_proj(attn)
+                x = x + o_proj(attn.to(x.dtype))
                 gate, up = gate_up(self._rms(x, w_post)).chunk(2, -1)
                 x = x + down(F.silu(gate) * up)
             if self._modules[layer]._forward_hooks:  # Neurocache reads layer r's output

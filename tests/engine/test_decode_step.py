@@ -143,6 +143,24 @@ def test_lower_precision_linears_step_as_transformers_does(linear_dtype):
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
 
 
+def test_a_bfloat16_model_steps_as_transformers_does():
+    """A model held in bfloat16 throughout (the default on a GPU): queries and keys are
+    rotated in float32, and what the rows attend comes back to the model's dtype before o."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SMALL)).eval().to(torch.bfloat16)
+    use_longserve_attention(model)  # as load_model does: in the model's dtype, then these
+    attach_decoder(model)
+    ids = torch.arange(50) % 300
+    lean, plain = KVCacheState(model, 1024), KVCacheState(model, 1024)
+    with torch.inference_mode():
+        lean.prefill(ids)
+        plain.prefill(ids)
+        for token in (9, 17):
+            got = lean.step(token)
+            want = forward_kv(model, [plain], torch.tensor([[token]]))[0]
+            assert (got - want).abs().max() <= 0.05 * want.abs().max()
+
+
 @pytest.mark.skipif(weights.quant_kernels() is None, reason="no C++ compiler or ninja")
 def test_int4_layers_in_one_call_each_step_as_the_python_layers():
     """quant_matmul.cpp's pre_attention / post_attention (norm, q|k|v, rotary; o, norm, gated
