@@ -45,13 +45,13 @@ for stem in decode_attention memory_step; do
     python3 -c "from engine.cpu_extensions import load_extension as l; print('$stem', l('$stem'))" &
 done >"$out/extensions.txt" 2>&1
 
+step peers 120 python3 -m bench.peers --device cuda --peers longserve transformers \
+    --contexts 512 4096 8000 --rounds 2
 step memory_speed 150 python3 -m bench.memory_speed --strategies segments tokens neurocache \
     --small 4096 --large 32768 --decode-rounds 3 --rounds 2
 wait
 step gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
     tests/engine/test_cuda.py tests/engine/test_memory_session.py
-step peers 120 python3 -m bench.peers --device cuda --peers longserve transformers \
-    --contexts 512 4096 8000 --rounds 2
 step long_docs 300 python3 -m bench.long_docs --device cuda --api completions \
     --lengths 8192 131072 1048576 --strategies segments --timeout 600
 step long_docs_strategies 120 python3 -m bench.long_docs --device cuda --api completions \
