@@ -310,9 +310,9 @@ std::vector<torch::Tensor> gather_rotated(torch::Tensor keys, torch::Tensor valu
   for (int64_t h = 0; h < kvh; ++h) {
     for (int64_t j = 0; j < width; ++j) {
       const int64_t row = rp[h * width + j];
-      // a negative slot counts from the table's end, as the torch path's indexing does (it
-      // arises only with fewer sinks than a block; noted in docs/decisions/045)
-      const int64_t p = pp[h * width + j] < 0 ? pp[h * width + j] + cos.size(0) : pp[h * width + j];
+      // a negative slot (only with fewer sinks than a block) rotates backwards: cos(p), -sin(p)
+      const int64_t slot = pp[h * width + j], p = slot < 0 ? -slot : slot;
+      const float sign = slot < 0 ? -1.0f : 1.0f;
       TORCH_CHECK(row >= 0 && row < n, "gather_rotated: row ", row, " outside the memory");
       check_position(p, cos);
       float* ok = out_k.data_ptr<float>() + (h * width + j) * d;
@@ -331,7 +331,7 @@ std::vector<torch::Tensor> gather_rotated(torch::Tensor keys, torch::Tensor valu
       const float *cp = c + p * d, *sp = s + p * d;
       for (int64_t i = 0; i < d; ++i) {
         const float swapped = i < half ? k[i + half] : k[i - half];
-        ok[i] = k[i] * cp[i] + swapped * sp[i];
+        ok[i] = k[i] * cp[i] + sign * swapped * sp[i];
       }
     }
   }

@@ -187,6 +187,16 @@ def test_float16_summaries_score_as_their_float32_values(score):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8)
 
 
+def test_a_negative_position_rotates_backwards():
+    """A retrieved row's frame slot is negative with fewer sinks than a block: rotating by -p
+    undoes rotating by p, as the model's rotation would place it p before slot 0."""
+    rotary = table()
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(2))
+    p = torch.tensor([1, 3, 7, 30, 0])
+    torch.testing.assert_close(rotary.rotate(rotary.rotate(x, p), -p), x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rotary.rotate(x, -p), rotary.unrotate(x, p), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("held", [torch.float32, torch.float16])
 def test_gather_rotated_is_take_then_rotate(held):
     """Memory rows gathered from a buffer's strided view (rows from its start), widened and
@@ -202,7 +212,7 @@ def test_gather_rotated_is_take_then_rotate(held):
     values.append(torch.randn(2, 40, 16, generator=g))
     values.drop_front(7)
     rows = torch.randint(0, 33, (2, 9), generator=g)
-    positions = torch.randint(-8, 256, (2, 9), generator=g)  # negative: from the end, as torch
+    positions = torch.randint(-8, 256, (2, 9), generator=g)  # negative: rotated backwards
     keys, vals = load_extension("memory_step").gather_rotated(
         buffer.view(), values.view(), rows, positions, rotary.cos, rotary.sin
     )
