@@ -145,7 +145,15 @@ class TokensConfig(FrameConfig):
     individual memory tokens from a kNN index over pre-rotary keys.
 
     layers: augmented layers ("all", "upper" = upper half, or a comma list "20,22,24").
-    index: "auto" | "torch" | "faiss-flat" | "faiss-hnsw" | "faiss-ivf" (see index.py).
+    index: "auto" | "sketch" | "torch" | "faiss-flat" | "faiss-hnsw" | "faiss-ivf". "sketch"
+        (key_sketch.py): partial scores on a few dimensions pick candidates, scored exactly on
+        the frame's memory keys; "auto" is "sketch" on a CPU and index.py's "auto" elsewhere;
+        "torch" scans every key exactly (index.py).
+    sketch_dims: dimensions each query row scores every key on under "sketch" (its largest
+        |q_i| times the keys' root mean square in dimension i).
+    sketch_candidates: keys per query row scored exactly under "sketch" (about as many: the
+        kernel thresholds a sample); 0 scores every key exactly
+        (docs/decisions/046-tokens-two-level-search.md).
     overlap: tokens of the previous chunk re-read (not re-stored) at the start of each prompt
         chunk, so the first tokens of a chunk still see local context.
     max_queries: query rows of a chunk used to search (evenly spaced, the last one always in).
@@ -159,6 +167,8 @@ class TokensConfig(FrameConfig):
     k: int = 256
     layers: str = "all"
     index: str = "auto"
+    sketch_dims: int = 24
+    sketch_candidates: int = 2048
     max_queries: int = 64
 
     @property
@@ -205,7 +215,7 @@ CONFIGS: dict[str, type[FrameConfig]] = {
 _CHOICES = {
     "score": ("mean", "bound"),
     "select": ("consensus", "head"),
-    "index": ("auto", "torch", "faiss-flat", "faiss-hnsw", "faiss-ivf"),
+    "index": ("auto", "sketch", "torch", "faiss-flat", "faiss-hnsw", "faiss-ivf"),
     "tier": ("device", "host"),
     "memory_dtype": ("auto", "model", "float16"),
     "read_dtype": ("auto", "model", "bfloat16"),
@@ -221,6 +231,7 @@ _MAY_BE_ZERO = {
     "read_window",
     "prior_k",
     "prior_u",
+    "sketch_candidates",
 }
 _MAY_BE_NEGATIVE = {"r"}
 

@@ -26,9 +26,16 @@ frame, not the logit it would get at distance zero. Both are departures from the
 searches with each token's own query for that token alone
 (docs/decisions/016-tokens-search.md).
 
+Search (`index`): "sketch" (what "auto" picks on a CPU) keeps no index of its own besides a
+float16 dimension-major copy of the keys: each query row scores every key on its
+`sketch_dims` strongest dimensions, and the `sketch_candidates` best are scored exactly on the
+frame's memory keys (key_sketch.py; an exact scan of every key, 90 per step at 32K tokens,
+cost 7.4x a plain decode step: docs/decisions/046-tokens-two-level-search.md). The other
+backends keep one VectorIndex per KV head over fp32 keys (index.py), exact under "torch".
+
 Defaults (TokensConfig): k 256, all layers augmented (the paper tunes a few upper layers per
 model; without tuning, all layers keep the model's own attention pattern everywhere), index
-"auto", sinks 64, local window 1024, block 64, chunk 512.
+"auto", sketch_dims 24, sketch_candidates 2048, sinks 64, local window 1024, block 64, chunk 512.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from engine.memory.buffers import LayerStore
 from engine.memory.config import TokensConfig, parse_layers
 from engine.memory.frame import FrameState
 from engine.memory.index import VectorIndex
+from engine.memory.key_sketch import KeySketch, search
 from engine.memory.selector import Selector
 
 
@@ -54,16 +62,29 @@ class TokenSelector(Selector):
         self.config = config
         self.layers = set(parse_layers(config.layers, num_layers))
         self.frame: FrameState | None = None  # set by the session: query positions
-        self.indices: dict[int, list[VectorIndex]] = {
-            layer: [VectorIndex(head_dim, config.index, "ip", device) for _ in range(kv_heads)]
-            for layer in self.layers
-        }
+        # "sketch": one KeySketch per layer; else one VectorIndex per layer and KV head
+        self.sketched = config.index == "sketch" or (
+            config.index == "auto" and torch.device(device).type == "cpu"
+        )
+        self.sketches: dict[int, KeySketch] = {}
+        self.indices: dict[int, list[VectorIndex]] = {}
+        for layer in self.layers:
+            if self.sketched:
+                self.sketches[layer] = KeySketch(kv_heads, head_dim, device)
+            else:
+                self.indices[layer] = [
+                    VectorIndex(head_dim, config.index, "ip", device) for _ in range(kv_heads)
+                ]
 
     def on_memory_added(self, layer: int, k_pre: torch.Tensor, v: torch.Tensor) -> None:
+        if layer in self.sketches:
+            self.sketches[layer].add(k_pre)
         for head, index in enumerate(self.indices.get(layer, ())):
             index.add(k_pre[head])
 
     def on_memory_dropped(self, layer: int, n: int) -> None:
+        if layer in self.sketches:
+            self.sketches[layer].drop_front(n)
         for index in self.indices.get(layer, ()):
             index.drop_front(n)
 
@@ -79,6 +100,8 @@ class TokenSelector(Selector):
             queries = self.frame.query_at_retrieval_distance(queries, rows_t)
         # rank order wants the last token's rows first: (kv_heads, rows * group, d)
         queries = queries.flip(2).transpose(1, 2).reshape(kvh, -1, d)
+        if self.sketched:
+            return self._search_sketch(layer, queries, store)
         picked = []
         for head, index in enumerate(self.indices[layer]):
             _, ids = index.search(queries[head], self.config.k)
@@ -89,13 +112,28 @@ class TokenSelector(Selector):
             out[head, : ids.numel()] = ids.sort().values.to(out.device)
         return out
 
+    def _search_sketch(self, layer: int, queries: torch.Tensor, store: LayerStore) -> torch.Tensor:
+        """queries (kv_heads, rows, d) in rank order -> memory rows (kv_heads, width)."""
+        frame = self.frame
+        assert frame is not None, "the session sets the frame before it forwards"
+        c = self.config
+        keys = store.mem_k.view()
+        rows = search(
+            queries.to(keys.device), self.sketches[layer], keys, frame.rotary,
+            frame.block_local, c.k, c.block, c.sketch_dims, c.sketch_candidates,
+        )  # fmt: skip
+        return rows.to(queries.device)
+
     def to(self, device: torch.device) -> None:
+        for sketch in self.sketches.values():
+            sketch.to(device)
         for per_layer in self.indices.values():
             for index in per_layer:
                 index.to(device)
 
     def nbytes(self) -> int:
-        return sum(i.nbytes() for per_layer in self.indices.values() for i in per_layer)
+        held = sum(s.nbytes() for s in self.sketches.values())
+        return held + sum(i.nbytes() for per_layer in self.indices.values() for i in per_layer)
 
 
 def query_rows(length: int, n: int) -> torch.Tensor:
