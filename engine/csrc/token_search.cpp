@@ -43,19 +43,6 @@ const float* as_floats(const at::Half* x, int64_t d, float* buf) {
   return buf;
 }
 
-// acc[0..n) += w * x[0..n), x float16
-void add_scaled(float* acc, const at::Half* x, float w, int64_t n) {
-  int64_t j = 0;
-#ifdef __F16C__
-  const __m256 wv = _mm256_set1_ps(w);
-  for (; j + 8 <= n; j += 8) {
-    const __m256 xv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + j)));
-    _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(wv, xv, _mm256_loadu_ps(acc + j)));
-  }
-#endif
-  for (; j < n; ++j) acc[j] += w * static_cast<float>(x[j]);
-}
-
 float dot(const float* a, const float* b, int64_t d) {
   float total = 0.f;
 #pragma omp simd reduction(+ : total)
@@ -71,24 +58,24 @@ bool better(const Hit& a, const Hit& b) {
 }
 
 // The rows of about the `want` best partial scores of a row, never fewer than `least`: the
-// threshold is a rank in a strided sample, so no selection over all n keys is needed.
-std::vector<int64_t> best_partial(const std::vector<float>& partial, int64_t want, int64_t least) {
-  const int64_t n = static_cast<int64_t>(partial.size());
-  const int64_t stride = std::max<int64_t>(1, std::min<int64_t>(16, want / 64));
+// threshold is a rank in a strided sample of about 2048 scores, so no selection over all n.
+std::vector<int64_t> best_partial(const float* partial, int64_t n, int64_t want, int64_t least) {
+  const int64_t stride = std::max<int64_t>(1, n / 2048);
   std::vector<float> sample;
   sample.reserve(n / stride + 1);
   for (int64_t j = 0; j < n; j += stride) sample.push_back(partial[j]);
   const int64_t size = static_cast<int64_t>(sample.size());
   const int64_t nth = std::min<int64_t>(std::max(want, least + least / 2) / stride, size) - 1;
-  std::nth_element(sample.begin(), sample.begin() + nth, sample.end(), std::greater<float>());
-  float threshold = sample[nth];
+  std::nth_element(sample.begin(), sample.begin() + std::max<int64_t>(nth, 0), sample.end(),
+                   std::greater<float>());
+  float threshold = sample[std::max<int64_t>(nth, 0)];
   std::vector<int64_t> rows;
   rows.reserve(want + want / 2);
   for (int64_t j = 0; j < n; ++j) {
     if (partial[j] >= threshold) rows.push_back(j);
   }
   if (static_cast<int64_t>(rows.size()) < least) {  // the sample was far off: select exactly
-    std::vector<float> all(partial);
+    std::vector<float> all(partial, partial + n);
     std::nth_element(all.begin(), all.begin() + least - 1, all.end(), std::greater<float>());
     threshold = all[least - 1];
     rows.clear();
@@ -99,38 +86,65 @@ std::vector<int64_t> best_partial(const std::vector<float>& partial, int64_t wan
   return rows;
 }
 
-// One query row's top k (best first) over one KV head.
-template <typename T>
-std::vector<Hit> search_row(const float* q, const float* q_offsets, bool block_local,
-                            const T* keys, int64_t key_stride, const at::Half* sketch,
-                            int64_t sketch_stride, const float* rms, int64_t n, int64_t d,
-                            int64_t block, int64_t k, int64_t dims, int64_t candidates) {
-  std::vector<int64_t> rows;
-  if (dims < d && candidates < n) {
-    std::vector<int64_t> order(d);
+// Each dimension's weights: which of a head's R rows score on it, with their q_i (the `dims`
+// largest |q_i| * rms_i of each row).
+std::vector<std::vector<std::pair<int64_t, float>>> row_dims(const float* q, int64_t R, int64_t d,
+                                                             const float* rms, int64_t dims) {
+  std::vector<std::vector<std::pair<int64_t, float>>> users(d);
+  std::vector<int64_t> order(d);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* qr = q + r * d;
     std::iota(order.begin(), order.end(), int64_t{0});
     std::partial_sort(order.begin(), order.begin() + dims, order.end(), [&](int64_t a, int64_t b) {
-      return std::abs(q[a]) * rms[a] > std::abs(q[b]) * rms[b];
+      return std::abs(qr[a]) * rms[a] > std::abs(qr[b]) * rms[b];
     });
-    std::vector<float> partial(n, 0.f);
-    for (int64_t i = 0; i < dims; ++i) {
-      add_scaled(partial.data(), sketch + order[i] * sketch_stride, q[order[i]], n);
-    }
-    rows = best_partial(partial, candidates, std::min(k, n));
-  } else {
-    rows.resize(n);
-    std::iota(rows.begin(), rows.end(), int64_t{0});
+    for (int64_t i = 0; i < dims; ++i) users[order[i]].push_back({r, qr[order[i]]});
   }
+  return users;
+}
+
+// partial (R, n) += over keys [begin, end) of one head: each row's q_i times dimension i of the
+// sketch, for its dimensions; each dimension's run is widened once, in tiles, for all its rows.
+void partial_scores(const std::vector<std::vector<std::pair<int64_t, float>>>& users,
+                    const at::Half* sketch, int64_t sketch_stride, int64_t n, int64_t begin,
+                    int64_t end, float* partial) {
+  constexpr int64_t kTile = 512;
+  float buf[kTile];
+  for (int64_t t = begin; t < end; t += kTile) {
+    const int64_t len = std::min(kTile, end - t);
+    for (size_t i = 0; i < users.size(); ++i) {
+      if (users[i].empty()) continue;
+      as_floats(sketch + i * sketch_stride + t, len, buf);
+      for (const auto& [r, w] : users[i]) {
+        float* acc = partial + r * n + t;
+#pragma omp simd
+        for (int64_t j = 0; j < len; ++j) acc[j] += w * buf[j];
+      }
+    }
+  }
+}
+
+// One query row's top k (best first) over one KV head: its candidate rows scored exactly.
+template <typename T>
+std::vector<Hit> exact_top(const float* q, const float* q_offsets, bool block_local, const T* keys,
+                           int64_t key_stride, const std::vector<int64_t>& rows, int64_t d,
+                           int64_t block, int64_t k) {
   float kbuf[kMaxDim];
   std::vector<Hit> hits(rows.size());
+  constexpr size_t kAhead = 8;  // candidates are scattered: fetch their rows ahead of use
   for (size_t j = 0; j < rows.size(); ++j) {
+    if (j + kAhead < rows.size()) {
+      const char* next = reinterpret_cast<const char*>(keys + rows[j + kAhead] * key_stride);
+      for (size_t b = 0; b < d * sizeof(T); b += 64) __builtin_prefetch(next + b);
+    }
     const int64_t row = rows[j];
     const float* key = as_floats(keys + row * key_stride, d, kbuf);
     hits[j] = {dot(block_local ? q_offsets + (row % block) * d : q, key, d), row};
   }
   const int64_t top = std::min<int64_t>(k, static_cast<int64_t>(hits.size()));
-  std::partial_sort(hits.begin(), hits.begin() + top, hits.end(), better);
+  std::nth_element(hits.begin(), hits.begin() + top - 1, hits.end(), better);
   hits.resize(top);
+  std::sort(hits.begin(), hits.end(), better);
   return hits;
 }
 
@@ -166,8 +180,28 @@ torch::Tensor search(torch::Tensor queries, torch::Tensor keys, torch::Tensor sk
                     d % 2 == 0,
                 "token_search: rotary table cos/sin (positions >= block, d) float32");
   }
-  std::vector<std::vector<Hit>> rows(kvh * R);
   const float* qp = queries.data_ptr<float>();
+  const bool sketched = dims < d && candidates < n;
+  // 1. partial scores (kv_heads, R, n), split over heads and runs of keys
+  std::vector<float> partial(sketched ? kvh * R * n : 0, 0.f);
+  if (sketched) {
+    std::vector<std::vector<std::vector<std::pair<int64_t, float>>>> users(kvh);
+    for (int64_t h = 0; h < kvh; ++h) {
+      users[h] = row_dims(qp + h * R * d, R, d, rms.data_ptr<float>() + h * d, dims);
+    }
+    constexpr int64_t kRun = 4096;
+    const int64_t runs = (n + kRun - 1) / kRun;
+    at::parallel_for(0, kvh * runs, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t at = begin; at < end; ++at) {
+        const int64_t h = at / runs, first = (at % runs) * kRun;
+        partial_scores(users[h], sketch.data_ptr<at::Half>() + h * sketch.stride(0),
+                       sketch.stride(1), n, first, std::min(n, first + kRun),
+                       partial.data() + h * R * n);
+      }
+    });
+  }
+  // 2. each row's candidates scored exactly, its top k kept
+  std::vector<std::vector<Hit>> rows(kvh * R);
   at::parallel_for(0, kvh * R, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> rotated(block_local ? block * d : 0);
     for (int64_t at = begin; at < end; ++at) {
@@ -183,20 +217,25 @@ torch::Tensor search(torch::Tensor queries, torch::Tensor keys, torch::Tensor sk
           }
         }
       }
-      const at::Half* sk = sketch.data_ptr<at::Half>() + h * sketch.stride(0);
-      const float* rh = rms.data_ptr<float>() + h * d;
-      if (held == at::kHalf) {
-        rows[at] = search_row(q, rotated.data(), block_local,
-                              keys.data_ptr<at::Half>() + h * keys.stride(0), keys.stride(1), sk,
-                              sketch.stride(1), rh, n, d, block, k, dims, candidates);
+      std::vector<int64_t> picked;
+      if (sketched) {
+        picked = best_partial(partial.data() + at * n, n, candidates, std::min(k, n));
       } else {
-        rows[at] = search_row(q, rotated.data(), block_local,
-                              keys.data_ptr<float>() + h * keys.stride(0), keys.stride(1), sk,
-                              sketch.stride(1), rh, n, d, block, k, dims, candidates);
+        picked.resize(n);
+        std::iota(picked.begin(), picked.end(), int64_t{0});
+      }
+      if (held == at::kHalf) {
+        rows[at] = exact_top(q, rotated.data(), block_local,
+                             keys.data_ptr<at::Half>() + h * keys.stride(0), keys.stride(1),
+                             picked, d, block, k);
+      } else {
+        rows[at] = exact_top(q, rotated.data(), block_local,
+                             keys.data_ptr<float>() + h * keys.stride(0), keys.stride(1), picked,
+                             d, block, k);
       }
     }
   });
-  // each head's first k distinct rows rank by rank over its query rows, then ascending
+  // 3. each head's first k distinct rows rank by rank over its query rows, then ascending
   std::vector<std::vector<int64_t>> picked(kvh);
   std::vector<char> seen(n);
   int64_t width = 0;
