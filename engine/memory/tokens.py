@@ -26,12 +26,12 @@ frame, not the logit it would get at distance zero. Both are departures from the
 searches with each token's own query for that token alone
 (docs/decisions/016-tokens-search.md).
 
-Search (`index`): "sketch" (what "auto" picks on a CPU) keeps no index of its own besides a
-float16 dimension-major copy of the keys: each query row scores every key on its
-`sketch_dims` strongest dimensions, and the `sketch_candidates` best are scored exactly on the
-frame's memory keys (key_sketch.py; an exact scan of every key, 90 per step at 32K tokens,
-cost 7.4x a plain decode step: docs/decisions/046-tokens-two-level-search.md). The other
-backends keep one VectorIndex per KV head over fp32 keys (index.py), exact under "torch".
+Search (`index`): "sketch", what "auto" picks on a CPU, keeps a float16 dimension-major copy
+of the keys (key_sketch.py): each query row scores every key on its `sketch_dims` strongest
+dimensions, and about `sketch_candidates` of the best are scored exactly on the frame's memory
+keys. Scanning every key exactly in all 90 (layer, KV head) searches made a step at 32K tokens
+7.4x a plain decode step (docs/decisions/046-tokens-two-level-search.md). The other backends
+keep one VectorIndex per KV head over fp32 keys (index.py), exact under "torch".
 
 Defaults (TokensConfig): k 256, all layers augmented (the paper tunes a few upper layers per
 model; without tuning, all layers keep the model's own attention pattern everywhere), index
