@@ -46,8 +46,9 @@ class RotaryTable:
         """The table's rows for positions (n,) or (..., n): look them up once, rotate often.
         A negative position p rotates backwards (cos(p), -sin(p)): a retrieved row's frame slot
         can be, with fewer sinks than a block."""
-        sin = self.sin[positions.abs()]
-        return Angles(self.cos[positions.abs()], torch.where(positions[..., None] < 0, -sin, sin))
+        magnitude = positions.abs()
+        sin = self.sin[magnitude]
+        return Angles(self.cos[magnitude], torch.where(positions[..., None] < 0, -sin, sin))
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor | Angles) -> torch.Tensor:
         """x (..., n, head_dim) pre-rotary, positions (n,) or (..., n) (or their angles) ->
