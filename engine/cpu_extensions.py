@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ _built: dict[str, Any] = {}  # stem -> module, or None where building failed
 # Vector extensions by torch's own CPU capability, never -march=native: a build cached in an
 # image must run on any machine that reports the same capability.
 _ARCH = {"AVX2": ["-march=x86-64-v3"], "AVX512": ["-march=x86-64-v4"]}
+# A build takes a minute or two; a lock older than this was left by a process killed mid-build
+STALE_LOCK_SECONDS = 15 * 60
 
 
 def load_extension(stem: str) -> Any | None:
@@ -40,8 +43,10 @@ def _build(stem: str) -> Any | None:
         from torch.utils.cpp_extension import load
 
         capability = torch.backends.cpu.get_cpu_capability()
+        name = f"longserve_{stem}_{capability.lower()}"
+        clear_stale_lock(name)
         return load(
-            name=f"longserve_{stem}_{capability.lower()}",
+            name=name,
             sources=[str(_CSRC / f"{stem}.cpp")],
             extra_cflags=["-O3", *_ARCH.get(capability, []), "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],
@@ -50,3 +55,20 @@ def _build(stem: str) -> Any | None:
     except Exception as exc:  # no compiler or ninja: torch's own ops do the work instead
         logger.warning("CPU kernel %s unavailable (%s); using torch's ops", stem, exc)
         return None
+
+
+def clear_stale_lock(name: str) -> bool:
+    """Remove extension `name`'s build lock if it is older than STALE_LOCK_SECONDS: a process
+    killed mid-build leaves it, and torch's builder then waits on it forever (a test run hung
+    so). True if one was removed."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+        if time.time() - lock.stat().st_mtime < STALE_LOCK_SECONDS:
+            return False
+        lock.unlink()
+    except (OSError, ImportError):  # no lock (the usual case), or torch moved its helper
+        return False
+    logger.warning("removed a stale build lock of CPU kernel %s (%s)", name, lock)
+    return True
