@@ -282,7 +282,7 @@ std::tuple<torch::Tensor, std::vector<int64_t>, torch::Tensor> consensus_step(
   return {total, blocks, rows};
 }
 
-// Memory rows gathered and rotated at their frame slots, as FrameState._take_retrieved does
+// Memory rows gathered and rotated at their frame slots, as RowReader.take_rotated does (engine/memory/retrieval.py)
 // with a dozen torch ops: keys and values (kv_heads, n, d) float32 or float16 with contiguous
 // rows (a memory buffer's view), rows (kv_heads, R) int64 in range, positions (kv_heads, R)
 // int64 rows of the rotary table -> keys rotated and values, (kv_heads, R, d) float32 each.

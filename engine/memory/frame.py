@@ -28,7 +28,7 @@ long as nothing has moved to memory since: the window and sinks forget their new
 
 A reading chunk's band is band.py; a decode step (one token, memory in use) does not rebuild
 the frame but runs the decode-step path of step_cache.py. Stores are buffers.py; what a
-strategy plugs in is selector.py.
+strategy plugs in is selector.py; how the rows it chooses are read is retrieval.py.
 """
 
 from __future__ import annotations
@@ -40,15 +40,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_attention import step_kernels
-from engine.cpu_extensions import load_extension
 from engine.memory.band import attend_band
 from engine.memory.buffers import GrowingBuffer, LayerStore, storage_dtype
 from engine.memory.config import FrameConfig
 from engine.memory.prior import merge_rows
+from engine.memory.retrieval import RowReader
 from engine.memory.rotary import Angles, RotaryTable
 from engine.memory.selector import Selector
-from engine.memory.step_cache import Retrieved, StepCache, in_place_ok
+from engine.memory.step_cache import StepCache
 
 # Bumped whenever a chunk's keys and values come out differently for the same tokens (the
 # layout of the frame it attends changed): stored encodings of another layout are not reused.
@@ -122,11 +121,6 @@ class FrameState:
         self._positions: torch.Tensor | None = None
         self._pending = _Pending()
         self._mask_cache: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
-        # (idx, its rows clamped, their frame positions, their angles or None) of the forward's
-        # last gathered retrieval: layers retrieving the same idx tensor (neurocache's) reuse them
-        self._retrieved_slots: (
-            tuple[torch.Tensor, torch.Tensor, torch.Tensor, Angles | None] | None
-        ) = None
         # fixed by begin() for all layers of a forward: the rotary angles of the chunk and of
         # the window tokens it attends, and how many of the oldest window tokens it skips
         self._chunk_angles: Angles | None = None
@@ -139,7 +133,7 @@ class FrameState:
         # decode step that retrieves whole blocks rotates its query once per block instead of
         # every retrieved key (StepCache.attend); composing rotations needs unscaled ones
         self.block_local = rotary.scale_sq == 1.0
-        self._offsets = torch.arange(config.block, device=device)
+        self.reader = RowReader(config, rotary, self.block_local, device, dtype)
 
     # -- tiers -------------------------------------------------------------------------------
 
@@ -159,7 +153,7 @@ class FrameState:
         self.step_cache.release()
         self.selector.to(device)
         self._device = device
-        self._offsets = self._offsets.to(device)
+        self.reader.to(device)
 
     # -- positions ---------------------------------------------------------------------------
 
@@ -171,7 +165,7 @@ class FrameState:
         if num_new > 1:
             self.step_cache.retrieved.clear()
         self._mask_cache = {}
-        self._retrieved_slots = None
+        self.reader.begin()
         self._chunk_angles = self.rotary.angles(self._positions)
         self._window_skip = self.n_local - self._window_seen(num_new)
         self.step_cache.angles = None
@@ -280,7 +274,7 @@ class FrameState:
                 self.last_selected[layer] = idx
                 kept = self.step_cache.retrieved.get(layer) if T == 1 else None
                 if kept is None or (kept.idx is not idx and not torch.equal(kept.idx, idx)):
-                    kept = self._retrieve(store, idx, query, step)
+                    kept = self.reader.read(store, idx, query, step)
                     if T == 1:
                         self.step_cache.retrieved[layer] = kept
                 keys.append(kept.keys)
@@ -333,91 +327,6 @@ class FrameState:
             enable_gqa=group > 1,
         )
         return out.transpose(1, 2)
-
-    def _retrieve(
-        self, store: LayerStore, idx: torch.Tensor, query: torch.Tensor, step: bool
-    ) -> Retrieved:
-        """The memory rows idx (kv_heads, R, -1 padded) as a chunk attends them: a decode step's
-        whole blocks read in place by the CPU kernel or gathered block-local, else gathered
-        and rotated at their frame slots."""
-        whole, padding = self._check_rows(idx, query, step)
-        if whole:
-            if in_place_ok(query, store.mem_k.data):  # the kernel reads the rows
-                rows = idx if padding is None else idx.clamp(min=0)
-                return Retrieved(
-                    idx, store.mem_k.view(), store.mem_v.view(), "in_place", padding, rows
-                )
-            return Retrieved(idx, *self._take_blocks(store, idx), "blocks", padding, None)
-        return Retrieved(idx, *self._take_retrieved(store, idx), "rows", padding, None)
-
-    def _take_retrieved(
-        self, store: LayerStore, idx: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Memory rows idx (kv_heads, R) -> their keys rotated at the retrieved slots' frame
-        positions, and their values, on the frame's device (host tier: only these rows cross)."""
-        kept = self._retrieved_slots
-        if kept is None or kept[0] is not idx:
-            rows = idx.clamp(min=0)
-            # right-aligned against the window: unused budget is a gap after the sinks, and the
-            # retrieved text runs into the window as if it preceded it (docs/decisions/022)
-            first = self.config.sinks + self.config.retrieval_budget - idx.shape[1]
-            frame_pos = first + torch.arange(idx.shape[1], device=self._device)
-            if self.block_local:  # stored rotated by their offset in their block already
-                frame_pos = frame_pos - rows % self.config.block
-            positions = frame_pos.expand_as(idx).contiguous()
-            kept = self._retrieved_slots = (idx, rows.contiguous(), positions, None)
-        _, rows, positions, angles = kept
-        kernels = self._gather_kernels(store)
-        if kernels is not None:  # one call: gathered, widened and rotated (memory_step.cpp)
-            k, v = kernels.gather_rotated(
-                store.mem_k.view(), store.mem_v.view(), rows, positions,
-                self.rotary.cos, self.rotary.sin,
-            )  # fmt: skip
-            return k, v
-        mem_k, mem_v = self._take_blocks(store, idx)
-        if angles is None:
-            angles = self.rotary.angles(positions)
-            self._retrieved_slots = (idx, rows, positions, angles)
-        return self.rotary.rotate(mem_k, angles), mem_v
-
-    def _gather_kernels(self, store: LayerStore) -> Any | None:
-        """memory_step.cpp where it gathers this frame's retrieved rows: an fp32 frame on the
-        CPU, its memory on the CPU too, the kernels built."""
-        cpu = self._device.type == "cpu" and store.mem_k.device.type == "cpu"
-        return load_extension("memory_step") if cpu and self._dtype == torch.float32 else None
-
-    def _take_blocks(
-        self, store: LayerStore, idx: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Memory rows idx (kv_heads, R) as stored (keys block-local), on the frame's device
-        in its dtype."""
-        rows = idx.clamp(min=0).to(store.mem_k.device)
-        mem_k = store.mem_k.take(rows).to(self._device, self._dtype, non_blocking=True)
-        mem_v = store.mem_v.take(rows).to(self._device, self._dtype, non_blocking=True)
-        return mem_k, mem_v
-
-    def _check_rows(
-        self, idx: torch.Tensor, query: torch.Tensor, step: bool
-    ) -> tuple[bool, torch.Tensor | None]:
-        """(whether a decode step reads the rows idx (kv_heads, R) by whole block, their mask
-        False at padding or None when there is none): one kernel call where there are kernels."""
-        kernels = step_kernels(query) if step and self.block_local else None
-        if kernels is not None:  # engine/csrc/memory_step.cpp
-            whole, padded = kernels.whole_blocks(idx.contiguous(), self.config.block)
-            return whole, idx >= 0 if padded else None
-        ok = idx >= 0
-        return step and self._whole_blocks(idx, ok), None if bool(ok.all()) else ok
-
-    def _whole_blocks(self, idx: torch.Tensor, ok: torch.Tensor) -> bool:
-        """Whether the rows idx (kv_heads, R) are whole memory blocks at whole-block slots
-        (padding, ok False, aside): a decode step can then rotate its query per block."""
-        block = self.config.block
-        if not self.block_local or idx.shape[1] % block:
-            return False
-        blocks = idx.view(idx.shape[0], -1, block)
-        offsets = blocks - blocks[..., :1]
-        fits = (offsets == self._offsets) & (blocks[..., :1] % block == 0)
-        return bool((fits | ~ok.view_as(blocks)).all())
 
     def mask(
         self,

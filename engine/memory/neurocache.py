@@ -175,7 +175,7 @@ class NeurocacheSelector(Selector):
         if layer <= self.r or self._current is None:
             return None
         # one tensor for every layer of the forward: the frame then rotates the rows' keys at
-        # angles it computed once (FrameState._take_retrieved)
+        # angles it computed once (RowReader.take_rotated)
         kept = self._expanded
         if kept is None or kept[0] is not self._current or kept[1].shape[0] != q_pre.shape[0]:
             rows = self._current[None].expand(q_pre.shape[0], -1).to(q_pre.device)

@@ -263,7 +263,7 @@ def _dense_step(
     retrieved_rows=None, queries=None,
 ):  # fmt: skip
     """The frame a decode step attended before StepCache.attend: every key rotated at its
-    frame position (never block-local: _check_rows says so), one concatenated frame, one SDPA
+    frame position (never block-local: RowReader.check_rows says so), one concatenated frame, one SDPA
     call."""
     assert blocks_at is None and retrieved_rows is None
     store = frame.layers[layer]
@@ -316,16 +316,16 @@ def test_a_decode_step_attends_what_the_whole_frame_would(monkeypatch, case):
     dense = memory.fork()
     monkeypatch.setattr(dense._frame.step_cache, "attend", _dense_step)
     monkeypatch.setattr(dense._frame.step_cache, "retrieved", _NoReuse())
-    check = dense._frame._check_rows  # never by whole block: every key at its frame slot
-    monkeypatch.setattr(dense._frame, "_check_rows", lambda *a: (False, check(*a)[1]))
+    check = dense._frame.reader.check_rows  # never by whole block: every key at its frame slot
+    monkeypatch.setattr(dense._frame.reader, "check_rows", lambda *a: (False, check(*a)[1]))
     taken = [0]
-    take = memory._frame._take_blocks  # every retrieval's gather, block-local or rotated
+    take = memory._frame.reader.take_blocks  # every retrieval's gather, block-local or rotated
 
     def counting_take(store, idx):
         taken[0] += 1
         return take(store, idx)
 
-    monkeypatch.setattr(memory._frame, "_take_blocks", counting_take)
+    monkeypatch.setattr(memory._frame.reader, "take_blocks", counting_take)
     token, rebuilt = int(logits.argmax()), 0
     for _ in range(130):
         before = memory._frame.step_cache.window
@@ -368,7 +368,7 @@ def test_a_float16_window_steps_alike_with_and_without_the_cpu_kernels(monkeypat
     """Sinks and window in float16 (kv_dtype "float16"): the torch path of a decode step (no
     compiler, or a GPU) widens them as the kernels do, so both give the same logits."""
     import engine.cpu_attention as cpu_attention
-    import engine.memory.frame as frame_module
+    import engine.memory.retrieval as retrieval_module
 
     if cpu_attention.load_kernel() is None:
         pytest.skip("no C++ compiler or ninja to build the kernels")
@@ -380,7 +380,7 @@ def test_a_float16_window_steps_alike_with_and_without_the_cpu_kernels(monkeypat
         if not kernels:
             monkeypatch.setattr(cpu_attention, "load_kernel", lambda: None)
             monkeypatch.setattr(cpu_attention, "load_extension", lambda stem: None)
-            monkeypatch.setattr(frame_module, "load_extension", lambda stem: None)
+            monkeypatch.setattr(retrieval_module, "load_extension", lambda stem: None)
         memory = SessionMemory(model, MemorySpec(strategy, spec), "float16")
         logits = [memory.append(ids)]
         for _ in range(12):

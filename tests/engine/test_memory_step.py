@@ -124,7 +124,7 @@ def test_whole_blocks_agrees_with_the_frames_torch_check(rows, whole, padded):
         torch.device("cpu"),
     )
     ok = idx >= 0
-    assert frame._whole_blocks(idx, ok) == whole and bool((~ok).any()) == padded
+    assert frame.reader.whole_blocks(idx, ok) == whole and bool((~ok).any()) == padded
 
 
 @pytest.mark.parametrize("carry_blocks", [None, 5, 40])  # no carry, a shorter one, a longer one
