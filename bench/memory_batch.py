@@ -3,9 +3,10 @@
 A --tokens document of real text is read once into a session (segments by default; --knobs
 adds memory knobs), forked B times, and `decode_batch` steps all forks in one forward, as the
 server batches concurrent questions on memory. For each --kv-dtypes entry (what sinks and
-window hold; default the server's), each --memory-dtypes entry and each --rows B: the median ms
-per step over --steps after two warm-up steps, and the tokens/s of B rows relative to one row. The text prior is off unless --knobs sets prior_k, so set k to fill
-the retrieval budget (the default knobs give 3,072 retrieved rows, as a server session has).
+window hold; default the server's), each --memory-dtypes entry and each --rows B: the median
+ms per step over --steps after two warm-up steps, and the tokens/s of B rows relative to one
+row. The text prior is off unless --knobs sets prior_k, so set k to fill the retrieval budget
+(the default knobs give 3,072 retrieved rows, as a server session has).
 
     longserve bench memory_batch --rows 1 8 --memory-dtypes model float16
     longserve bench memory_batch --rows 1 8 --memory-dtypes auto --kv-dtypes float16 model

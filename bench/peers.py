@@ -135,20 +135,21 @@ def run(args: argparse.Namespace) -> None:
     # CPU, the device's default dtype (bfloat16) on a GPU
     linear = "float32" if args.device == "cpu" else "auto"
     loaded = load_model(EngineConfig(model=args.gguf, device=args.device, linear_dtype=linear))
-    makers = {
-        "longserve": lambda: (
-            lambda ids: longserve_tokens(http, model, loaded.tokenizer.decode(ids), args.max_tokens)
-        ),
-        "llama.cpp": lambda: llama_peer(gguf, args),
-        "transformers": lambda: lambda ids: transformers_tokens(loaded.model, ids, args.max_tokens),
-    }
     serve_args = ["--model", gguf] if args.gguf else []
     serve_args += ["--device", args.device]
     lines: list[dict] = []
     with served(None, serve_args=serve_args, ready_timeout=300) as base:
         http = httpx.Client(base_url=f"{base}/v1", timeout=3600)
         model = http.get("/models").json()["data"][0]["id"]
-        peers = {name: makers[name]() for name in args.peers}
+        every = {
+            "longserve": lambda ids: longserve_tokens(
+                http, model, loaded.tokenizer.decode(ids), args.max_tokens
+            ),
+            "transformers": lambda ids: transformers_tokens(loaded.model, ids, args.max_tokens),
+        }
+        if "llama.cpp" in args.peers:  # imported only when asked for: no build, no peer
+            every["llama.cpp"] = llama_peer(gguf, args)
+        peers = {name: every[name] for name in args.peers}
         warm = prompt_ids(loaded.tokenizer, 64)
         for tokens_of in peers.values():
             list(tokens_of(warm))

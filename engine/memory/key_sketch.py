@@ -117,7 +117,7 @@ def search_torch(
 ) -> torch.Tensor:
     """`search` in torch ops. Candidates are the exact top `candidates` partial scores (the
     kernel takes about as many, by a sampled threshold)."""
-    from engine.memory.tokens import fair_union
+    from engine.memory.tokens import fair_union, padded_rows  # tokens imports this module
 
     kvh, R, d = queries.shape
     n = keys.shape[1]
@@ -144,12 +144,7 @@ def search_torch(
     rows, scores = rows.gather(-1, order), scores.gather(-1, order)
     best = scores.sort(dim=-1, descending=True, stable=True).indices[..., : min(k, rows.shape[-1])]
     hits = rows.gather(-1, best)
-    picked_rows = [fair_union(hits[h], k).sort().values for h in range(kvh)]
-    width = max(p.numel() for p in picked_rows)
-    out = torch.full((kvh, width), -1, dtype=torch.long, device=keys.device)
-    for h, ids in enumerate(picked_rows):
-        out[h, : ids.numel()] = ids
-    return out
+    return padded_rows([fair_union(hits[h], k) for h in range(kvh)], keys.device)
 
 
 def _kernels(queries: torch.Tensor, keys: torch.Tensor) -> Any | None:

@@ -106,11 +106,7 @@ class TokenSelector(Selector):
         for head, index in enumerate(self.indices[layer]):
             _, ids = index.search(queries[head], self.config.k)
             picked.append(fair_union(ids, self.config.k))
-        width = max(p.numel() for p in picked)
-        out = torch.full((kvh, width), -1, dtype=torch.long, device=q_pre.device)
-        for head, ids in enumerate(picked):
-            out[head, : ids.numel()] = ids.sort().values.to(out.device)
-        return out
+        return padded_rows(picked, q_pre.device)
 
     def _search_sketch(self, layer: int, queries: torch.Tensor, store: LayerStore) -> torch.Tensor:
         """queries (kv_heads, rows, d) in rank order -> memory rows (kv_heads, width)."""
@@ -141,6 +137,15 @@ def query_rows(length: int, n: int) -> torch.Tensor:
     if length <= n:
         return torch.arange(length)
     return torch.linspace(length - 1, 0, n).round().long().flip(0).unique()
+
+
+def padded_rows(picked: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Each KV head's memory rows, ascending, as one (kv_heads, width) tensor, -1 padded."""
+    width = max(p.numel() for p in picked)
+    out = torch.full((len(picked), width), -1, dtype=torch.long, device=device)
+    for head, ids in enumerate(picked):
+        out[head, : ids.numel()] = ids.sort().values.to(device)
+    return out
 
 
 def fair_union(ids: torch.Tensor, k: int) -> torch.Tensor:
