@@ -306,17 +306,34 @@ std::vector<torch::Tensor> gather_rotated(torch::Tensor keys, torch::Tensor valu
   const int64_t *rp = rows.data_ptr<int64_t>(), *pp = positions.data_ptr<int64_t>();
   const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
   const int64_t half = d / 2;
-  float kbuf[kMaxDim];
-  for (int64_t h = 0; h < kvh; ++h) {
-    for (int64_t j = 0; j < width; ++j) {
-      const int64_t row = rp[h * width + j];
+  for (int64_t j = 0; j < kvh * width; ++j) {  // checked before the threads start
+    TORCH_CHECK(rp[j] >= 0 && rp[j] < n, "gather_rotated: row ", rp[j], " outside the memory");
+    check_position(pp[j] < 0 ? -pp[j] : pp[j], cos);
+  }
+  const int64_t item = held == at::kHalf ? 2 : 4;
+  // rows are scattered over the memory: each one's key and value are fetched a few rows ahead
+  at::parallel_for(0, kvh * width, 64, [&](int64_t begin, int64_t end) {
+    float kbuf[kMaxDim];
+    constexpr int64_t kAhead = 8;
+    for (int64_t at = begin; at < end; ++at) {
+      const int64_t h = at / width;
+      if (at + kAhead < end) {
+        const int64_t ah = (at + kAhead) / width, ahead = rp[at + kAhead];
+        const char* nk = static_cast<const char*>(keys.data_ptr()) +
+                         (ah * keys.stride(0) + ahead * keys.stride(1)) * item;
+        const char* nv = static_cast<const char*>(values.data_ptr()) +
+                         (ah * values.stride(0) + ahead * values.stride(1)) * item;
+        for (int64_t b = 0; b < d * item; b += 64) {
+          __builtin_prefetch(nk + b);
+          __builtin_prefetch(nv + b);
+        }
+      }
+      const int64_t row = rp[at];
       // a negative slot (only with fewer sinks than a block) rotates backwards: cos(p), -sin(p)
-      const int64_t slot = pp[h * width + j], p = slot < 0 ? -slot : slot;
+      const int64_t slot = pp[at], p = slot < 0 ? -slot : slot;
       const float sign = slot < 0 ? -1.0f : 1.0f;
-      TORCH_CHECK(row >= 0 && row < n, "gather_rotated: row ", row, " outside the memory");
-      check_position(p, cos);
-      float* ok = out_k.data_ptr<float>() + (h * width + j) * d;
-      float* ov = out_v.data_ptr<float>() + (h * width + j) * d;
+      float* ok = out_k.data_ptr<float>() + at * d;
+      float* ov = out_v.data_ptr<float>() + at * d;
       const float* k;
       if (held == at::kHalf) {
         k = summary_row(keys.data_ptr<at::Half>() + h * keys.stride(0) + row * keys.stride(1), d,
@@ -334,7 +351,7 @@ std::vector<torch::Tensor> gather_rotated(torch::Tensor keys, torch::Tensor valu
         ok[i] = k[i] * cp[i] + sign * swapped * sp[i];
       }
     }
-  }
+  });
   return {out_k, out_v};
 }
 

@@ -5,8 +5,11 @@
 // Each query row first scores every key on only `dims` of the 64 dimensions: those where
 // |q_i| * rms_i (the keys' root mean square in dimension i) is largest, read from a copy of the
 // pre-rotary keys held dimension-major in float16 (a dimension of all keys is one contiguous
-// run). The `candidates` best of those partial scores are then scored exactly on the frame's
-// own memory keys, and the best k of them kept (SparQ attention's two steps, for retrieval).
+// run). A key whose partial score reaches any of its head's rows' thresholds (each about the
+// `candidates`-th best of that row's, read off a sample) is a candidate of the head: it is
+// scored exactly for every row of the head on the frame's own memory keys (its row read once),
+// and each row keeps its best k (SparQ attention's two steps, for retrieval). Keys go in tiles:
+// a tile's partial scores sit in one buffer, and the next tile's runs are fetched meanwhile.
 // With dims >= d or candidates >= n every key is scored exactly.
 //
 // The frame's memory keys (float16 or float32) are stored rotated by their offset in their
@@ -57,40 +60,11 @@ bool better(const Hit& a, const Hit& b) {
   return a.first > b.first || (a.first == b.first && a.second < b.second);
 }
 
-// The rows of about the `want` best partial scores of a row, never fewer than `least`: the
-// threshold is a rank in a strided sample of about 2048 scores, so no selection over all n.
-std::vector<int64_t> best_partial(const float* partial, int64_t n, int64_t want, int64_t least) {
-  const int64_t stride = std::max<int64_t>(1, n / 2048);
-  std::vector<float> sample;
-  sample.reserve(n / stride + 1);
-  for (int64_t j = 0; j < n; j += stride) sample.push_back(partial[j]);
-  const int64_t size = static_cast<int64_t>(sample.size());
-  const int64_t nth = std::min<int64_t>(std::max(want, least + least / 2) / stride, size) - 1;
-  std::nth_element(sample.begin(), sample.begin() + std::max<int64_t>(nth, 0), sample.end(),
-                   std::greater<float>());
-  float threshold = sample[std::max<int64_t>(nth, 0)];
-  std::vector<int64_t> rows;
-  rows.reserve(want + want / 2);
-  for (int64_t j = 0; j < n; ++j) {
-    if (partial[j] >= threshold) rows.push_back(j);
-  }
-  if (static_cast<int64_t>(rows.size()) < least) {  // the sample was far off: select exactly
-    std::vector<float> all(partial, partial + n);
-    std::nth_element(all.begin(), all.begin() + least - 1, all.end(), std::greater<float>());
-    threshold = all[least - 1];
-    rows.clear();
-    for (int64_t j = 0; j < n; ++j) {
-      if (partial[j] >= threshold) rows.push_back(j);
-    }
-  }
-  return rows;
-}
-
 // Each dimension's weights: which of a head's R rows score on it, with their q_i (the `dims`
 // largest |q_i| * rms_i of each row).
-std::vector<std::vector<std::pair<int64_t, float>>> row_dims(const float* q, int64_t R, int64_t d,
-                                                             const float* rms, int64_t dims) {
-  std::vector<std::vector<std::pair<int64_t, float>>> users(d);
+using Users = std::vector<std::vector<std::pair<int64_t, float>>>;
+Users row_dims(const float* q, int64_t R, int64_t d, const float* rms, int64_t dims) {
+  Users users(d);
   std::vector<int64_t> order(d);
   for (int64_t r = 0; r < R; ++r) {
     const float* qr = q + r * d;
@@ -103,48 +77,130 @@ std::vector<std::vector<std::pair<int64_t, float>>> row_dims(const float* q, int
   return users;
 }
 
-// partial (R, n) += over keys [begin, end) of one head: each row's q_i times dimension i of the
-// sketch, for its dimensions; each dimension's run is widened once, in tiles, for all its rows.
-void partial_scores(const std::vector<std::vector<std::pair<int64_t, float>>>& users,
-                    const at::Half* sketch, int64_t sketch_stride, int64_t n, int64_t begin,
-                    int64_t end, float* partial) {
-  constexpr int64_t kTile = 512;
+constexpr int64_t kTile = 256;  // keys whose partial scores sit in one buffer (R x kTile)
+constexpr int64_t kRun = 4096;  // keys per parallel task
+
+// partial (R, kTile) = over keys [begin, begin + len) of one head: each row's q_i times dimension
+// i of the sketch, for its dimensions; each dimension's run is widened once for all its rows.
+void tile_partials(const Users& users, const at::Half* sketch, int64_t sketch_stride,
+                   int64_t begin, int64_t len, int64_t R, float* partial) {
   float buf[kTile];
+  std::fill(partial, partial + R * kTile, 0.f);
+  for (size_t i = 0; i < users.size(); ++i) {
+    if (users[i].empty()) continue;
+    // the next tile's run of this dimension, fetched while this one is scored
+    const char* next = reinterpret_cast<const char*>(sketch + i * sketch_stride + begin + kTile);
+    for (int64_t b = 0; b < kTile * 2; b += 64) __builtin_prefetch(next + b);
+    as_floats(sketch + i * sketch_stride + begin, len, buf);
+    for (const auto& [r, w] : users[i]) {
+      float* acc = partial + r * kTile;
+#pragma omp simd
+      for (int64_t j = 0; j < len; ++j) acc[j] += w * buf[j];
+    }
+  }
+}
+
+// Each row's threshold on its partial scores: the rank of about `want` of n in a sample of
+// about 2048 keys (contiguous pieces spread over the memory), so no pass over all n.
+std::vector<float> sampled_thresholds(const Users& users, const at::Half* sketch,
+                                      int64_t sketch_stride, int64_t n, int64_t R, int64_t want) {
+  const int64_t pieces = n <= 8 * kTile ? 1 : 4;
+  const int64_t len = pieces == 1 ? n : 2 * kTile;
+  std::vector<std::vector<float>> sample(R);
+  std::vector<float> partial(R * kTile);
+  for (int64_t p = 0; p < pieces; ++p) {
+    const int64_t first = pieces == 1 ? 0 : p * (n - len) / (pieces - 1);
+    for (int64_t t = 0; t < len; t += kTile) {
+      const int64_t l = std::min(kTile, len - t);
+      tile_partials(users, sketch, sketch_stride, first + t, l, R, partial.data());
+      for (int64_t r = 0; r < R; ++r) {
+        sample[r].insert(sample[r].end(), partial.data() + r * kTile, partial.data() + r * kTile + l);
+      }
+    }
+  }
+  std::vector<float> out(R);
+  for (int64_t r = 0; r < R; ++r) {
+    auto& s = sample[r];
+    const int64_t size = static_cast<int64_t>(s.size());
+    const int64_t rank = std::clamp<int64_t>((want * size + n - 1) / n, 1, size) - 1;
+    std::nth_element(s.begin(), s.begin() + rank, s.end(), std::greater<float>());
+    out[r] = s[rank];
+  }
+  return out;
+}
+
+// The candidates of one head among keys [begin, end) - every key whose partial score reaches
+// its row's threshold for any row, or every key when thresholds is empty - and their exact
+// scores for all R rows (scores (candidates, R)), appended in ascending key order.
+template <typename T>
+void score_run(const Users& users, const at::Half* sketch, int64_t sketch_stride,
+               const std::vector<float>& thresholds, const float* rotated, bool block_local,
+               const T* keys, int64_t key_stride, int64_t begin, int64_t end, int64_t R,
+               int64_t d, int64_t block, std::vector<int64_t>& rows, std::vector<float>& scores) {
+  std::vector<float> partial(thresholds.empty() ? 0 : R * kTile);
+  int64_t picked[kTile];
+  unsigned char flags[kTile];
+  float kbuf[kMaxDim];
   for (int64_t t = begin; t < end; t += kTile) {
     const int64_t len = std::min(kTile, end - t);
-    for (size_t i = 0; i < users.size(); ++i) {
-      if (users[i].empty()) continue;
-      as_floats(sketch + i * sketch_stride + t, len, buf);
-      for (const auto& [r, w] : users[i]) {
-        float* acc = partial + r * n + t;
+    int64_t count = 0;
+    if (thresholds.empty()) {
+      for (int64_t j = 0; j < len; ++j) picked[count++] = t + j;
+    } else {
+      tile_partials(users, sketch, sketch_stride, t, len, R, partial.data());
+      std::fill(flags, flags + len, 0);
+      for (int64_t r = 0; r < R; ++r) {
+        const float* p = partial.data() + r * kTile;
+        const float bar = thresholds[r];
 #pragma omp simd
-        for (int64_t j = 0; j < len; ++j) acc[j] += w * buf[j];
+        for (int64_t j = 0; j < len; ++j) flags[j] |= p[j] >= bar;
+      }
+      for (int64_t j = 0; j < len; ++j) {
+        if (flags[j]) picked[count++] = t + j;
+      }
+    }
+    constexpr int64_t kAhead = 16;  // candidates are scattered: fetch their rows ahead of use
+    for (int64_t j = 0; j < count; ++j) {
+      if (j + kAhead < count) {
+        const char* next = reinterpret_cast<const char*>(keys + picked[j + kAhead] * key_stride);
+        for (size_t b = 0; b < d * sizeof(T); b += 64) __builtin_prefetch(next + b);
+      }
+      const int64_t row = picked[j];
+      const float* key = as_floats(keys + row * key_stride, d, kbuf);
+      const int64_t offset = block_local ? (row % block) * d : 0;
+      rows.push_back(row);
+      for (int64_t r = 0; r < R; ++r) {
+        scores.push_back(dot(rotated + r * block * d + offset, key, d));
       }
     }
   }
 }
 
-// One query row's top k (best first) over one KV head: its candidate rows scored exactly.
-template <typename T>
-std::vector<Hit> exact_top(const float* q, const float* q_offsets, bool block_local, const T* keys,
-                           int64_t key_stride, const std::vector<int64_t>& rows, int64_t d,
-                           int64_t block, int64_t k) {
-  float kbuf[kMaxDim];
-  std::vector<Hit> hits(rows.size());
-  constexpr size_t kAhead = 8;  // candidates are scattered: fetch their rows ahead of use
-  for (size_t j = 0; j < rows.size(); ++j) {
-    if (j + kAhead < rows.size()) {
-      const char* next = reinterpret_cast<const char*>(keys + rows[j + kAhead] * key_stride);
-      for (size_t b = 0; b < d * sizeof(T); b += 64) __builtin_prefetch(next + b);
-    }
-    const int64_t row = rows[j];
-    const float* key = as_floats(keys + row * key_stride, d, kbuf);
-    hits[j] = {dot(block_local ? q_offsets + (row % block) * d : q, key, d), row};
+// A row's best k of its head's candidates, best first: the k-th best score found on the
+// scores alone, then the hits at or above it.
+std::vector<Hit> top_hits(const std::vector<const std::vector<int64_t>*>& rows,
+                          const std::vector<const std::vector<float>*>& scores, int64_t r,
+                          int64_t R, int64_t k) {
+  std::vector<float> all;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const auto& s = *scores[i];
+    for (size_t j = 0; j < rows[i]->size(); ++j) all.push_back(s[j * R + r]);
   }
-  const int64_t top = std::min<int64_t>(k, static_cast<int64_t>(hits.size()));
-  std::nth_element(hits.begin(), hits.begin() + top - 1, hits.end(), better);
+  const int64_t total = static_cast<int64_t>(all.size());
+  const int64_t top = std::min(k, total);
+  if (top == 0) return {};
+  std::nth_element(all.begin(), all.begin() + top - 1, all.end(), std::greater<float>());
+  const float bar = all[top - 1];
+  std::vector<Hit> hits;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const auto& s = *scores[i];
+    const auto& ids = *rows[i];
+    for (size_t j = 0; j < ids.size(); ++j) {
+      if (s[j * R + r] >= bar) hits.push_back({s[j * R + r], ids[j]});
+    }
+  }
+  std::sort(hits.begin(), hits.end(), better);  // ties at the bar: the lower rows kept
   hits.resize(top);
-  std::sort(hits.begin(), hits.end(), better);
   return hits;
 }
 
@@ -152,12 +208,18 @@ std::vector<Hit> exact_top(const float* q, const float* q_offsets, bool block_lo
 // fair_union: the last token's rows first); keys (kv_heads, n, d) float32 or float16 with
 // contiguous rows (the frame's memory keys); sketch (kv_heads, d, n) float16, the pre-rotary
 // keys dimension-major with contiguous runs; rms (kv_heads, d) float32; cos and sin the rotary
-// table (at least `block` rows) when block_local.
+// table (at least `block` rows) when block_local; position >= 0 rotates the queries by that
+// table row first (-1: as given).
 // -> rows (kv_heads, width) int64: each head's first k distinct hits taken rank by rank over
 // its query rows, ascending, -1 padded.
+//
+// A key is a candidate of its head when its partial score reaches any row's threshold; every
+// candidate is scored exactly for all the head's rows (its row is read once), so a row ranks
+// about `candidates` keys of its own and those its group's other rows brought.
 torch::Tensor search(torch::Tensor queries, torch::Tensor keys, torch::Tensor sketch,
                      torch::Tensor rms, torch::Tensor cos, torch::Tensor sin, bool block_local,
-                     int64_t k, int64_t block, int64_t dims, int64_t candidates) {
+                     int64_t k, int64_t block, int64_t dims, int64_t candidates,
+                     int64_t position) {
   const auto held = keys.scalar_type();
   TORCH_CHECK(queries.scalar_type() == at::kFloat && queries.is_contiguous() &&
                   queries.dim() == 3 && keys.dim() == 3 && keys.size(0) == queries.size(0) &&
@@ -173,69 +235,109 @@ torch::Tensor search(torch::Tensor queries, torch::Tensor keys, torch::Tensor sk
               "token_search: sketch (kv_heads, d, n) float16 and rms (kv_heads, d) float32");
   TORCH_CHECK(k > 0 && block > 0 && dims > 0 && candidates >= k,
               "token_search: k, block and dims > 0, candidates >= k");
-  if (block_local) {
+  if (block_local || position >= 0) {
     TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
                     cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
                     cos.sizes() == sin.sizes() && cos.size(1) == d && cos.size(0) >= block &&
-                    d % 2 == 0,
-                "token_search: rotary table cos/sin (positions >= block, d) float32");
+                    position < cos.size(0) && d % 2 == 0,
+                "token_search: rotary table cos/sin (positions >= block, position, d) float32");
   }
   const float* qp = queries.data_ptr<float>();
-  const bool sketched = dims < d && candidates < n;
-  // 1. partial scores (kv_heads, R, n), split over heads and runs of keys
-  std::vector<float> partial(sketched ? kvh * R * n : 0, 0.f);
-  if (sketched) {
-    std::vector<std::vector<std::vector<std::pair<int64_t, float>>>> users(kvh);
-    for (int64_t h = 0; h < kvh; ++h) {
-      users[h] = row_dims(qp + h * R * d, R, d, rms.data_ptr<float>() + h * d, dims);
+  std::vector<float> at_position;  // the queries rotated by `position` first, when given
+  if (position >= 0) {
+    at_position.resize(kvh * R * d);
+    const float *c = cos.data_ptr<float>() + position * d, *s = sin.data_ptr<float>() + position * d;
+    const int64_t half = d / 2;
+    for (int64_t row = 0; row < kvh * R; ++row) {
+      const float* q = qp + row * d;
+      for (int64_t i = 0; i < d; ++i) {
+        const float swapped = i < half ? q[i + half] : q[i - half];
+        at_position[row * d + i] = q[i] * c[i] + swapped * s[i];
+      }
     }
-    constexpr int64_t kRun = 4096;
-    const int64_t runs = (n + kRun - 1) / kRun;
-    at::parallel_for(0, kvh * runs, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t at = begin; at < end; ++at) {
-        const int64_t h = at / runs, first = (at % runs) * kRun;
-        partial_scores(users[h], sketch.data_ptr<at::Half>() + h * sketch.stride(0),
-                       sketch.stride(1), n, first, std::min(n, first + kRun),
-                       partial.data() + h * R * n);
+    qp = at_position.data();
+  }
+  const at::Half* sp = sketch.data_ptr<at::Half>();
+  const int64_t least = std::min(k, n);
+  const int64_t offsets = block_local ? block : 1;
+  // each row rotated by every offset a block-local key can have: (kv_heads, R, offsets, d)
+  std::vector<float> rotated(kvh * R * offsets * d);
+  for (int64_t at = 0; at < kvh * R; ++at) {
+    const float* q = qp + at * d;
+    float* out = rotated.data() + at * offsets * d;
+    if (!block_local) {
+      std::copy(q, q + d, out);
+      continue;
+    }
+    const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
+    const int64_t half = d / 2;
+    for (int64_t o = 0; o < block; ++o) {
+      for (int64_t i = 0; i < d; ++i) {
+        const float swapped = i < half ? q[i + half] : q[i - half];
+        out[o * d + i] = q[i] * c[o * d + i] + swapped * s[o * d + i];
+      }
+    }
+  }
+  // 1. each row's threshold on its partial scores (none: every key is a candidate)
+  std::vector<Users> users(kvh);
+  std::vector<std::vector<float>> thresholds(kvh);
+  if (dims < d && candidates < n) {
+    at::parallel_for(0, kvh, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t h = begin; h < end; ++h) {
+        users[h] = row_dims(qp + h * R * d, R, d, rms.data_ptr<float>() + h * d, dims);
+        thresholds[h] = sampled_thresholds(users[h], sp + h * sketch.stride(0), sketch.stride(1),
+                                           n, R, std::max(candidates, least + least / 2));
       }
     });
   }
-  // 2. each row's candidates scored exactly, its top k kept
-  std::vector<std::vector<Hit>> rows(kvh * R);
+  // 2. per head and run of keys: the candidates and their exact scores
+  const int64_t runs = (n + kRun - 1) / kRun;
+  std::vector<std::vector<int64_t>> run_rows(kvh * runs);
+  std::vector<std::vector<float>> run_scores(kvh * runs);
+  auto score = [&](int64_t h, int64_t run) {
+    const int64_t first = run * kRun, last = std::min(n, first + kRun);
+    auto& ids = run_rows[h * runs + run];
+    auto& s = run_scores[h * runs + run];
+    ids.clear();
+    s.clear();
+    const float* rq = rotated.data() + h * R * offsets * d;
+    const at::Half* sk = sp + h * sketch.stride(0);
+    if (held == at::kHalf) {
+      score_run(users[h], sk, sketch.stride(1), thresholds[h], rq, block_local,
+                keys.data_ptr<at::Half>() + h * keys.stride(0), keys.stride(1), first, last, R,
+                d, offsets, ids, s);
+    } else {
+      score_run(users[h], sk, sketch.stride(1), thresholds[h], rq, block_local,
+                keys.data_ptr<float>() + h * keys.stride(0), keys.stride(1), first, last, R, d,
+                offsets, ids, s);
+    }
+  };
+  at::parallel_for(0, kvh * runs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t at = begin; at < end; ++at) score(at / runs, at % runs);
+  });
+  for (int64_t h = 0; h < kvh; ++h) {  // a sample far off left too few: score every key
+    int64_t found = 0;
+    for (int64_t run = 0; run < runs; ++run) found += run_rows[h * runs + run].size();
+    if (found < least && !thresholds[h].empty()) {
+      thresholds[h].clear();
+      for (int64_t run = 0; run < runs; ++run) score(h, run);
+    }
+  }
+  // 3. each row's top k over its head's candidates
+  std::vector<std::vector<Hit>> hits(kvh * R);
   at::parallel_for(0, kvh * R, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> rotated(block_local ? block * d : 0);
     for (int64_t at = begin; at < end; ++at) {
       const int64_t h = at / R;
-      const float* q = qp + at * d;
-      if (block_local) {
-        const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
-        const int64_t half = d / 2;
-        for (int64_t o = 0; o < block; ++o) {
-          for (int64_t i = 0; i < d; ++i) {
-            const float swapped = i < half ? q[i + half] : q[i - half];
-            rotated[o * d + i] = q[i] * c[o * d + i] + swapped * s[o * d + i];
-          }
-        }
+      std::vector<const std::vector<int64_t>*> ids;
+      std::vector<const std::vector<float>*> s;
+      for (int64_t run = 0; run < runs; ++run) {
+        ids.push_back(&run_rows[h * runs + run]);
+        s.push_back(&run_scores[h * runs + run]);
       }
-      std::vector<int64_t> picked;
-      if (sketched) {
-        picked = best_partial(partial.data() + at * n, n, candidates, std::min(k, n));
-      } else {
-        picked.resize(n);
-        std::iota(picked.begin(), picked.end(), int64_t{0});
-      }
-      if (held == at::kHalf) {
-        rows[at] = exact_top(q, rotated.data(), block_local,
-                             keys.data_ptr<at::Half>() + h * keys.stride(0), keys.stride(1),
-                             picked, d, block, k);
-      } else {
-        rows[at] = exact_top(q, rotated.data(), block_local,
-                             keys.data_ptr<float>() + h * keys.stride(0), keys.stride(1), picked,
-                             d, block, k);
-      }
+      hits[at] = top_hits(ids, s, at % R, R, k);
     }
   });
-  // 3. each head's first k distinct rows rank by rank over its query rows, then ascending
+  // 4. each head's first k distinct rows rank by rank over its query rows, then ascending
   std::vector<std::vector<int64_t>> picked(kvh);
   std::vector<char> seen(n);
   int64_t width = 0;
@@ -244,9 +346,9 @@ torch::Tensor search(torch::Tensor queries, torch::Tensor keys, torch::Tensor sk
     auto& ids = picked[h];
     for (int64_t rank = 0; rank < k && static_cast<int64_t>(ids.size()) < k; ++rank) {
       for (int64_t r = 0; r < R && static_cast<int64_t>(ids.size()) < k; ++r) {
-        const auto& hits = rows[h * R + r];
-        if (rank >= static_cast<int64_t>(hits.size())) continue;
-        const int64_t row = hits[rank].second;
+        const auto& row_hits = hits[h * R + r];
+        if (rank >= static_cast<int64_t>(row_hits.size())) continue;
+        const int64_t row = row_hits[rank].second;
         if (!seen[row]) {
           seen[row] = 1;
           ids.push_back(row);

@@ -189,6 +189,12 @@ class FrameState:
         distance = (self._positions[rows] - middle).clamp(min=0)
         return self.rotary.rotate(q_pre, distance)
 
+    def step_retrieval_distance(self) -> int:
+        """query_at_retrieval_distance's distance for a one-token forward, as an int."""
+        assert self._positions is not None and self._positions.numel() == 1, "one token"
+        middle = self.config.sinks + self.config.retrieval_budget // 2
+        return max(int(self._positions[0]) - middle, 0)
+
     def _window_end(self) -> int:
         """The frame position right after the local window: where the next chunk starts."""
         c = self.config

@@ -32,6 +32,7 @@ class KeySketch:
         self.squares = torch.zeros(kv_heads, head_dim, dtype=torch.float64, device=device)
         self.start = 0
         self.size = 0
+        self._rms: torch.Tensor | None = None
 
     def add(self, k_pre: torch.Tensor) -> None:  # (kv_heads, n, d)
         n = k_pre.shape[1]
@@ -45,29 +46,35 @@ class KeySketch:
         self.data[:, :, end : end + n] = k_pre.transpose(1, 2)
         self.squares += k_pre.double().square().sum(1)
         self.size += n
+        self._rms = None
 
     def drop_front(self, n: int) -> None:
         n = min(n, self.size)
         self.squares -= self.view()[:, :, :n].double().square().sum(2)
         self.start += n
         self.size -= n
+        self._rms = None
 
     def view(self) -> torch.Tensor:
         return self.data[:, :, self.start : self.start + self.size]
 
     def rms(self) -> torch.Tensor:
-        """(kv_heads, d) float32: each dimension's root mean square over the keys held."""
-        return (self.squares.clamp(min=0) / max(self.size, 1)).sqrt().float()
+        """(kv_heads, d) float32: each dimension's root mean square over the keys held (kept
+        until the keys change: every decode step of every layer asks)."""
+        if self._rms is None:
+            self._rms = (self.squares.clamp(min=0) / max(self.size, 1)).sqrt().float()
+        return self._rms
 
     def to(self, device: torch.device) -> None:
         self.data, self.start = self.view().to(device).contiguous(), 0
         self.squares = self.squares.to(device)
+        self._rms = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> KeySketch:
         """The held keys only (SessionMemory.fork): spare capacity is not copied."""
         twin = KeySketch.__new__(KeySketch)
         twin.data, twin.squares = self.view().clone(), self.squares.clone()
-        twin.start, twin.size = 0, self.size
+        twin.start, twin.size, twin._rms = 0, self.size, self._rms
         memo[id(self)] = twin
         return twin
 
@@ -85,8 +92,10 @@ def search(
     block: int,
     dims: int,
     candidates: int,
+    position: int | None = None,
 ) -> torch.Tensor:
-    """queries (kv_heads, R, d), each head's rows in rank order; keys (kv_heads, n, d) the
+    """queries (kv_heads, R, d), each head's rows in rank order, rotated by the rotary
+    `position` first when it is given; keys (kv_heads, n, d) the
     frame's memory keys -> (kv_heads, width) memory rows: each head's first k distinct hits
     taken rank by rank over its rows (tokens.fair_union), ascending, -1 padded. Every key is
     scored exactly when candidates is 0 (or at least n) or dims at least d; else each row
@@ -100,7 +109,10 @@ def search(
         return kernels.search(
             queries.float().contiguous(), keys, sketch.view(), sketch.rms(),
             rotary.cos, rotary.sin, block_local, k, block, dims, candidates,
+            -1 if position is None else position,
         )  # fmt: skip
+    if position is not None:
+        queries = rotary.rotate(queries, torch.tensor([position], device=queries.device))
     return search_torch(queries, sketch, keys, rotary, block_local, k, block, dims, candidates)
 
 

@@ -94,6 +94,11 @@ class TokenSelector(Selector):
         if layer not in self.layers or not self.config.retrieves(q_pre.shape[2]):
             return None
         kvh, group, T, d = q_pre.shape
+        if self.sketched and T == 1 and self.frame is not None:
+            # a decode step: its group's rows as they come, rotated to the retrieval distance
+            # inside the search (the torch ops below cost about as much as the search at 4K)
+            distance = self.frame.step_retrieval_distance()
+            return self._search_sketch(layer, q_pre.reshape(kvh, group, d), store, distance)
         rows_t = query_rows(T, max(1, self.config.max_queries // group)).to(q_pre.device)
         queries = q_pre[:, :, rows_t]  # (kv_heads, group, rows, d)
         if self.frame is not None:
@@ -108,15 +113,18 @@ class TokenSelector(Selector):
             picked.append(fair_union(ids, self.config.k))
         return padded_rows(picked, q_pre.device)
 
-    def _search_sketch(self, layer: int, queries: torch.Tensor, store: LayerStore) -> torch.Tensor:
-        """queries (kv_heads, rows, d) in rank order -> memory rows (kv_heads, width)."""
+    def _search_sketch(
+        self, layer: int, queries: torch.Tensor, store: LayerStore, position: int | None = None
+    ) -> torch.Tensor:
+        """queries (kv_heads, rows, d) in rank order, rotated by `position` first if given ->
+        memory rows (kv_heads, width)."""
         frame = self.frame
         assert frame is not None, "the session sets the frame before it forwards"
         c = self.config
         keys = store.mem_k.view()
         rows = search(
             queries.to(keys.device), self.sketches[layer], keys, frame.rotary,
-            frame.block_local, c.k, c.block, c.sketch_dims, c.sketch_candidates,
+            frame.block_local, c.k, c.block, c.sketch_dims, c.sketch_candidates, position,
         )  # fmt: skip
         return rows.to(queries.device)
 

@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.cpu_extensions import load_extension
+from engine.memory import key_sketch
 from engine.memory.key_sketch import KeySketch, search, search_torch
 from engine.memory.rotary import RotaryTable
 from engine.memory.tokens import fair_union
@@ -130,3 +131,20 @@ def test_a_deep_copy_holds_the_same_keys_apart():
     assert twin.size == 100 and twin.view().shape == (2, D, 100)
     assert not torch.equal(twin.view()[:, :, :60], sketch.view()[:, :, :60])
     assert twin.nbytes() == 2 * D * 100 * 2
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_a_position_rotates_the_queries_before_the_search(use_kernel, monkeypatch):
+    """A decode step hands its queries as they come and the retrieval distance as `position`:
+    the rows are those of the queries rotated by it beforehand."""
+    if use_kernel and load_extension("token_search") is None:
+        pytest.skip("no kernel")
+    if not use_kernel:  # search's own torch path
+        monkeypatch.setattr(key_sketch, "_kernels", lambda *_: None)
+    rotary = table()
+    _, sketch, stored = memory(60 * BLOCK, 7, rotary, True)
+    queries = torch.randn(2, 3, D, generator=torch.Generator().manual_seed(8))
+    rotated = rotary.rotate(queries, torch.tensor([37]))
+    want = search(rotated, sketch, stored, rotary, True, 24, BLOCK, 8, 300)
+    got = search(queries, sketch, stored, rotary, True, 24, BLOCK, 8, 300, 37)
+    assert torch.equal(got, want)
