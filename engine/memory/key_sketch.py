@@ -95,12 +95,13 @@ def search(
     position: int | None = None,
 ) -> torch.Tensor:
     """queries (kv_heads, R, d), each head's rows in rank order, rotated by the rotary
-    `position` first when it is given; keys (kv_heads, n, d) the
-    frame's memory keys -> (kv_heads, width) memory rows: each head's first k distinct hits
-    taken rank by rank over its rows (tokens.fair_union), ascending, -1 padded. Every key is
-    scored exactly when candidates is 0 (or at least n) or dims at least d; else each row
-    scores its `dims` dimensions with the largest |q_i| * rms_i, and about `candidates` rows
-    of the best partial scores are scored exactly."""
+    `position` first when it is given; keys (kv_heads, n, d) the frame's memory keys ->
+    (kv_heads, width) memory rows: each head's first k distinct hits taken rank by rank over
+    its rows (tokens.fair_union), ascending, -1 padded. Every key is scored exactly when
+    candidates is 0 (or at least n; in the kernel at least n / 2) or dims at least d; else
+    each row scores its `dims` dimensions with the largest |q_i| * rms_i, and about
+    `candidates` rows of the best partial scores are scored exactly (in the kernel, those of
+    any row of the head, for every row of it)."""
     kernels = _kernels(queries, keys)
     if candidates <= 0:
         candidates = keys.shape[1]
