@@ -186,28 +186,52 @@ void score_run(const Users& users, const at::Half* sketch, int64_t sketch_stride
   }
 }
 
-// A row's best k of its head's candidates, best first: the k-th best score found on the
-// scores alone, then the hits at or above it.
+// A row's best k of its head's candidates, best first. A bar is read off every 8th score (a
+// rank a little past k's share), and the hits at or above it are sorted: when they are at least
+// k they hold the best k exactly (every other score is below the bar); else, rarely, the bar is
+// the k-th best score itself.
 std::vector<Hit> top_hits(const std::vector<const std::vector<int64_t>*>& rows,
                           const std::vector<const std::vector<float>*>& scores, int64_t r,
                           int64_t R, int64_t k) {
-  std::vector<float> all;
+  constexpr int64_t kStride = 8;
+  std::vector<float> sample;
+  int64_t total = 0;
   for (size_t i = 0; i < rows.size(); ++i) {
     const auto& s = *scores[i];
-    for (size_t j = 0; j < rows[i]->size(); ++j) all.push_back(s[j * R + r]);
+    const int64_t count = static_cast<int64_t>(rows[i]->size());
+    for (int64_t j = (kStride - total % kStride) % kStride; j < count; j += kStride) {
+      sample.push_back(s[j * R + r]);
+    }
+    total += count;
   }
-  const int64_t total = static_cast<int64_t>(all.size());
   const int64_t top = std::min(k, total);
   if (top == 0) return {};
-  std::nth_element(all.begin(), all.begin() + top - 1, all.end(), std::greater<float>());
-  const float bar = all[top - 1];
-  std::vector<Hit> hits;
-  for (size_t i = 0; i < rows.size(); ++i) {
-    const auto& s = *scores[i];
-    const auto& ids = *rows[i];
-    for (size_t j = 0; j < ids.size(); ++j) {
-      if (s[j * R + r] >= bar) hits.push_back({s[j * R + r], ids[j]});
+  auto collect = [&](float bar) {
+    std::vector<Hit> hits;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const auto& s = *scores[i];
+      const auto& ids = *rows[i];
+      for (size_t j = 0; j < ids.size(); ++j) {
+        if (s[j * R + r] >= bar) hits.push_back({s[j * R + r], ids[j]});
+      }
     }
+    return hits;
+  };
+  std::vector<Hit> hits;
+  const int64_t rank = (top + top / 4) / kStride;  // the sample's rank for about 1.25 k hits
+  if (rank < static_cast<int64_t>(sample.size()) && rank > 0) {
+    std::nth_element(sample.begin(), sample.begin() + rank, sample.end(), std::greater<float>());
+    hits = collect(sample[rank]);
+  }
+  if (static_cast<int64_t>(hits.size()) < top) {  // too few (or too small to sample): exactly
+    std::vector<float> all;
+    all.reserve(total);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const auto& s = *scores[i];
+      for (size_t j = 0; j < rows[i]->size(); ++j) all.push_back(s[j * R + r]);
+    }
+    std::nth_element(all.begin(), all.begin() + top - 1, all.end(), std::greater<float>());
+    hits = collect(all[top - 1]);
   }
   std::sort(hits.begin(), hits.end(), better);  // ties at the bar: the lower rows kept
   hits.resize(top);
