@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from engine.cpu_attention import step_kernels
+from engine.cpu_attention import HELD, step_kernels
 from engine.memory.buffers import GrowingBuffer, LayerStore, storage_dtype
 from engine.memory.config import SegmentsConfig
 from engine.memory.selector import Selector
@@ -56,6 +56,7 @@ class SegmentSelector(Selector):
         # held as memory blocks are (memory_dtype: float16 for an fp32 model): a decode step
         # reads every summary, and at 32K tokens they are a fifth of what it reads besides weights
         held = storage_dtype(config.memory_dtype, dtype)
+        self.held_for_kernels = held in HELD  # summaries the CPU kernels read
         self.summaries = [
             {n: GrowingBuffer(kv_heads, head_dim, held, device) for n in names}
             for _ in range(num_layers)
@@ -95,7 +96,8 @@ class SegmentSelector(Selector):
         kvh, d = q_pre.shape[0], q_pre.shape[-1]
         rows = q_pre.reshape(kvh, -1, d)  # (kv_heads, group*T, d)
         summary = self.summaries[layer]
-        kernels = step_kernels(q_pre) if q_pre.shape[2] == 1 else None
+        one = q_pre.shape[2] == 1 and self.held_for_kernels
+        kernels = step_kernels(q_pre) if one else None
         if kernels is not None:  # a decode step: one call (engine/csrc/memory_step.cpp)
             if self.config.score == "mean":
                 high, low = summary["mean"].view(), _NONE
@@ -122,7 +124,7 @@ class SegmentSelector(Selector):
         if num_blocks <= wanted:
             return self._same_blocks(layer, range(num_blocks), kvh, device)
         if c.select == "consensus" and q_pre.shape[2] == 1 and self._vote is None:
-            kernels = step_kernels(q_pre)
+            kernels = step_kernels(q_pre) if self.held_for_kernels else None
             if kernels is not None:  # a decode step's whole choice in one call
                 voted, rows = self._consensus_step(kernels, layer, q_pre, scaling, num_blocks)
                 return self._same_blocks(layer, voted, kvh, device, rows)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from engine.cpu_attention import attend_pieces, kernel_ready, step_kernels
+from engine.cpu_attention import HELD, attend_pieces, kernel_ready, step_kernels
 from engine.memory.buffers import GrowingBuffer
 from engine.memory.prior import merge_rows
 from engine.memory.rotary import Angles
@@ -84,7 +84,7 @@ class StepCache:
     ) -> StepQueries | None:
         """query (1, H, 1, d) and key (1, kv_heads, 1, d), rotated at the step's frame position
         -> its StepQueries from one kernel call; None where the kernels do not take them."""
-        kernels = step_kernels(query)
+        kernels = step_kernels(query) if frame.held_for_kernels else None
         if kernels is None:
             return None
         heads, kvh, d = query.shape[1], key.shape[1], key.shape[-1]
@@ -230,7 +230,7 @@ class StepCache:
         q_window = frame.rotary.rotate(q_pre, self.angles)
         q_frame = query[0].reshape(kvh, group, d)
         q_window = q_window.reshape(kvh, group, d)
-        if kernel_ready(query):
+        if frame.held_for_kernels and kernel_ready(query):
             qs = [q_frame[:, None]] * len(prefix_k) + [q_window[:, None], q_frame[:, None]]
             if blocks_at is not None:  # the retrieved blocks: the query rotated per block
                 n = prefix_k[1].shape[1] if retrieved_rows is None else retrieved_rows.shape[1]
@@ -306,7 +306,7 @@ class StepCache:
 def in_place_ok(query: torch.Tensor, memory: torch.Tensor) -> bool:
     """Whether a decode step reads retrieved memory rows in place (attend_pieces): the kernels
     take the query, and the memory is on the CPU too."""
-    return memory.device.type == "cpu" and kernel_ready(query)
+    return memory.device.type == "cpu" and memory.dtype in HELD and kernel_ready(query)
 
 
 def _same_rows(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

@@ -199,3 +199,21 @@ async def test_sessions_and_plain_requests_decode_in_one_batch(make_engine):
     for kind in SPECS:  # the answer joined each session's turns as when decoded alone
         session = engine._memory_sessions.sessions[kind]
         assert session.turns[-1][1] == "".join(d.text for d in together[ROWS.index(kind)])
+
+
+@pytest.fixture(scope="module")
+def bf16_loaded(tiny_model_dir):
+    from engine.config import EngineConfig
+    from engine.loader import load_model
+
+    return load_model(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="bfloat16"))
+
+
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_a_bfloat16_model_decodes_on_memory_on_the_cpu(bf16_loaded, kind):
+    """A bfloat16 model on the CPU holds its sinks, window and memory in bfloat16, which the CPU
+    kernels do not read: its memory steps take torch's ops, alone and batched, and agree."""
+    alone, _ = run_alone(new_generation(bf16_loaded, kind, 5, 6))
+    [(batched, _)], _ = run_batched(bf16_loaded.model, [new_generation(bf16_loaded, kind, 5, 6)])
+    assert len(alone) == 6
+    assert batched == alone
