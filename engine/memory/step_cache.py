@@ -305,7 +305,7 @@ class StepCache:
 
 def in_place_ok(query: torch.Tensor, memory: torch.Tensor) -> bool:
     """Whether a decode step reads retrieved memory rows in place (attend_pieces): the kernels
-    take the query, and the memory is on the CPU too."""
+    take the query, and the memory is on the CPU too, in a dtype they read (HELD)."""
     return memory.device.type == "cpu" and memory.dtype in HELD and kernel_ready(query)
 
 
