@@ -32,12 +32,9 @@ def load_kernel() -> Any | None:
     return load_extension("decode_attention")
 
 
-HELD = (torch.float32, torch.float16)  # what the kernels read keys, values and summaries in
-
-
 def kernel_ready(query: torch.Tensor) -> bool:
     """Whether the kernels take this query's attention: float32 on the CPU, the kernels built
-    (building them on the first call). What it attends must be held in HELD as well."""
+    (building them on the first call)."""
     if query.device.type != "cpu" or query.dtype != torch.float32:
         return False
     return load_kernel() is not None

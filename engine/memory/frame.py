@@ -40,7 +40,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_attention import HELD
 from engine.memory.band import attend_band
 from engine.memory.buffers import GrowingBuffer, LayerStore, storage_dtype
 from engine.memory.config import FrameConfig
@@ -99,9 +98,10 @@ class FrameState:
         host = config.tier == "host"
         memory_device = torch.device("cpu") if host else device
         memory_dtype = storage_dtype(config.memory_dtype, dtype)
-        # whether the CPU kernels read what decode steps attend: a bfloat16 model's sinks,
-        # window and memory are bfloat16, and its steps take torch's ops instead
-        self.held_for_kernels = self.window_dtype in HELD and memory_dtype in HELD
+        # the CPU memory-step kernels serve float32 models (sinks, window and memory in float32
+        # or float16); a bfloat16 model's lean step has float32 queries, but its steps take
+        # torch's ops (RowReader gathers under the same rule)
+        self.held_for_kernels = dtype == torch.float32
         self.layers = [
             LayerStore(
                 empty,

@@ -55,7 +55,8 @@ class RowReader:
         and rotated at their frame slots."""
         whole, padding = self.check_rows(idx, query, step)
         if whole:
-            if in_place_ok(query, store.mem_k.data):  # the kernel reads the rows
+            # the kernel reads the rows, for a float32 frame (as _gather_kernels)
+            if self.dtype == torch.float32 and in_place_ok(query, store.mem_k.data):
                 rows = idx if padding is None else idx.clamp(min=0)
                 return Retrieved(
                     idx, store.mem_k.view(), store.mem_v.view(), "in_place", padding, rows

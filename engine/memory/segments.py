@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from engine.cpu_attention import HELD, step_kernels
+from engine.cpu_attention import step_kernels
 from engine.memory.buffers import GrowingBuffer, LayerStore, storage_dtype
 from engine.memory.config import SegmentsConfig
 from engine.memory.selector import Selector
@@ -56,7 +56,7 @@ class SegmentSelector(Selector):
         # held as memory blocks are (memory_dtype: float16 for an fp32 model): a decode step
         # reads every summary, and at 32K tokens they are a fifth of what it reads besides weights
         held = storage_dtype(config.memory_dtype, dtype)
-        self.held_for_kernels = held in HELD  # summaries the CPU kernels read
+        self.held_for_kernels = dtype == torch.float32  # as FrameState.held_for_kernels
         self.summaries = [
             {n: GrowingBuffer(kv_heads, head_dim, held, device) for n in names}
             for _ in range(num_layers)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from engine.cpu_attention import HELD, attend_pieces, kernel_ready, step_kernels
+from engine.cpu_attention import attend_pieces, kernel_ready, step_kernels
 from engine.memory.buffers import GrowingBuffer
 from engine.memory.prior import merge_rows
 from engine.memory.rotary import Angles
@@ -305,8 +305,8 @@ class StepCache:
 
 def in_place_ok(query: torch.Tensor, memory: torch.Tensor) -> bool:
     """Whether a decode step reads retrieved memory rows in place (attend_pieces): the kernels
-    take the query, and the memory is on the CPU too, in a dtype they read (HELD)."""
-    return memory.device.type == "cpu" and memory.dtype in HELD and kernel_ready(query)
+    take the query, and the memory is on the CPU too."""
+    return memory.device.type == "cpu" and kernel_ready(query)
 
 
 def _same_rows(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

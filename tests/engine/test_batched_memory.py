@@ -217,3 +217,16 @@ def test_a_bfloat16_model_decodes_on_memory_on_the_cpu(bf16_loaded, kind):
     [(batched, _)], _ = run_batched(bf16_loaded.model, [new_generation(bf16_loaded, kind, 5, 6)])
     assert len(alone) == 6
     assert batched == alone
+
+
+def test_a_bfloat16_model_with_float16_memory_decodes_on_the_cpu(bf16_loaded, monkeypatch):
+    """float16 memory blocks the kernels could read do not send a bfloat16 model's steps to
+    them: segments' running block scores and the window stay bfloat16."""
+    spec = MemorySpec("segments", {**FRAME, "k": 2, "u": 1, "memory_dtype": "float16"})
+    monkeypatch.setitem(SPECS, "segments", spec)
+    alone, _ = run_alone(new_generation(bf16_loaded, "segments", 5, 6))
+    [(batched, _)], _ = run_batched(
+        bf16_loaded.model, [new_generation(bf16_loaded, "segments", 5, 6)]
+    )
+    assert len(alone) == 6
+    assert batched == alone
