@@ -63,6 +63,14 @@ float dot(const float* a, const float* b, int64_t d) {
   return total;
 }
 
+// out (d) = q rotated by one rotary table row: q * cos + swap_halves(q) * sin
+void rotate(const float* q, const float* c, const float* s, int64_t d, float* out) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < d; ++i) {
+    out[i] = q[i] * c[i] + (i < half ? q[i + half] : q[i - half]) * s[i];
+  }
+}
+
 using Hit = std::pair<float, int64_t>;  // (score, memory row)
 
 // better first: the higher score, on ties the lower row (a stable order for the tests)
@@ -281,14 +289,7 @@ torch::Tensor search(torch::Tensor queries, torch::Tensor keys, torch::Tensor sk
   if (position >= 0) {
     at_position.resize(kvh * R * d);
     const float *c = cos.data_ptr<float>() + position * d, *s = sin.data_ptr<float>() + position * d;
-    const int64_t half = d / 2;
-    for (int64_t row = 0; row < kvh * R; ++row) {
-      const float* q = qp + row * d;
-      for (int64_t i = 0; i < d; ++i) {
-        const float swapped = i < half ? q[i + half] : q[i - half];
-        at_position[row * d + i] = q[i] * c[i] + swapped * s[i];
-      }
-    }
+    for (int64_t row = 0; row < kvh * R; ++row) rotate(qp + row * d, c, s, d, &at_position[row * d]);
     qp = at_position.data();
   }
   const at::Half* sp = sketch.data_ptr<at::Half>();
@@ -304,13 +305,7 @@ torch::Tensor search(torch::Tensor queries, torch::Tensor keys, torch::Tensor sk
       continue;
     }
     const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
-    const int64_t half = d / 2;
-    for (int64_t o = 0; o < block; ++o) {
-      for (int64_t i = 0; i < d; ++i) {
-        const float swapped = i < half ? q[i + half] : q[i - half];
-        out[o * d + i] = q[i] * c[o * d + i] + swapped * s[o * d + i];
-      }
-    }
+    for (int64_t o = 0; o < block; ++o) rotate(q, c + o * d, s + o * d, d, out + o * d);
   }
   // 1. each row's threshold on its partial scores (none: every key is a candidate). With
   // candidates for half the keys or more, the group's union is nearly all of them anyway, and
