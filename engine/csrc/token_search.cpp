@@ -1,21 +1,22 @@
 // token_search: tokens' top-k search over one layer's memory keys, in one call for all its KV
-// heads and query rows (engine/memory/key_sketch.py holds what it reads; tokens.py's torch
-// path computes the same exactly).
+// heads and query rows (engine/memory/key_sketch.py holds what it reads; its torch path computes
+// the same).
 //
-// Each query row first scores every key on only `dims` of the 64 dimensions: those where
-// |q_i| * rms_i (the keys' root mean square in dimension i) is largest, read from a copy of the
-// pre-rotary keys held dimension-major in float16 (a dimension of all keys is one contiguous
-// run). A key whose partial score reaches any of its head's rows' thresholds (each about the
-// `candidates`-th best of that row's, read off a sample) is a candidate of the head: it is
-// scored exactly for every row of the head on the frame's own memory keys (its row read once),
-// and each row keeps its best k (SparQ attention's two steps, for retrieval). Keys go in tiles:
-// a tile's partial scores sit in one buffer, and the next tile's runs are fetched meanwhile.
-// With dims >= d or candidates >= n / 2 every key is scored exactly.
+// What it reads: a copy of the pre-rotary keys held dimension-major in float16 (a dimension of
+// all keys is one contiguous run), the "sketch". Two searches:
+// - exact (the default, decision 051): every key scored on all its dimensions straight from the
+//   sketch, 64 keys by up to 4 rows at a time in registers, the next tile's runs fetched ahead;
+//   each row's best k then sit above a bar read off a sample of its scores.
+// - candidates (dims < d and candidates < n / 2): each row scores every key on only `dims`
+//   dimensions, those where |q_i| * rms_i (the keys' root mean square in dimension i) is
+//   largest. A key whose partial score reaches any of its head's rows' thresholds (each about
+//   the `candidates`-th best of that row's, read off a sample) is scored exactly for every row
+//   of the head on the frame's own memory keys (SparQ attention's two steps, for retrieval).
 //
 // The frame's memory keys (float16 or float32) are stored rotated by their offset in their
 // block when `block_local`: a key at offset o is then scored with the query rotated by o
 // (R(o) q . R(o) k = q . k), from the frame's rotary table (cos and sin rows with the sign of
-// rotate_half folded into sin's first half).
+// rotate_half folded into sin's first half). The sketch's keys are pre-rotary: no rotation.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #ifdef __F16C__
@@ -23,6 +24,7 @@
 #endif
 
 #include <algorithm>
+#include <memory>
 #include <numeric>
 #include <tuple>
 #include <utility>
@@ -78,11 +80,15 @@ bool better(const Hit& a, const Hit& b) {
   return a.first > b.first || (a.first == b.first && a.second < b.second);
 }
 
-// Each dimension's weights: which of a head's R rows score on it, with their q_i (the `dims`
-// largest |q_i| * rms_i of each row).
-using Users = std::vector<std::vector<std::pair<int64_t, float>>>;
+// The dimensions any of a head's R rows scores on (each row's `dims` largest |q_i| * rms_i), and
+// every row's weight on each of them: its q_i, or 0 where the dimension is not one of its own.
+struct Users {
+  std::vector<int64_t> used;
+  std::vector<float> weight;  // (used.size(), R)
+};
 Users row_dims(const float* q, int64_t R, int64_t d, const float* rms, int64_t dims) {
-  Users users(d);
+  std::vector<float> dense(d * R, 0.f);
+  std::vector<char> chosen(d, 0);
   std::vector<int64_t> order(d);
   for (int64_t r = 0; r < R; ++r) {
     const float* qr = q + r * d;
@@ -90,7 +96,16 @@ Users row_dims(const float* q, int64_t R, int64_t d, const float* rms, int64_t d
     std::partial_sort(order.begin(), order.begin() + dims, order.end(), [&](int64_t a, int64_t b) {
       return std::abs(qr[a]) * rms[a] > std::abs(qr[b]) * rms[b];
     });
-    for (int64_t i = 0; i < dims; ++i) users[order[i]].push_back({r, qr[order[i]]});
+    for (int64_t i = 0; i < dims; ++i) {
+      dense[order[i] * R + r] = qr[order[i]];
+      chosen[order[i]] = 1;
+    }
+  }
+  Users users;
+  for (int64_t i = 0; i < d; ++i) {
+    if (!chosen[i]) continue;
+    users.used.push_back(i);
+    users.weight.insert(users.weight.end(), dense.begin() + i * R, dense.begin() + (i + 1) * R);
   }
   return users;
 }
@@ -98,24 +113,142 @@ Users row_dims(const float* q, int64_t R, int64_t d, const float* rms, int64_t d
 constexpr int64_t kTile = 256;  // keys whose partial scores sit in one buffer (R x kTile)
 constexpr int64_t kRun = 4096;  // keys per parallel task
 
-// partial (R, kTile) = over keys [begin, begin + len) of one head: each row's q_i times dimension
-// i of the sketch, for its dimensions; each dimension's run is widened once for all its rows.
+#ifdef __AVX512F__
+// 64 keys' partial scores for RN rows from r0, held in registers over every used dimension
+// (one pass over the runs for up to 4 rows: no accumulator goes through memory per dimension)
+template <int RN>
+void block_partials(const Users& users, const at::Half* sketch, int64_t sketch_stride,
+                    int64_t at, int64_t R, int64_t r0, float* partial, int64_t out_stride = kTile) {
+  __m512 acc[RN][4];
+  for (int r = 0; r < RN; ++r) {
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  }
+  const float* w = users.weight.data() + r0;
+  for (const int64_t i : users.used) {
+    const at::Half* run = sketch + i * sketch_stride + at;
+    __m512 key[4];
+    for (int v = 0; v < 4; ++v) {
+      key[v] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 16 * v)));
+    }
+    for (int r = 0; r < RN; ++r) {
+      const __m512 wr = _mm512_set1_ps(w[r]);
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(wr, key[v], acc[r][v]);
+    }
+    w += R;
+  }
+  for (int r = 0; r < RN; ++r) {
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(partial + (r0 + r) * out_stride + 16 * v, acc[r][v]);
+  }
+}
+#endif
+
+// partial (R, kTile) = over keys [begin, begin + len) of one head: each row's weights times the
+// sketch's used dimensions. Blocks of 64 keys go through registers, the rest one key at a time;
+// the next tile's runs are fetched meanwhile.
 void tile_partials(const Users& users, const at::Half* sketch, int64_t sketch_stride,
                    int64_t begin, int64_t len, int64_t R, float* partial) {
-  float buf[kTile];
-  std::fill(partial, partial + R * kTile, 0.f);
-  for (size_t i = 0; i < users.size(); ++i) {
-    if (users[i].empty()) continue;
-    // the next tile's run of this dimension, fetched while this one is scored
+  for (const int64_t i : users.used) {
     const char* next = reinterpret_cast<const char*>(sketch + i * sketch_stride + begin + kTile);
     for (int64_t b = 0; b < kTile * 2; b += 64) __builtin_prefetch(next + b);
-    as_floats(sketch + i * sketch_stride + begin, len, buf);
-    for (const auto& [r, w] : users[i]) {
-      float* acc = partial + r * kTile;
-#pragma omp simd
-      for (int64_t j = 0; j < len; ++j) acc[j] += w * buf[j];
+  }
+  int64_t j = 0;
+#ifdef __AVX512F__
+  for (; j + 64 <= len; j += 64) {
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      switch (std::min<int64_t>(4, R - r0)) {
+        case 1: block_partials<1>(users, sketch, sketch_stride, begin + j, R, r0, partial + j); break;
+        case 2: block_partials<2>(users, sketch, sketch_stride, begin + j, R, r0, partial + j); break;
+        case 3: block_partials<3>(users, sketch, sketch_stride, begin + j, R, r0, partial + j); break;
+        default: block_partials<4>(users, sketch, sketch_stride, begin + j, R, r0, partial + j);
+      }
     }
   }
+#endif
+  for (; j < len; ++j) {
+    for (int64_t r = 0; r < R; ++r) partial[r * kTile + j] = 0.f;
+    for (size_t u = 0; u < users.used.size(); ++u) {
+      const float k = static_cast<float>(sketch[users.used[u] * sketch_stride + begin + j]);
+      for (int64_t r = 0; r < R; ++r) partial[r * kTile + j] += users.weight[u * R + r] * k;
+    }
+  }
+}
+
+// Every key's exact score for all R rows of one head, keys [first, last): scores (R, n) with
+// row stride n. The sketch holds every dimension, so weights q on all of them are the exact
+// pre-rotary product (the block-local rotation of the frame's keys cancels: R(o)q . R(o)k = q . k).
+void scan_scores(const Users& all, const at::Half* sketch, int64_t sketch_stride, int64_t first,
+                 int64_t last, int64_t R, int64_t n, float* scores) {
+  int64_t j = first;
+#ifdef __AVX512F__
+  for (; j + 64 <= last; j += 64) {
+    if ((j - first) % kTile == 0) {
+      for (const int64_t i : all.used) {
+        const char* next = reinterpret_cast<const char*>(sketch + i * sketch_stride + j + kTile);
+        for (int64_t b = 0; b < kTile * 2; b += 64) __builtin_prefetch(next + b);
+      }
+    }
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      switch (std::min<int64_t>(4, R - r0)) {
+        case 1: block_partials<1>(all, sketch, sketch_stride, j, R, r0, scores + j, n); break;
+        case 2: block_partials<2>(all, sketch, sketch_stride, j, R, r0, scores + j, n); break;
+        case 3: block_partials<3>(all, sketch, sketch_stride, j, R, r0, scores + j, n); break;
+        default: block_partials<4>(all, sketch, sketch_stride, j, R, r0, scores + j, n);
+      }
+    }
+  }
+#endif
+  for (; j < last; ++j) {
+    for (int64_t r = 0; r < R; ++r) scores[r * n + j] = 0.f;
+    for (size_t u = 0; u < all.used.size(); ++u) {
+      const float k = static_cast<float>(sketch[all.used[u] * sketch_stride + j]);
+      for (int64_t r = 0; r < R; ++r) scores[r * n + j] += all.weight[u * R + r] * k;
+    }
+  }
+}
+
+// The keys of scores (n) at or above bar, as hits.
+void collect_at_least(const float* s, int64_t n, float bar, std::vector<Hit>& hits) {
+  int64_t j = 0;
+#ifdef __AVX512F__
+  const __m512 b = _mm512_set1_ps(bar);
+  for (; j + 16 <= n; j += 16) {
+    __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(s + j), b, _CMP_GE_OQ);
+    while (m) {
+      const int bit = __builtin_ctz(m);
+      hits.push_back({s[j + bit], j + bit});
+      m &= m - 1;
+    }
+  }
+#endif
+  for (; j < n; ++j) {
+    if (s[j] >= bar) hits.push_back({s[j], j});
+  }
+}
+
+// A row's best k of n scores, best first: a bar read off every 32nd score at the rank of about
+// 2k hits, the hits at or above it sorted; exact nth_element when they are fewer than k.
+std::vector<Hit> top_of_scores(const float* s, int64_t n, int64_t k) {
+  constexpr int64_t kStride = 32;
+  const int64_t top = std::min(k, n);
+  if (top == 0) return {};
+  std::vector<Hit> hits;
+  const int64_t rank = 2 * top / kStride;
+  if (n >= 16 * kStride && rank > 0) {
+    std::vector<float> sample;
+    sample.reserve(n / kStride + 1);
+    for (int64_t j = 0; j < n; j += kStride) sample.push_back(s[j]);
+    std::nth_element(sample.begin(), sample.begin() + rank, sample.end(), std::greater<float>());
+    collect_at_least(s, n, sample[rank], hits);
+  }
+  if (static_cast<int64_t>(hits.size()) < top) {
+    std::vector<float> all(s, s + n);
+    std::nth_element(all.begin(), all.begin() + top - 1, all.end(), std::greater<float>());
+    hits.clear();
+    collect_at_least(s, n, all[top - 1], hits);
+  }
+  std::sort(hits.begin(), hits.end(), better);
+  hits.resize(top);
+  return hits;
 }
 
 // Each row's threshold on its partial scores: the rank of about `want` of n in a sample of
@@ -177,7 +310,7 @@ void score_run(const Users& users, const at::Half* sketch, int64_t sketch_stride
         if (flags[j]) picked[count++] = t + j;
       }
     }
-    constexpr int64_t kAhead = 16;  // candidates are scattered: fetch their rows ahead of use
+    constexpr int64_t kAhead = 8;  // candidates are scattered: fetch their rows ahead of use
     for (int64_t j = 0; j < count; ++j) {
       if (j + kAhead < count) {
         const char* next = reinterpret_cast<const char*>(keys + picked[j + kAhead] * key_stride);
@@ -255,9 +388,9 @@ std::vector<Hit> top_hits(const std::vector<const std::vector<int64_t>*>& rows,
 // -> rows (kv_heads, width) int64: each head's first k distinct hits taken rank by rank over
 // its query rows, ascending, -1 padded.
 //
-// A key is a candidate of its head when its partial score reaches any row's threshold; every
-// candidate is scored exactly for all the head's rows (its row is read once), so a row ranks
-// about `candidates` keys of its own and those its group's other rows brought.
+// Under candidates a key is a candidate of its head when its partial score reaches any row's
+// threshold; every candidate is scored exactly for all the head's rows (its row is read once),
+// so a row ranks about `candidates` keys of its own and those its group's other rows brought.
 torch::Tensor search(torch::Tensor queries, torch::Tensor keys, torch::Tensor sketch,
                      torch::Tensor rms, torch::Tensor cos, torch::Tensor sin, bool block_local,
                      int64_t k, int64_t block, int64_t dims, int64_t candidates,
@@ -293,26 +426,50 @@ torch::Tensor search(torch::Tensor queries, torch::Tensor keys, torch::Tensor sk
     qp = at_position.data();
   }
   const at::Half* sp = sketch.data_ptr<at::Half>();
-  const int64_t least = std::min(k, n);
-  const int64_t offsets = block_local ? block : 1;
-  // each row rotated by every offset a block-local key can have: (kv_heads, R, offsets, d)
-  std::vector<float> rotated(kvh * R * offsets * d);
-  for (int64_t at = 0; at < kvh * R; ++at) {
-    const float* q = qp + at * d;
-    float* out = rotated.data() + at * offsets * d;
-    if (!block_local) {
-      std::copy(q, q + d, out);
-      continue;
+  std::vector<std::vector<Hit>> hits(kvh * R);
+  // Every key exactly, from the sketch, when every dimension is asked for or the candidates
+  // would be half the keys or more: (R, n) scores per head, then each row's top k. Streaming the
+  // whole sketch costs less than partial scores plus scattered exact reads (decision 051).
+  if (dims >= d || 2 * candidates >= n) {
+    std::vector<Users> all(kvh);
+    for (int64_t h = 0; h < kvh; ++h) {
+      all[h].used.resize(d);
+      std::iota(all[h].used.begin(), all[h].used.end(), int64_t{0});
+      all[h].weight.resize(d * R);
+      for (int64_t r = 0; r < R; ++r) {
+        for (int64_t i = 0; i < d; ++i) all[h].weight[i * R + r] = qp[(h * R + r) * d + i];
+      }
     }
-    const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
-    for (int64_t o = 0; o < block; ++o) rotate(q, c + o * d, s + o * d, d, out + o * d);
-  }
-  // 1. each row's threshold on its partial scores (none: every key is a candidate). With
-  // candidates for half the keys or more, the group's union is nearly all of them anyway, and
-  // a plain exact pass costs less than the partial scores (about 0.7 of it at 3K keys).
-  std::vector<Users> users(kvh);
-  std::vector<std::vector<float>> thresholds(kvh);
-  if (dims < d && 2 * candidates < n) {
+    std::unique_ptr<float[]> scores(new float[kvh * R * n]);
+    const int64_t runs = (n + kRun - 1) / kRun;
+    at::parallel_for(0, kvh * runs, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t at = begin; at < end; ++at) {
+        const int64_t h = at / runs, first = (at % runs) * kRun;
+        scan_scores(all[h], sp + h * sketch.stride(0), sketch.stride(1), first,
+                    std::min(n, first + kRun), R, n, scores.get() + h * R * n);
+      }
+    });
+    at::parallel_for(0, kvh * R, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t at = begin; at < end; ++at) hits[at] = top_of_scores(scores.get() + at * n, n, k);
+    });
+  } else {  // candidates by partial scores, scored exactly on the frame's keys
+    const int64_t least = std::min(k, n);
+    const int64_t offsets = block_local ? block : 1;
+    // each row rotated by every offset a block-local key can have: (kv_heads, R, offsets, d)
+    std::vector<float> rotated(kvh * R * offsets * d);
+    for (int64_t at = 0; at < kvh * R; ++at) {
+      const float* q = qp + at * d;
+      float* out = rotated.data() + at * offsets * d;
+      if (!block_local) {
+        std::copy(q, q + d, out);
+        continue;
+      }
+      const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
+      for (int64_t o = 0; o < block; ++o) rotate(q, c + o * d, s + o * d, d, out + o * d);
+    }
+    // 1. each row's threshold on its partial scores
+    std::vector<Users> users(kvh);
+    std::vector<std::vector<float>> thresholds(kvh);
     at::parallel_for(0, kvh, 1, [&](int64_t begin, int64_t end) {
       for (int64_t h = begin; h < end; ++h) {
         users[h] = row_dims(qp + h * R * d, R, d, rms.data_ptr<float>() + h * d, dims);
@@ -320,54 +477,53 @@ torch::Tensor search(torch::Tensor queries, torch::Tensor keys, torch::Tensor sk
                                            n, R, std::max(candidates, least + least / 2));
       }
     });
-  }
-  // 2. per head and run of keys: the candidates and their exact scores
-  const int64_t runs = (n + kRun - 1) / kRun;
-  std::vector<std::vector<int64_t>> run_rows(kvh * runs);
-  std::vector<std::vector<float>> run_scores(kvh * runs);
-  auto score = [&](int64_t h, int64_t run) {
-    const int64_t first = run * kRun, last = std::min(n, first + kRun);
-    auto& ids = run_rows[h * runs + run];
-    auto& s = run_scores[h * runs + run];
-    ids.clear();
-    s.clear();
-    const float* rq = rotated.data() + h * R * offsets * d;
-    const at::Half* sk = sp + h * sketch.stride(0);
-    if (held == at::kHalf) {
-      score_run(users[h], sk, sketch.stride(1), thresholds[h], rq, block_local,
-                keys.data_ptr<at::Half>() + h * keys.stride(0), keys.stride(1), first, last, R,
-                d, offsets, ids, s);
-    } else {
-      score_run(users[h], sk, sketch.stride(1), thresholds[h], rq, block_local,
-                keys.data_ptr<float>() + h * keys.stride(0), keys.stride(1), first, last, R, d,
-                offsets, ids, s);
-    }
-  };
-  at::parallel_for(0, kvh * runs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t at = begin; at < end; ++at) score(at / runs, at % runs);
-  });
-  for (int64_t h = 0; h < kvh; ++h) {  // a sample far off left too few: score every key
-    int64_t found = 0;
-    for (int64_t run = 0; run < runs; ++run) found += run_rows[h * runs + run].size();
-    if (found < least && !thresholds[h].empty()) {
-      thresholds[h].clear();
-      for (int64_t run = 0; run < runs; ++run) score(h, run);
-    }
-  }
-  // 3. each row's top k over its head's candidates
-  std::vector<std::vector<Hit>> hits(kvh * R);
-  at::parallel_for(0, kvh * R, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t at = begin; at < end; ++at) {
-      const int64_t h = at / R;
-      std::vector<const std::vector<int64_t>*> ids;
-      std::vector<const std::vector<float>*> s;
-      for (int64_t run = 0; run < runs; ++run) {
-        ids.push_back(&run_rows[h * runs + run]);
-        s.push_back(&run_scores[h * runs + run]);
+    // 2. per head and run of keys: the candidates and their exact scores
+    const int64_t runs = (n + kRun - 1) / kRun;
+    std::vector<std::vector<int64_t>> run_rows(kvh * runs);
+    std::vector<std::vector<float>> run_scores(kvh * runs);
+    auto score = [&](int64_t h, int64_t run) {
+      const int64_t first = run * kRun, last = std::min(n, first + kRun);
+      auto& ids = run_rows[h * runs + run];
+      auto& s = run_scores[h * runs + run];
+      ids.clear();
+      s.clear();
+      const float* rq = rotated.data() + h * R * offsets * d;
+      const at::Half* sk = sp + h * sketch.stride(0);
+      if (held == at::kHalf) {
+        score_run(users[h], sk, sketch.stride(1), thresholds[h], rq, block_local,
+                  keys.data_ptr<at::Half>() + h * keys.stride(0), keys.stride(1), first, last, R,
+                  d, offsets, ids, s);
+      } else {
+        score_run(users[h], sk, sketch.stride(1), thresholds[h], rq, block_local,
+                  keys.data_ptr<float>() + h * keys.stride(0), keys.stride(1), first, last, R, d,
+                  offsets, ids, s);
       }
-      hits[at] = top_hits(ids, s, at % R, R, k);
+    };
+    at::parallel_for(0, kvh * runs, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t at = begin; at < end; ++at) score(at / runs, at % runs);
+    });
+    for (int64_t h = 0; h < kvh; ++h) {  // a sample far off left too few: score every key
+      int64_t found = 0;
+      for (int64_t run = 0; run < runs; ++run) found += run_rows[h * runs + run].size();
+      if (found < least && !thresholds[h].empty()) {
+        thresholds[h].clear();
+        for (int64_t run = 0; run < runs; ++run) score(h, run);
+      }
     }
-  });
+    // 3. each row's top k over its head's candidates
+    at::parallel_for(0, kvh * R, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t at = begin; at < end; ++at) {
+        const int64_t h = at / R;
+        std::vector<const std::vector<int64_t>*> ids;
+        std::vector<const std::vector<float>*> s;
+        for (int64_t run = 0; run < runs; ++run) {
+          ids.push_back(&run_rows[h * runs + run]);
+          s.push_back(&run_scores[h * runs + run]);
+        }
+        hits[at] = top_hits(ids, s, at % R, R, k);
+      }
+    });
+  }
   // 4. each head's first k distinct rows rank by rank over its query rows, then ascending
   std::vector<std::vector<int64_t>> picked(kvh);
   std::vector<char> seen(n);
@@ -398,5 +554,5 @@ torch::Tensor search(torch::Tensor queries, torch::Tensor keys, torch::Tensor sk
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("search", &search, "tokens' top-k memory rows of one layer, sketch then exact (CPU)");
+  m.def("search", &search, "tokens' top-k memory rows of one layer from the key sketch (CPU)");
 }

@@ -149,11 +149,12 @@ class TokensConfig(FrameConfig):
         (key_sketch.py): partial scores on a few dimensions pick candidates, scored exactly on
         the frame's memory keys; "auto" is "sketch" on a CPU and index.py's "auto" elsewhere;
         "torch" scans every key exactly (index.py).
-    sketch_dims: dimensions each query row scores every key on under "sketch" (its largest
-        |q_i| times the keys' root mean square in dimension i).
-    sketch_candidates: keys per query row scored exactly under "sketch" (about as many: the
-        kernel thresholds a sample); 0 scores every key exactly
+    sketch_candidates: 0 (the default) scores every key exactly under "sketch", streamed from
+        its float16 copy (docs/decisions/051-tokens-exact-scan.md); else about this many keys
+        per query row, picked by partial scores, are scored exactly
         (docs/decisions/046-tokens-two-level-search.md).
+    sketch_dims: dimensions each query row scores every key on to pick candidates (its largest
+        |q_i| times the keys' root mean square in dimension i).
     overlap: tokens of the previous chunk re-read (not re-stored) at the start of each prompt
         chunk, so the first tokens of a chunk still see local context.
     max_queries: query rows of a chunk used to search (evenly spaced, the last one always in).
@@ -168,7 +169,7 @@ class TokensConfig(FrameConfig):
     layers: str = "all"
     index: str = "auto"
     sketch_dims: int = 24
-    sketch_candidates: int = 2048
+    sketch_candidates: int = 0
     max_queries: int = 64
 
     @property

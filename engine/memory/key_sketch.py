@@ -1,17 +1,18 @@
-"""tokens' search over one layer's memory keys: a partial score on a few dimensions picks
-candidates, which are then scored exactly on the frame's own memory keys (SparQ attention's
-two steps, applied to retrieval; docs/decisions/046-tokens-two-level-search.md).
+"""tokens' search over one layer's memory keys, from a float16 dimension-major copy of them.
 
     sketch = KeySketch(kv_heads, head_dim, device)
     sketch.add(k_pre)                          # (kv_heads, n, d) pre-rotary keys, as memory grows
     rows = search(queries, sketch, keys, ...)  # (kv_heads, R, d) -> (kv_heads, width) memory rows
 
 `KeySketch` holds the pre-rotary keys dimension-major in float16 (one dimension of every key is
-one contiguous run, so a partial score reads only the dimensions it uses) and each dimension's
-sum of squares. The exact scores read the frame's memory keys (`LayerStore.mem_k`), stored in
-float16 and, with `block_local`, rotated by their offset in their block: a key at offset o is
-scored with the query rotated by o. engine/csrc/token_search.cpp does a layer's search in one
-call; `search_torch` is the same in torch ops (other devices, or no compiler).
+one contiguous run) and each dimension's sum of squares. By default every key is scored on all
+its dimensions straight from the sketch: streamed, that costs less than picking candidates
+(docs/decisions/051-tokens-exact-scan.md). With `candidates` (the SparQ-style search of
+docs/decisions/046-tokens-two-level-search.md) a partial score on a few dimensions picks
+candidates, scored exactly on the frame's memory keys (`LayerStore.mem_k`, with `block_local`
+rotated by their offset in their block: a key at offset o is scored with the query rotated by
+o). engine/csrc/token_search.cpp does a layer's search in one call; `search_torch` is the same
+in torch ops (other devices, or no compiler).
 """
 
 from __future__ import annotations
@@ -97,8 +98,8 @@ def search(
     """queries (kv_heads, R, d), each head's rows in rank order, rotated by the rotary
     `position` first when it is given; keys (kv_heads, n, d) the frame's memory keys ->
     (kv_heads, width) memory rows: each head's first k distinct hits taken rank by rank over
-    its rows (tokens.fair_union), ascending, -1 padded. Every key is scored exactly when
-    candidates is 0 (or at least n; in the kernel at least n / 2) or dims at least d; else
+    its rows (tokens.fair_union), ascending, -1 padded. Every key is scored exactly, on the
+    sketch, when candidates is 0 or at least n / 2, or dims at least d; else
     each row scores its `dims` dimensions with the largest |q_i| * rms_i, and about
     `candidates` rows of the best partial scores are scored exactly (in the kernel, those of
     any row of the head, for every row of it)."""
@@ -128,21 +129,23 @@ def search_torch(
     dims: int,
     candidates: int,
 ) -> torch.Tensor:
-    """`search` in torch ops. Candidates are the exact top `candidates` partial scores (the
-    kernel takes about as many, by a sampled threshold)."""
+    """`search` in torch ops. Every key exactly from the sketch, as the kernel does, or the
+    candidates: the exact top `candidates` partial scores (the kernel takes about as many, by a
+    sampled threshold), scored exactly on the frame's keys."""
     from engine.memory.tokens import fair_union, padded_rows  # tokens imports this module
 
     kvh, R, d = queries.shape
     n = keys.shape[1]
     q = queries.float()
-    if dims < d and candidates < n:
-        weight = q.abs() * sketch.rms().to(q.device)[:, None, :]  # (kv_heads, R, d)
-        chosen = weight.topk(dims, dim=-1).indices
-        sparse = torch.zeros_like(q).scatter_(-1, chosen, q.gather(-1, chosen))
-        partial = sparse @ sketch.view().to(q.device).float()  # (kv_heads, R, n)
-        rows = partial.topk(candidates, dim=-1).indices
-    else:
-        rows = torch.arange(n, device=keys.device).expand(kvh, R, n)
+    if dims >= d or 2 * candidates >= n:  # every key exactly, on the sketch's pre-rotary keys
+        scores = q @ sketch.view().to(q.device).float()  # (kv_heads, R, n)
+        hits = scores.sort(dim=-1, descending=True, stable=True).indices[..., : min(k, n)]
+        return padded_rows([fair_union(hits[h], k) for h in range(kvh)], keys.device)
+    weight = q.abs() * sketch.rms().to(q.device)[:, None, :]  # (kv_heads, R, d)
+    chosen = weight.topk(dims, dim=-1).indices
+    sparse = torch.zeros_like(q).scatter_(-1, chosen, q.gather(-1, chosen))
+    partial = sparse @ sketch.view().to(q.device).float()  # (kv_heads, R, n)
+    rows = partial.topk(candidates, dim=-1).indices
     heads = torch.arange(kvh, device=keys.device)[:, None, None]
     picked = keys[heads, rows].float()  # (kv_heads, R, C, d)
     if block_local:

@@ -27,15 +27,15 @@ searches with each token's own query for that token alone
 (docs/decisions/016-tokens-search.md).
 
 Search (`index`): "sketch", what "auto" picks on a CPU, keeps a float16 dimension-major copy
-of the keys (key_sketch.py): each query row scores every key on its `sketch_dims` strongest
-dimensions, and about `sketch_candidates` of the best are scored exactly on the frame's memory
-keys. Scanning every key exactly in all 90 (layer, KV head) searches made a step at 32K tokens
-7.4x a plain decode step (docs/decisions/046-tokens-two-level-search.md). The other backends
-keep one VectorIndex per KV head over fp32 keys (index.py), exact under "torch".
+of the keys (key_sketch.py) and by default scores every key on all its dimensions from it,
+streamed (docs/decisions/051-tokens-exact-scan.md); with `sketch_candidates` > 0 each query row
+scores every key on its `sketch_dims` strongest dimensions and about that many of the best are
+scored exactly on the frame's memory keys (docs/decisions/046-tokens-two-level-search.md). The
+other backends keep one VectorIndex per KV head over fp32 keys (index.py), exact under "torch".
 
 Defaults (TokensConfig): k 256, all layers augmented (the paper tunes a few upper layers per
 model; without tuning, all layers keep the model's own attention pattern everywhere), index
-"auto", sketch_dims 24, sketch_candidates 2048, sinks 64, local window 1024, block 64, chunk 512.
+"auto", sketch_candidates 0 (exact), sketch_dims 24, sinks 64, local window 1024, block 64, chunk 512.
 """
 
 from __future__ import annotations

@@ -68,6 +68,23 @@ def test_every_key_scored_exactly_agrees_with_a_plain_scan(block_local):
 
 
 @needs_kernel
+@pytest.mark.parametrize(("n", "rows"), [(1000, 5), (70, 4), (33, 1)])
+def test_the_exact_scan_ranks_as_a_plain_scan_of_the_sketch(n, rows):
+    """The default search (candidates 0) scores every key from the float16 sketch: the kernel's
+    blocks of 64 keys by up to 4 rows, its remainder one key at a time, and its sampled bar give
+    each head the same rows as sorting every score, for key counts that are not multiples of
+    64 and row counts that are not multiples of 4."""
+    rotary = table()
+    k_pre, sketch, stored = memory(n, 6, rotary, True)
+    queries = torch.randn(2, rows, D, generator=torch.Generator().manual_seed(7))
+    k = min(24, n)
+    kernel = search(queries, sketch, stored, rotary, True, k, BLOCK, 8, 0)
+    want = exact_rows(queries, sketch.view().float().transpose(1, 2), k)
+    assert [set(r[r >= 0].tolist()) for r in kernel] == want
+    assert torch.equal(kernel, search_torch(queries, sketch, stored, rotary, True, k, BLOCK, 8, n))
+
+
+@needs_kernel
 @pytest.mark.parametrize("block_local", [True, False])
 def test_kernel_and_torch_agree_with_the_sketch(block_local):
     """Partial scores on 8 of 32 dimensions, 200 candidates of 1600 keys: the kernel thresholds
