@@ -75,10 +75,14 @@ void rotate(const float* q, const float* c, const float* s, int64_t d, float* ou
 
 using Hit = std::pair<float, int64_t>;  // (score, memory row)
 
-// better first: the higher score, on ties the lower row (a stable order for the tests)
-bool better(const Hit& a, const Hit& b) {
-  return a.first > b.first || (a.first == b.first && a.second < b.second);
-}
+// better first: the higher score, on ties the lower row (a stable order for the tests); a
+// function object, so that std::sort inlines it
+struct Better {
+  bool operator()(const Hit& a, const Hit& b) const {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  }
+};
+constexpr Better better{};
 
 // The dimensions any of a head's R rows scores on (each row's `dims` largest |q_i| * rms_i), and
 // every row's weight on each of them: its q_i, or 0 where the dimension is not one of its own.
@@ -225,18 +229,19 @@ void collect_at_least(const float* s, int64_t n, float bar, std::vector<Hit>& hi
   }
 }
 
-// A row's best k of n scores, best first: a bar read off every 32nd score at the rank of about
-// 2k hits, the hits at or above it sorted; exact nth_element when they are fewer than k.
+// A row's best k of n scores, best first. A bar is read off about 1,024 evenly spaced scores at
+// the rank of about 1.5k hits; the hits at or above it are cut to the best k, then sorted. With
+// fewer than k at the bar (or n under 2,048), the k-th best score itself is the bar.
 std::vector<Hit> top_of_scores(const float* s, int64_t n, int64_t k) {
-  constexpr int64_t kStride = 32;
   const int64_t top = std::min(k, n);
   if (top == 0) return {};
   std::vector<Hit> hits;
-  const int64_t rank = 2 * top / kStride;
-  if (n >= 16 * kStride && rank > 0) {
+  const int64_t stride = std::max<int64_t>(1, n / 1024);
+  const int64_t rank = (3 * top / 2) / stride;
+  if (stride > 1 && rank > 0) {
     std::vector<float> sample;
-    sample.reserve(n / kStride + 1);
-    for (int64_t j = 0; j < n; j += kStride) sample.push_back(s[j]);
+    sample.reserve(n / stride + 1);
+    for (int64_t j = 0; j < n; j += stride) sample.push_back(s[j]);
     std::nth_element(sample.begin(), sample.begin() + rank, sample.end(), std::greater<float>());
     collect_at_least(s, n, sample[rank], hits);
   }
@@ -246,8 +251,11 @@ std::vector<Hit> top_of_scores(const float* s, int64_t n, int64_t k) {
     hits.clear();
     collect_at_least(s, n, all[top - 1], hits);
   }
+  if (static_cast<int64_t>(hits.size()) > top) {
+    std::nth_element(hits.begin(), hits.begin() + top, hits.end(), better);
+    hits.resize(top);
+  }
   std::sort(hits.begin(), hits.end(), better);
-  hits.resize(top);
   return hits;
 }
 
