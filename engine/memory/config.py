@@ -146,15 +146,9 @@ class TokensConfig(FrameConfig):
 
     layers: augmented layers ("all", "upper" = upper half, or a comma list "20,22,24").
     index: "auto" | "sketch" | "torch" | "faiss-flat" | "faiss-hnsw" | "faiss-ivf". "sketch"
-        (key_sketch.py): partial scores on a few dimensions pick candidates, scored exactly on
-        the frame's memory keys; "auto" is "sketch" on a CPU and index.py's "auto" elsewhere;
+        (key_sketch.py): every key scored exactly from a float16 dimension-major copy of the
+        keys, streamed (docs/decisions/051-tokens-exact-scan.md); "auto" is "sketch" on a CPU and index.py's "auto" elsewhere;
         "torch" scans every key exactly (index.py).
-    sketch_candidates: 0 (the default) scores every key exactly under "sketch", streamed from
-        its float16 copy (docs/decisions/051-tokens-exact-scan.md); else about this many keys
-        per query row, picked by partial scores, are scored exactly
-        (docs/decisions/046-tokens-two-level-search.md).
-    sketch_dims: dimensions each query row scores every key on to pick candidates (its largest
-        |q_i| times the keys' root mean square in dimension i).
     overlap: tokens of the previous chunk re-read (not re-stored) at the start of each prompt
         chunk, so the first tokens of a chunk still see local context.
     max_queries: query rows of a chunk used to search (evenly spaced, the last one always in).
@@ -168,8 +162,6 @@ class TokensConfig(FrameConfig):
     k: int = 256
     layers: str = "all"
     index: str = "auto"
-    sketch_dims: int = 24
-    sketch_candidates: int = 0
     max_queries: int = 64
 
     @property
@@ -232,7 +224,6 @@ _MAY_BE_ZERO = {
     "read_window",
     "prior_k",
     "prior_u",
-    "sketch_candidates",
 }
 _MAY_BE_NEGATIVE = {"r"}
 

@@ -27,15 +27,13 @@ searches with each token's own query for that token alone
 (docs/decisions/016-tokens-search.md).
 
 Search (`index`): "sketch", what "auto" picks on a CPU, keeps a float16 dimension-major copy
-of the keys (key_sketch.py) and by default scores every key on all its dimensions from it,
-streamed (docs/decisions/051-tokens-exact-scan.md); with `sketch_candidates` > 0 each query row
-scores every key on its `sketch_dims` strongest dimensions and about that many of the best are
-scored exactly on the frame's memory keys (docs/decisions/046-tokens-two-level-search.md). The
-other backends keep one VectorIndex per KV head over fp32 keys (index.py), exact under "torch".
+of the keys (key_sketch.py) and scores every key exactly from it, streamed
+(docs/decisions/051-tokens-exact-scan.md). The other backends keep one VectorIndex per KV head
+over fp32 keys (index.py), exact under "torch".
 
 Defaults (TokensConfig): k 256, all layers augmented (the paper tunes a few upper layers per
 model; without tuning, all layers keep the model's own attention pattern everywhere), index
-"auto", sketch_candidates 0 (exact), sketch_dims 24, sinks 64, local window 1024, block 64, chunk 512.
+"auto", sinks 64, local window 1024, block 64, chunk 512.
 """
 
 from __future__ import annotations
@@ -98,7 +96,7 @@ class TokenSelector(Selector):
             # a decode step: its group's rows as they come, rotated to the retrieval distance
             # inside the search (the torch ops below cost ~5 ms a step at 32K: decision 048)
             distance = self.frame.step_retrieval_distance()
-            return self._search_sketch(layer, q_pre.reshape(kvh, group, d), store, distance)
+            return self._search_sketch(layer, q_pre.reshape(kvh, group, d), distance)
         rows_t = query_rows(T, max(1, self.config.max_queries // group)).to(q_pre.device)
         queries = q_pre[:, :, rows_t]  # (kv_heads, group, rows, d)
         if self.frame is not None:
@@ -106,7 +104,7 @@ class TokenSelector(Selector):
         # rank order wants the last token's rows first: (kv_heads, rows * group, d)
         queries = queries.flip(2).transpose(1, 2).reshape(kvh, -1, d)
         if self.sketched:
-            return self._search_sketch(layer, queries, store)
+            return self._search_sketch(layer, queries)
         picked = []
         for head, index in enumerate(self.indices[layer]):
             _, ids = index.search(queries[head], self.config.k)
@@ -114,18 +112,14 @@ class TokenSelector(Selector):
         return padded_rows(picked, q_pre.device)
 
     def _search_sketch(
-        self, layer: int, queries: torch.Tensor, store: LayerStore, position: int | None = None
+        self, layer: int, queries: torch.Tensor, position: int | None = None
     ) -> torch.Tensor:
         """queries (kv_heads, rows, d) in rank order, rotated by `position` first if given ->
         memory rows (kv_heads, width)."""
         frame = self.frame
         assert frame is not None, "the session sets the frame before it forwards"
-        c = self.config
-        keys = store.mem_k.view()
-        rows = search(
-            queries.to(keys.device), self.sketches[layer], keys, frame.rotary,
-            frame.block_local, c.k, c.block, c.sketch_dims, c.sketch_candidates, position,
-        )  # fmt: skip
+        sketch = self.sketches[layer]
+        rows = search(queries.to(sketch.data.device), sketch, frame.rotary, self.config.k, position)
         return rows.to(queries.device)
 
     def to(self, device: torch.device) -> None:
