@@ -147,10 +147,8 @@ class TokensConfig(FrameConfig):
     layers: augmented layers ("all", "upper" = upper half, or a comma list "20,22,24").
     index: "auto" | "sketch" | "torch" | "faiss-flat" | "faiss-hnsw" | "faiss-ivf". "sketch"
         (key_sketch.py): every key scored exactly from a float16 dimension-major copy of the
-        keys, streamed (docs/decisions/051-tokens-exact-scan.md); "auto" is "sketch" on a CPU and index.py's "auto" elsewhere;
-        "torch" scans every key exactly (index.py).
-    overlap: tokens of the previous chunk re-read (not re-stored) at the start of each prompt
-        chunk, so the first tokens of a chunk still see local context.
+        keys, streamed (docs/decisions/051-tokens-exact-scan.md); "auto" is "sketch" on a CPU
+        and index.py's "auto" elsewhere; "torch" scans every key exactly (index.py).
     max_queries: query rows of a chunk used to search (evenly spaced, the last one always in).
 
     Unlimiformer's overlapping chunk encoding needs no knob here: every chunk attends to the
