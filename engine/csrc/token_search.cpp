@@ -24,7 +24,7 @@
 namespace {
 
 constexpr int64_t kTile = 256;  // keys whose runs are fetched ahead together
-constexpr int64_t kRun = 4096;  // keys per parallel task
+constexpr int64_t kRun = 4096;  // keys per parallel task, at most
 
 using Hit = std::pair<float, int64_t>;  // (score, memory row)
 
@@ -193,12 +193,14 @@ torch::Tensor search(torch::Tensor queries, torch::Tensor sketch, torch::Tensor 
   }
   const at::Half* sp = sketch.data_ptr<at::Half>();
   std::unique_ptr<float[]> scores(new float[kvh * R * n]);
-  const int64_t runs = (n + kRun - 1) / kRun;
+  // runs of whole tiles, at least 4 a head so that small memories still split evenly
+  const int64_t run = std::clamp<int64_t>((n / 4 + kTile - 1) / kTile * kTile, kTile, kRun);
+  const int64_t runs = (n + run - 1) / run;
   at::parallel_for(0, kvh * runs, 1, [&](int64_t begin, int64_t end) {
     for (int64_t at = begin; at < end; ++at) {
-      const int64_t h = at / runs, first = (at % runs) * kRun;
+      const int64_t h = at / runs, first = (at % runs) * run;
       scan_scores(w.data() + h * d * R, sp + h * sketch.stride(0), sketch.stride(1), d, first,
-                  std::min(n, first + kRun), R, n, scores.get() + h * R * n);
+                  std::min(n, first + run), R, n, scores.get() + h * R * n);
     }
   });
   std::vector<std::vector<Hit>> hits(kvh * R);
