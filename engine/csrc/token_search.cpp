@@ -16,8 +16,10 @@
 #endif
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
 #include <memory>
-#include <utility>
 #include <vector>
 
 namespace {
@@ -25,16 +27,6 @@ namespace {
 constexpr int64_t kTile = 256;  // keys whose runs are fetched ahead together
 constexpr int64_t kRun = 4096;  // keys per parallel task, at most
 
-using Hit = std::pair<float, int64_t>;  // (score, memory row)
-
-// better first: the higher score, on ties the lower row (a stable order for the tests); a
-// function object, so that std::sort inlines it
-struct Better {
-  bool operator()(const Hit& a, const Hit& b) const {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
-  }
-};
-constexpr Better better{};
 
 // out (d) = q rotated by one rotary table row: q * cos + swap_halves(q) * sin
 void rotate(const float* q, const float* c, const float* s, int64_t d, float* out) {
@@ -104,8 +96,32 @@ void scan_scores(const float* w, const at::Half* sketch, int64_t sketch_stride, 
   }
 }
 
-// The keys of scores (n) at or above bar, as hits.
-void collect_at_least(const float* s, int64_t n, float bar, std::vector<Hit>& hits) {
+// A hit packed so that ascending order is best first: the score's bits, mapped to an unsigned
+// order and inverted, above the memory row. Ties go to the lower row, as in the torch path's
+// stable sort (key_sketch.search_torch).
+inline uint64_t packed_hit(float score, int64_t row) {
+  uint32_t u;
+  std::memcpy(&u, &score, sizeof u);
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // ascending as the floats are
+  return (static_cast<uint64_t>(~u) << 32) | static_cast<uint32_t>(row);
+}
+
+// Stable LSD radix sort of packed hits by their upper 32 bits (the score): rows stay ascending
+// among equal scores, as they were collected. Bytes every hit shares are skipped.
+void sort_hits(std::vector<uint64_t>& hits) {
+  std::vector<uint64_t> other(hits.size());
+  for (int shift = 32; shift < 64; shift += 8) {
+    int64_t count[257] = {0};
+    for (const uint64_t h : hits) ++count[((h >> shift) & 0xff) + 1];
+    if (count[((hits[0] >> shift) & 0xff) + 1] == static_cast<int64_t>(hits.size())) continue;
+    for (int b = 0; b < 256; ++b) count[b + 1] += count[b];
+    for (const uint64_t h : hits) other[count[(h >> shift) & 0xff]++] = h;
+    hits.swap(other);
+  }
+}
+
+// The keys of scores (n) at or above bar, packed, in ascending row order.
+void collect_at_least(const float* s, int64_t n, float bar, std::vector<uint64_t>& hits) {
   int64_t j = 0;
 #ifdef __AVX512F__
   const __m512 b = _mm512_set1_ps(bar);
@@ -113,44 +129,66 @@ void collect_at_least(const float* s, int64_t n, float bar, std::vector<Hit>& hi
     __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(s + j), b, _CMP_GE_OQ);
     while (m) {
       const int bit = __builtin_ctz(m);
-      hits.push_back({s[j + bit], j + bit});
+      hits.push_back(packed_hit(s[j + bit], j + bit));
       m &= m - 1;
     }
   }
 #endif
   for (; j < n; ++j) {
-    if (s[j] >= bar) hits.push_back({s[j], j});
+    if (s[j] >= bar) hits.push_back(packed_hit(s[j], j));
   }
 }
 
-// A row's best k of n scores, best first. A bar is read off about 1,024 evenly spaced scores at
-// the rank of about 1.5k hits; the hits at or above it are cut to the best k, then sorted. With
-// fewer than k at the bar (or n under 2,048), the k-th best score itself is the bar.
-std::vector<Hit> top_of_scores(const float* s, int64_t n, int64_t k) {
+// A bar with about `rank` + 1 of the m values at or above it: the lower edge of the bin holding
+// the rank-th largest in a 256-bin histogram between their minimum and maximum.
+float histogram_bar(const float* v, int64_t m, int64_t rank) {
+  float lo = v[0], hi = v[0];
+  for (int64_t j = 1; j < m; ++j) {
+    lo = std::min(lo, v[j]);
+    hi = std::max(hi, v[j]);
+  }
+  if (!(hi > lo)) return lo;
+  constexpr int kBins = 256;
+  const float scale = kBins / (hi - lo);
+  int64_t count[kBins] = {0};
+  for (int64_t j = 0; j < m; ++j) {
+    const float x = (v[j] - lo) * scale;  // NaN (from non-finite scores) counts in bin 0
+    ++count[x >= 0.f ? std::min<int64_t>(kBins - 1, static_cast<int64_t>(x)) : 0];
+  }
+  int64_t above = 0;
+  int bin = kBins - 1;
+  for (; bin > 0; --bin) {
+    above += count[bin];
+    if (above > rank) break;
+  }
+  return lo + bin / scale;
+}
+
+// A row's best k of n scores as memory rows, best first. A bar is read off a histogram of about
+// 1,024 evenly spaced scores at the rank of about 1.5k hits; the hits at or above it are sorted
+// and cut to k. With fewer than k at the bar, or n under 4k, every score is a hit.
+std::vector<int64_t> top_of_scores(const float* s, int64_t n, int64_t k) {
   const int64_t top = std::min(k, n);
   if (top == 0) return {};
-  std::vector<Hit> hits;
-  const int64_t stride = std::max<int64_t>(1, n / 1024);
-  const int64_t rank = (3 * top / 2) / stride;
-  if (stride > 1 && rank > 0) {
+  std::vector<uint64_t> hits;
+  if (n >= 4 * top) {
+    const int64_t stride = std::max<int64_t>(1, n / 1024);
     std::vector<float> sample;
     sample.reserve(n / stride + 1);
     for (int64_t j = 0; j < n; j += stride) sample.push_back(s[j]);
-    std::nth_element(sample.begin(), sample.begin() + rank, sample.end(), std::greater<float>());
-    collect_at_least(s, n, sample[rank], hits);
+    const int64_t rank = (3 * top / 2) / stride;
+    hits.reserve(2 * top);
+    collect_at_least(s, n, histogram_bar(sample.data(), sample.size(), rank), hits);
   }
   if (static_cast<int64_t>(hits.size()) < top) {
-    std::vector<float> all(s, s + n);
-    std::nth_element(all.begin(), all.begin() + top - 1, all.end(), std::greater<float>());
     hits.clear();
-    collect_at_least(s, n, all[top - 1], hits);
+    collect_at_least(s, n, -std::numeric_limits<float>::infinity(), hits);
   }
-  if (static_cast<int64_t>(hits.size()) > top) {
-    std::nth_element(hits.begin(), hits.begin() + top, hits.end(), better);
-    hits.resize(top);
-  }
-  std::sort(hits.begin(), hits.end(), better);
-  return hits;
+  if (hits.empty()) return {};  // every score NaN
+  sort_hits(hits);
+  std::vector<int64_t> rows(std::min<int64_t>(top, hits.size()));
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<uint32_t>(hits[i]);
+  return rows;
 }
 
 // queries (kv_heads, R, d) float32 contiguous, each head's rows in rank order (tokens.py's
@@ -202,7 +240,7 @@ torch::Tensor search(torch::Tensor queries, torch::Tensor sketch, torch::Tensor 
                   std::min(n, first + run), R, n, scores.get() + h * R * n);
     }
   });
-  std::vector<std::vector<Hit>> hits(kvh * R);
+  std::vector<std::vector<int64_t>> hits(kvh * R);
   at::parallel_for(0, kvh * R, 1, [&](int64_t begin, int64_t end) {
     for (int64_t at = begin; at < end; ++at) hits[at] = top_of_scores(scores.get() + at * n, n, k);
   });
@@ -217,7 +255,7 @@ torch::Tensor search(torch::Tensor queries, torch::Tensor sketch, torch::Tensor 
       for (int64_t r = 0; r < R && static_cast<int64_t>(ids.size()) < k; ++r) {
         const auto& row_hits = hits[h * R + r];
         if (rank >= static_cast<int64_t>(row_hits.size())) continue;
-        const int64_t row = row_hits[rank].second;
+        const int64_t row = row_hits[rank];
         if (!seen[row]) {
           seen[row] = 1;
           ids.push_back(row);

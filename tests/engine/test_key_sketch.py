@@ -64,18 +64,35 @@ def test_the_torch_path_ranks_as_an_exact_scan_of_the_sketch():
 
 
 @needs_kernel
-@pytest.mark.parametrize(("n", "rows"), [(3000, 3), (1000, 5), (70, 4), (33, 1)])
-def test_the_kernel_ranks_as_the_torch_path(n, rows):
+@pytest.mark.parametrize(
+    ("n", "rows", "k"), [(3000, 3, 24), (3000, 3, 256), (1000, 5, 24), (70, 4, 24), (33, 1, 24)]
+)
+def test_the_kernel_ranks_as_the_torch_path(n, rows, k):
     """The kernel's blocks of 64 keys by up to 4 rows, its remainder one key at a time, and its
-    sampled bar (n of 2,048 and more) give each head the rows of sorting every score, for key
+    sampled bar (n of 4k and more) give each head the rows of sorting every score, for key
     counts that are not multiples of 64 and row counts that are not multiples of 4."""
     rotary = table()
     _, sketch = memory(n, 6)
     queries = torch.randn(2, rows, D, generator=torch.Generator().manual_seed(7))
-    k = min(24, n)
+    k = min(k, n)
     kernel = search(queries, sketch, rotary, k)
     assert as_sets(kernel) == exact_rows(queries, sketch.view().float().transpose(1, 2), k)
     assert torch.equal(kernel, search_torch(queries, sketch, k))
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [500, 5000])
+def test_tied_scores_go_to_the_lower_row_as_in_the_torch_path(n):
+    """Keys drawn from four distinct vectors tie in hundreds at every rank: the kernel's sort
+    keeps the lower rows among equal scores, as the torch path's stable sort does."""
+    g = torch.Generator().manual_seed(8)
+    distinct = torch.randn(2, 4, D, generator=g)
+    k_pre = distinct[:, torch.randint(0, 4, (n,), generator=g)]
+    sketch = KeySketch(2, D, torch.device("cpu"))
+    sketch.add(k_pre)
+    queries = torch.randn(2, 3, D, generator=g)
+    kernel = search(queries, sketch, table(), 64)
+    assert torch.equal(kernel, search_torch(queries, sketch, 64))
 
 
 @pytest.mark.parametrize("use_kernel", [True, False])
