@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from engine.memory.chunk import chunk_mask
 from engine.memory.rotary import Angles
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ def attend_band(
     for s in range(0, T, BAND_ROWS):
         rows = min(BAND_ROWS, T - s)
         start, end = min(s, rw), rw + S + s + rows
-        mask = frame.mask(end - start - rows, None, rows, group, dtype)
+        mask = chunk_mask(frame, end - start - rows, None, rows, group, dtype)
         out[:, s : s + rows] = F.scaled_dot_product_attention(
             query[:, :, s : s + rows],
             k_all[:, :, start:end],

@@ -27,7 +27,8 @@ question, as RAG places it (docs/decisions/023-documents-in-memory.md).
 long as nothing has moved to memory since: the window and sinks forget their newest tokens.
 
 A reading chunk's band is band.py; a decode step (one token, memory in use) does not rebuild
-the frame but runs the decode-step path of step_cache.py. Stores are buffers.py; what a
+the frame but runs the decode-step path of step_cache.py; any other chunk attends the whole
+frame concatenated (chunk.py). Stores are buffers.py; what a
 strategy plugs in is selector.py; how the rows it chooses are read is retrieval.py.
 """
 
@@ -38,10 +39,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from engine.memory.band import attend_band
 from engine.memory.buffers import GrowingBuffer, LayerStore, storage_dtype
+from engine.memory.chunk import attend_chunk
 from engine.memory.config import FrameConfig
 from engine.memory.prior import merge_rows
 from engine.memory.retrieval import RowReader
@@ -124,7 +125,7 @@ class FrameState:
         self.pinned: torch.Tensor | None = None  # memory rows (P,) every retrieval includes
         self._positions: torch.Tensor | None = None
         self._pending = _Pending()
-        self._mask_cache: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        self.mask_cache: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         # fixed by begin() for all layers of a forward: the rotary angles of the chunk and of
         # the window tokens it attends, and how many of the oldest window tokens it skips
         self._chunk_angles: Angles | None = None
@@ -168,7 +169,7 @@ class FrameState:
         self._pending = _Pending()
         if num_new > 1:
             self.step_cache.retrieved.clear()
-        self._mask_cache = {}
+        self.mask_cache = {}
         self.reader.begin()
         self._chunk_angles = self.rotary.angles(self._positions)
         self._window_skip = self.n_local - self._window_seen(num_new)
@@ -316,63 +317,7 @@ class FrameState:
         assert window_angles is not None
         keys.append(self.rotary.rotate(store.local_k, window_angles))
         values.append(store.local_v)
-        keys.append(key[0])
-        values.append(value[0])
-
-        # (1, kv_heads, F, d) in the query's dtype (sinks and window may be held in float16)
-        k_frame = torch.cat(keys, dim=1)[None].to(query.dtype)
-        v_frame = torch.cat(values, dim=1)[None].to(query.dtype)
-        P = k_frame.shape[2] - T
-        # the session's first chunk attends only itself: plain causal attention, which SDPA's
-        # kernels compute without the blocks above the diagonal that an explicit mask costs
-        causal = P == 0 and T > 1
-        mask = None if causal else self.mask(P, retrieved_ok, T, group, query.dtype)
-        out = F.scaled_dot_product_attention(
-            query,
-            k_frame,
-            v_frame,
-            attn_mask=mask,
-            is_causal=causal,
-            scale=scaling,
-            enable_gqa=group > 1,
-        )
-        return out.transpose(1, 2)
-
-    def mask(
-        self,
-        P: int,
-        retrieved_ok: torch.Tensor | None,
-        T: int,
-        group: int,
-        dtype: torch.dtype,
-    ) -> torch.Tensor | None:
-        """Additive mask (1, 1 or H, T, P + T) for a chunk of T tokens after a prefix of P
-        slots, all visible except retrieval padding (retrieved_ok (kv_heads, R) False, the R
-        slots right after the sinks); None when nothing is hidden (one token, no padding).
-        Without padding (reading a chunk, or retrieval that filled its budget) one
-        (1, 1, T, P + T) mask is shared by all heads and, cached per forward, by all layers
-        (docs/decisions/017-frame-copies-and-masks.md)."""
-        hidden = torch.finfo(dtype).min
-        if retrieved_ok is None:
-            if T == 1:
-                return None
-            cached = self._mask_cache.get((P, T, dtype))
-            if cached is None:
-                cached = torch.zeros(T, P + T, dtype=dtype, device=self._device)
-                cached[:, P:].masked_fill_(
-                    torch.ones(T, T, dtype=torch.bool, device=self._device).triu(1), hidden
-                )
-                cached = self._mask_cache[(P, T, dtype)] = cached[None, None]
-            return cached
-        kvh, R = retrieved_ok.shape
-        prefix = torch.zeros(kvh, P, dtype=dtype, device=self._device)
-        prefix[:, self.n_sinks : self.n_sinks + R].masked_fill_(~retrieved_ok, hidden)
-        causal = torch.zeros(T, T, dtype=dtype, device=self._device)
-        causal.masked_fill_(torch.ones_like(causal, dtype=torch.bool).triu(1), hidden)
-        mask = torch.cat(
-            (prefix[:, None, :].expand(kvh, T, P), causal[None].expand(kvh, T, T)), dim=2
-        )  # (kv_heads, T, F)
-        return mask.repeat_interleave(group, dim=0)[None]
+        return attend_chunk(self, query, key, value, keys, values, retrieved_ok, scaling, group)
 
     # -- after the forward -------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from transformers import (
 )
 
 from engine.attention import use_longserve_attention
+from engine.memory.chunk import chunk_mask
 from engine.memory.session import SessionMemory
 from engine.protocol import InvalidRequest, MemorySpec
 
@@ -271,7 +272,7 @@ def _dense_step(
     keys = torch.cat((*prefix_k, window, key[0]), dim=1)[None]
     values = torch.cat((*prefix_v, store.local_v, value[0]), dim=1)[None]
     group = query.shape[1] // key.shape[1]
-    mask = frame.mask(keys.shape[2] - 1, retrieved_ok, 1, group, query.dtype)
+    mask = chunk_mask(frame, keys.shape[2] - 1, retrieved_ok, 1, group, query.dtype)
     return torch.nn.functional.scaled_dot_product_attention(
         query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=group > 1
     ).transpose(1, 2)
