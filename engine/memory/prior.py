@@ -189,7 +189,7 @@ def merge_rows(
     if idx is None or not idx.shape[1]:
         return pinned.contiguous()
     if keep_order:
-        rest = torch.where(torch.isin(idx, pinned[0]), -1, idx)
+        rest = torch.where(_pinned_mask(idx, pinned[0]), -1, idx)
         big = torch.iinfo(rest.dtype).max
         rest = torch.where(rest < 0, big, rest).sort(dim=1).values
         width = int((rest < big).sum(dim=1).max())
@@ -204,3 +204,15 @@ def merge_rows(
     width = int((both < big).sum(dim=1).max())
     both = both[:, :width]
     return torch.where(both == big, -1, both)
+
+
+def _pinned_mask(idx: torch.Tensor, pinned: torch.Tensor) -> torch.Tensor:
+    """idx (kv_heads, R) rows, -1 padded, and pinned (P,) rows -> (kv_heads, R) bool: which of
+    idx are pinned. A lookup table over the rows, where torch.isin sorts both (~20x slower at a
+    question's 3,072 rows by 1,536); -1 reads the table's spare last slot, always False."""
+    if not pinned.numel():
+        return torch.zeros_like(idx, dtype=torch.bool)
+    size = int(torch.maximum(idx.max(), pinned.max())) + 1
+    table = torch.zeros(size + 1, dtype=torch.bool, device=idx.device)
+    table[pinned] = True
+    return table[idx]

@@ -58,6 +58,26 @@ def test_merge_rows_can_keep_the_pinned_order_last():
         torch.tensor([[0, 9], [0, 1]]), torch.tensor([9]), kv_heads=2, keep_order=True
     )
     assert uneven.tolist() == [[0, -1, 9], [0, 1, 9]]
+    assert merge_rows(idx, torch.tensor([], dtype=torch.long), 2, keep_order=True).tolist() == [
+        [0, 1, 5],
+        [2, 3, -1],
+    ]
+
+
+def test_merge_rows_drops_the_pinned_rows_as_isin_finds_them():
+    """The pinned rows' lookup table marks what torch.isin would, padding never included: pinned
+    rows beyond every strategy row, and strategy rows beyond every pinned one."""
+    g = torch.Generator().manual_seed(0)
+    for pinned_top, rows_top in ((600, 500), (300, 900)):
+        idx = torch.randint(0, rows_top, (3, 200), generator=g).sort(dim=1).values
+        idx[:, 180:] = -1
+        pinned = torch.randperm(pinned_top, generator=g)[:50]
+        rest = torch.where(torch.isin(idx, pinned), -1, idx)
+        rest = [sorted(r for r in row.tolist() if r >= 0) for row in rest]
+        merged = merge_rows(idx, pinned, kv_heads=3, keep_order=True)
+        for head, row in enumerate(merged.tolist()):
+            assert row[-50:] == pinned.tolist()
+            assert [r for r in row[:-50] if r >= 0] == rest[head]
 
 
 class FakeFrame:
