@@ -27,7 +27,6 @@ namespace {
 constexpr int64_t kTile = 256;  // keys whose runs are fetched ahead together
 constexpr int64_t kRun = 4096;  // keys per parallel task, at most
 
-
 // out (d) = q rotated by one rotary table row: q * cos + swap_halves(q) * sin
 void rotate(const float* q, const float* c, const float* s, int64_t d, float* out) {
   const int64_t half = d / 2;

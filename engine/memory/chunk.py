@@ -2,7 +2,7 @@
 retrieve (a question read as a prompt), concatenated into one frame for SDPA.
 
 A decode step once memory is in use runs step_cache.py instead, and a reading chunk once memory
-is in use attends a band (band.py). Both of those and this share `chunk_mask`.
+is in use attends a band (band.py), which masks with `chunk_mask` as well.
 """
 
 from __future__ import annotations

@@ -26,9 +26,8 @@ question, as RAG places it (docs/decisions/023-documents-in-memory.md).
 `mark` and `rewind` take the frame back to an earlier point (a session's end of documents) as
 long as nothing has moved to memory since: the window and sinks forget their newest tokens.
 
-A reading chunk's band is band.py; a decode step (one token, memory in use) does not rebuild
-the frame but runs the decode-step path of step_cache.py; any other chunk attends the whole
-frame concatenated (chunk.py). Stores are buffers.py; what a
+A reading chunk's band is band.py; a decode step (one token, memory in use) runs step_cache.py;
+any other chunk attends the whole frame concatenated (chunk.py). Stores are buffers.py; what a
 strategy plugs in is selector.py; how the rows it chooses are read is retrieval.py.
 """
 
