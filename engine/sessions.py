@@ -444,8 +444,8 @@ class MemorySessions:
                     doc_id=document_id(request_id),
                     decode=lambda piece: str(self.decoding.tokenizer.decode(piece)),
                     started=started,
+                    on_read=lambda: self._read_document(session, text),
                 )
-                self._read_document(session, text)
                 return
             chunk = self.config.prefill_chunk_tokens
             doc = torch.tensor(ids, dtype=torch.long)  # (T,)

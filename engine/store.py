@@ -220,9 +220,12 @@ def ingest_steps(
     doc_id: str,
     decode: Callable[[list[int]], str],
     started: float,
+    on_read: Callable[[], None],
 ) -> Iterator[IngestProgress]:
     """Read `ids` into `memory` through the store; one step (IngestProgress) per chunk. See the
-    module docstring."""
+    module docstring. `on_read` runs once the memory holds the whole document, before the last
+    progress (done=True) or the outage error goes out: a consumer that stops there (the server
+    closes the stream at done) must find the document read (docs/decisions/054)."""
     fingerprint = session_fingerprint(model_fp, memory)
     chunk = memory.config.chunk_size
     total = len(ids)
@@ -268,6 +271,7 @@ def ingest_steps(
             bridge.put_manifest(session_id, manifest)
         except StoreUnavailableError as e:
             outage = _note_outage(e, session_id)
+    on_read()
     if outage is not None:
         raise StoreUnavailableError(
             f"the document was read into session {session_id!r}'s memory, but its encodings "
