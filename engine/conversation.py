@@ -38,13 +38,16 @@ def check_memory_room(grows: int, room: int) -> None:
 
 @dataclass(frozen=True)
 class TurnCount:
-    """How many turns, and their tokens, a memory holds (documents and collections apart)."""
+    """How many turns, and their tokens, a memory holds (documents and collections apart). A
+    turn is an answer held: a chat request adds its answer and every assistant message it
+    brought, so a conversation counts the same whether it was read message by message or
+    resent whole as a new chat (docs/api.md, "Turns")."""
 
     turns: int = 0
     tokens: int = 0
 
-    def plus(self, tokens: int) -> TurnCount:
-        return TurnCount(self.turns + 1, self.tokens + tokens)
+    def plus(self, tokens: int, answers: int = 1) -> TurnCount:
+        return TurnCount(self.turns + answers, self.tokens + tokens)
 
 
 @dataclass
@@ -158,7 +161,8 @@ class MemorySession:
         enc = self.memory.take_turn()
         encoding = enc.to_bytes() if 0 < enc.nbytes <= max_bytes else None
         self.seq += 1
-        self.held = self.held.plus(enc.num_tokens)
+        brought = sum(role == "assistant" for role, _ in new or ())
+        self.held = self.held.plus(enc.num_tokens, 1 + brought)
         return SessionTurn(
             seq=self.seq,
             restart=restart,
