@@ -64,6 +64,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY",
         help="an accepted API key (repeatable); also LONGSERVE_API_KEYS=k1,k2",
     )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        help="the window of one forward; longer prompts go through memory (default: the model's)",
+    )
     parser.add_argument("--max-waiting-requests", type=int)
     parser.add_argument("--max-running-requests", type=int)
     parser.add_argument(
@@ -91,6 +96,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         "linear_dtype",
         "kv_dtype",
         "api_keys",
+        "max_model_len",
         "max_waiting_requests",
         "max_running_requests",
         "memory_store_url",
@@ -137,6 +143,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "linear_dtype": settings.linear_dtype,
         "kv_dtype": settings.kv_dtype,
         "lean_decode": settings.lean_decode,
+        "max_model_len": settings.max_model_len,
         "max_waiting_requests": settings.max_waiting_requests,
         "max_running_requests": settings.max_running_requests,
         "session_offload_after_s": settings.session_offload_after_seconds,
@@ -212,6 +219,7 @@ BENCHMARKS = (
     "decode_agreement",
     "memory_batch",
     "long_docs",
+    "concurrency",
 )
 
 

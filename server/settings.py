@@ -48,6 +48,9 @@ class ServerSettings(BaseSettings):
     # Plain requests' decode steps on a Llama-family model skip transformers' forward
     # (engine/decode_step.py); false keeps it for every step.
     lean_decode: bool = True
+    # The window of one forward (vLLM's --max-model-len); a longer prompt is read into memory.
+    # None: the model's max_position_embeddings.
+    max_model_len: int | None = Field(default=None, ge=2)
     max_waiting_requests: int = Field(default=64, ge=1)
     max_running_requests: int = Field(default=8, ge=1)
 
