@@ -1,0 +1,71 @@
+"""One question, one answer (issue 45): every path's requests, through HTTP on the embedded
+model, give the same greedy answers, usage, `turns` and `memory_tokens` alone and all at once in
+random interleavings (bench/concurrency.py; `longserve bench concurrency` runs more of it).
+
+On the parent of the fix (docs/decisions/054) the sessions' rows failed here: a document taken
+into the session one step after its last progress left new chats following the conversation
+held, with `turns` counting up and answers about the question before."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import pytest
+
+from bench.concurrency import api_keys, harness
+
+from .conftest import start_server, stop_server
+
+pytestmark = pytest.mark.real_model
+
+ROUNDS = 2
+ARGS = argparse.Namespace(
+    copies=1,
+    rounds=ROUNDS,
+    clients=4,
+    seed=45,
+    jitter=1.0,
+    max_tokens=24,
+    doc_words=500,
+    inline_words=900,
+)
+
+
+@pytest.fixture(scope="module")
+def windowed_server(tmp_path_factory):
+    """A server whose window is 1,024 tokens, so that a ~1.2K-token prompt goes to memory."""
+    keys = [arg for key in api_keys(ROUNDS) for arg in ("--api-key", key)]
+    proc = start_server(
+        tmp_path_factory.mktemp("concurrency"),
+        "--max-model-len",
+        "1024",
+        "--max-running-requests",
+        "8",
+        *keys,
+    )
+    yield proc
+    stop_server(proc)
+
+
+def test_answers_do_not_depend_on_other_requests(windowed_server):
+    summary = asyncio.run(harness(windowed_server.base_url, ARGS))
+    alone = summary["alone"]
+    assert summary["alone_errors"] == {}, summary["alone_errors"]
+    # what the one-at-a-time run saw is a real answer on every path
+    for name, observations in alone.items():
+        if name.startswith(("plain", "completion", "inline", "responses")):
+            assert all(o["text"] for o in observations), (name, observations)
+        if name.startswith("json_schema"):
+            assert set(json.loads(observations[0]["text"])) == {"city", "country"}
+        if name.startswith("tools"):
+            assert observations[0]["tool_calls"][0][0] == "get_weather"
+        if name.startswith("session"):
+            *chats, counts = observations
+            assert [c["usage"][0] > 0 for c in chats] == [True] * 3
+            # a new chat, its continuation, another new chat: it restarts after the document
+            assert counts["turns"] == 1, (name, observations)
+            assert counts["memory_tokens"] > 500
+    assert summary["memory_mismatched"] == f"0/{6 * ROUNDS}", windowed_server.log()
+    assert summary["plain_mismatched"] == f"0/{6 * ROUNDS}", windowed_server.log()
