@@ -20,6 +20,7 @@ import torch
 
 from engine.chat_template import assistant_turn_end, encode_chat, end_token_ids
 from engine.config import EngineConfig
+from engine.decode_step import decoder_of
 from engine.generate import Generation, KVCacheState, running_generation, step_batch
 from engine.grammar import Grammars
 from engine.larimar import LarimarSessions
@@ -102,6 +103,13 @@ class LocalEngine:
         self._store = StoreBridge.from_config(self.config, store)
         self._model_fingerprint = (
             model_fingerprint(self.loaded.model_id, self.loaded.model) if self._store else ""
+        )
+        decoder = decoder_of(self.loaded.model)
+        # rows per decode forward under batch_invariant (0: all of them in one)
+        self._invariant_rows = (
+            (decoder.invariant_rows if decoder is not None else 1)
+            if self.config.batch_invariant
+            else 0
         )
         offload_after = self.config.session_offload_after_s
         self._worker = Worker(
@@ -287,7 +295,7 @@ class LocalEngine:
         )
 
     def _step_batch(self, steps: list[Any]) -> list[GenerationDelta | None | Exception]:
-        return step_batch(self.loaded.model, steps)
+        return step_batch(self.loaded.model, steps, self._invariant_rows)
 
     def _offload_idle_sessions(self) -> None:
         self._memory_sessions.offload_idle()

@@ -60,6 +60,11 @@ class EngineConfig:
     decode_share: while a request is being read, the share of device time the decode steps of
     the other running requests get (the worker runs several decode steps per reading chunk);
     0 runs one decode step per reading chunk.
+    batch_invariant: a request's greedy tokens do not depend on how many others decode beside
+    it at any max_running_requests: a batched decode step runs as forwards of at most
+    `LeanDecoder.invariant_rows` rows (8 under the int4 kernels, whose rows never mix; 1 where
+    the linears multiply with torch's GEMM). Off, a step of more than 8 rows multiplies with
+    the GEMM, whose rounding depends on the rows (docs/decisions/054).
     max_turn_encoding_bytes: a session turn's encodings go to the memory store up to this size
     (about 46 KB per token for SmolLM2 in fp32); a larger turn is stored as its tokens, which
     a restore reads again.
@@ -89,6 +94,7 @@ class EngineConfig:
     linear_dtype: str = "auto"
     kv_dtype: str = "auto"
     lean_decode: bool = True
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.model is not None and not self.model.strip():

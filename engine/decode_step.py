@@ -97,6 +97,13 @@ class LeanDecoder:
         self._cos = self._sin = torch.empty(0)  # (positions, head_dim), grown on demand
         kernel_ready(self.norm)  # build the attention kernel at load, not at the first token
 
+    @property
+    def invariant_rows(self) -> int:
+        """The most rows one forward may take with every row's arithmetic independent of the
+        others: the int4 kernels quantize and accumulate each row on its own up to SMALL_M
+        rows; torch's GEMM may reduce in another order for another number of rows."""
+        return SMALL_M if self._q4 is not None else 1
+
     def _q4_layers(self) -> tuple[Any, list[tuple]] | None:
         """The quant kernels and every layer's norm weights and 4-bit codes (codes, scales,
         mins per product), when every product is an Int4Linear in fp32 and the kernels are

@@ -421,12 +421,18 @@ def load_batch(model: Any, generations: Sequence[Generation]) -> None:
         generation.load(logits[row])
 
 
-def step_batch(model: Any, steps: Sequence[Any]) -> list[GenerationDelta | None | Exception]:
-    """One decode step of several requests in one forward: `load_batch` over the Generation
-    each request's steps are at (`running_generation`), then each one's own next step. Each
-    request's output (a delta or None), or the exception its own step raised."""
-    generations = [running_generation(s) for s in steps]
-    load_batch(model, [g for g in generations if g is not None])
+def step_batch(
+    model: Any, steps: Sequence[Any], max_rows: int = 0
+) -> list[GenerationDelta | None | Exception]:
+    """One decode step of several requests in one forward (or in forwards of at most
+    `max_rows` rows, when > 0: batch-invariant decoding, EngineConfig.batch_invariant):
+    `load_batch` over the Generation each request's steps are at (`running_generation`), then
+    each one's own next step. Each request's output (a delta or None), or the exception its
+    own step raised."""
+    ready = [g for g in (running_generation(s) for s in steps) if g is not None]
+    size = max_rows or max(len(ready), 1)
+    for start in range(0, len(ready), size):
+        load_batch(model, ready[start : start + size])
     results: list[GenerationDelta | None | Exception] = []
     for request in steps:
         try:

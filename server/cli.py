@@ -143,6 +143,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "linear_dtype": settings.linear_dtype,
         "kv_dtype": settings.kv_dtype,
         "lean_decode": settings.lean_decode,
+        "batch_invariant": settings.batch_invariant,
         "max_model_len": settings.max_model_len,
         "max_waiting_requests": settings.max_waiting_requests,
         "max_running_requests": settings.max_running_requests,

@@ -55,8 +55,11 @@ def run_alone(generation: Generation) -> tuple[list[int], list[float]]:
     ]
 
 
-def run_batched(model, generations: list[Generation]) -> tuple[list, list[int]]:
-    """Prefill each alone, then decode every ready one in one forward until all finish."""
+def run_batched(
+    model, generations: list[Generation], max_rows: int = 0
+) -> tuple[list, list[int]]:
+    """Prefill each alone, then decode every ready one in one step (forwards of at most
+    max_rows rows when > 0) until all finish."""
     out = [([], []) for _ in generations]
 
     def take(i, delta):
@@ -73,7 +76,7 @@ def run_batched(model, generations: list[Generation]) -> tuple[list, list[int]]:
     sizes = []
     while live := [i for i, g in enumerate(generations) if g.batch_ready]:
         sizes.append(len(live))
-        deltas = step_batch(model, [generations[i] for i in live])
+        deltas = step_batch(model, [generations[i] for i in live], max_rows)
         for i, delta in zip(live, deltas, strict=True):
             take(i, delta)
     return out, sizes
@@ -98,6 +101,21 @@ def test_a_mixed_batch_decodes_as_each_request_alone(tiny_loaded):
     assert max(sizes) == len(ROWS) and min(sizes) < len(ROWS)
     # the memory rows decoded with retrieval: their prompts had moved past the frame
     assert all(g.state.memory.memory_tokens > 0 for g in batch[1:])
+
+
+def test_batch_invariant_steps_decode_bit_for_bit_as_alone(tiny_loaded):
+    """EngineConfig.batch_invariant: forwards of `invariant_rows` rows (1 here: the tiny fp32
+    model multiplies with torch's GEMM) give every row exactly its lone logprobs."""
+    from engine.decode_step import decoder_of
+
+    rows = decoder_of(tiny_loaded.model).invariant_rows
+    assert rows == 1
+    model = tiny_loaded.model
+    # alone as the worker runs a lone request: its decode steps are batches of one
+    alone = [run_batched(model, [g])[0][0] for g in generations(tiny_loaded)]
+    batched, sizes = run_batched(model, generations(tiny_loaded), rows)
+    assert batched == alone
+    assert max(sizes) == len(ROWS)  # one step held every request; its forwards did not
 
 
 def test_a_failed_mixed_forward_changes_no_row(tiny_loaded, monkeypatch):
