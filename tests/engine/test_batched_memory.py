@@ -55,9 +55,7 @@ def run_alone(generation: Generation) -> tuple[list[int], list[float]]:
     ]
 
 
-def run_batched(
-    model, generations: list[Generation], max_rows: int = 0
-) -> tuple[list, list[int]]:
+def run_batched(model, generations: list[Generation], max_rows: int = 0) -> tuple[list, list[int]]:
     """Prefill each alone, then decode every ready one in one step (forwards of at most
     max_rows rows when > 0) until all finish."""
     out = [([], []) for _ in generations]
