@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-MEMORY_STRATEGIES = ("segments", "tokens", "neurocache")
+MEMORY_STRATEGIES = ("segments", "tokens", "neurocache", "larimar")
 COLORS = ("black", "red", "green", "blue", "white", "amber")
 WORDS = [
     "the",

@@ -64,7 +64,7 @@ class EngineConfig:
     it at any max_running_requests: a batched decode step runs as forwards of at most
     `LeanDecoder.invariant_rows` rows (8 under the int4 kernels, whose rows never mix; 1 where
     the linears multiply with torch's GEMM). Off, a step of more than 8 rows multiplies with
-    the GEMM, whose rounding depends on the rows (docs/decisions/054).
+    the GEMM, whose rounding depends on the rows (docs/decisions/055).
     max_turn_encoding_bytes: a session turn's encodings go to the memory store up to this size
     (about 46 KB per token for SmolLM2 in fp32); a larger turn is stored as its tokens, which
     a restore reads again.

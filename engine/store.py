@@ -225,7 +225,7 @@ def ingest_steps(
     """Read `ids` into `memory` through the store; one step (IngestProgress) per chunk. See the
     module docstring. `on_read` runs once the memory holds the whole document, before the last
     progress (done=True) or the outage error goes out: a consumer that stops there (the server
-    closes the stream at done) must find the document read (docs/decisions/054)."""
+    closes the stream at done) must find the document read (docs/decisions/055)."""
     fingerprint = session_fingerprint(model_fp, memory)
     chunk = memory.config.chunk_size
     total = len(ids)

@@ -53,7 +53,7 @@ class ServerSettings(BaseSettings):
     max_model_len: int | None = Field(default=None, ge=2)
     max_waiting_requests: int = Field(default=64, ge=1)
     max_running_requests: int = Field(default=8, ge=1)
-    # Decode forwards of rows that never mix (docs/decisions/054): a request's greedy answer
+    # Decode forwards of rows that never mix (docs/decisions/055): a request's greedy answer
     # does not depend on the others at any max_running_requests, at some throughput past 8.
     batch_invariant: bool = False
 

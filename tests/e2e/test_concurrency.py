@@ -2,7 +2,7 @@
 model, give the same greedy answers, usage, `turns` and `memory_tokens` alone and all at once in
 random interleavings (bench/concurrency.py; `longserve bench concurrency` runs more of it).
 
-On the parent of the fix (docs/decisions/054) the sessions' rows failed here: a document taken
+On the parent of the fix (docs/decisions/055) the sessions' rows failed here: a document taken
 into the session one step after its last progress left new chats following the conversation
 held, with `turns` counting up and answers about the question before."""
 
@@ -44,6 +44,7 @@ def windowed_server(tmp_path_factory):
         "--max-running-requests",
         "8",
         *keys,
+        timeout=480.0,
     )
     yield proc
     stop_server(proc)
@@ -64,8 +65,9 @@ def test_answers_do_not_depend_on_other_requests(windowed_server):
         if name.startswith("session"):
             *chats, counts = observations
             assert [c["usage"][0] > 0 for c in chats] == [True] * 3
-            # a new chat, its continuation, another new chat: it restarts after the document
-            assert counts["turns"] == 1, (name, observations)
-            assert counts["memory_tokens"] > 500
-    assert summary["memory_mismatched"] == f"0/{6 * ROUNDS}", windowed_server.log()
+            if "larimar" not in name:  # larimar conditions plain generations: no turns held
+                # a new chat, its continuation, another new chat: it restarts after the document
+                assert counts["turns"] == 1, (name, observations)
+                assert counts["memory_tokens"] > 500
+    assert summary["memory_mismatched"] == f"0/{8 * ROUNDS}", windowed_server.log()
     assert summary["plain_mismatched"] == f"0/{6 * ROUNDS}", windowed_server.log()

@@ -1,7 +1,7 @@
 """A document is the session's once its last progress (done=True) is out: a consumer that closes
 the stream there, as the server does, finds it read, whatever the worker does next.
 
-The root cause of issue 45 (docs/decisions/054): through the memory store, the session took
+The root cause of issue 45 (docs/decisions/055): through the memory store, the session took
 the document (its documents' end, where new chats restart) one device step after done=True. The
 server's close reached the worker first whenever other requests held the device, so the
 session kept its documents' end at 0 tokens: every new chat then followed the conversation
