@@ -8,8 +8,8 @@ from typing import Any
 _LAZY = {
     "EngineConfig": "engine.config",
     "LocalEngine": "engine.client",
-    "LoadedModel": "engine.loader",
-    "load_model": "engine.loader",
+    "LoadedModel": "engine.runner.loader",
+    "load_model": "engine.runner.loader",
 }
 
 __all__ = sorted(_LAZY)

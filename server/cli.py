@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from memory_store.client import MemoryStoreClient
 
 EXIT_BAD_CONFIG = 2
-EMBEDDED_STORE = "memory-store"  # under --data-dir; engine/store.py uses the same directory
+EMBEDDED_STORE = "memory-store"  # under --data-dir; engine/caches/store.py uses the same directory
 EXIT_STARTUP_FAILURE = 3  # uvicorn's own code for a failed start-up
 
 
@@ -240,8 +240,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     ),
     "ingest": Subcommand(
         "pre-encode documents offline into a memory-store collection",
-        _lazy("engine.ingest_cli", "add_arguments"),
-        _lazy("engine.ingest_cli", "run"),
+        _lazy("engine.caches.ingest_cli", "add_arguments"),
+        _lazy("engine.caches.ingest_cli", "run"),
     ),
     "bench": Subcommand(
         "run a benchmark from bench/ (one JSON line per measurement)",

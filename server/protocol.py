@@ -185,7 +185,9 @@ class ResponseCreateRequest(OpenAIModel):
 
 
 class PromptTokensDetails(OpenAIModel):
-    cached_tokens: int = 0  # of prompt_tokens, read from a reused prefix (engine/prefix_cache.py)
+    cached_tokens: int = (
+        0  # of prompt_tokens, read from a reused prefix (engine/caches/prefix_cache.py)
+    )
 
 
 class UsageInfo(OpenAIModel):

@@ -46,7 +46,7 @@ class ServerSettings(BaseSettings):
     # or "float16".
     kv_dtype: str = "auto"
     # Plain requests' decode steps on a Llama-family model skip transformers' forward
-    # (engine/decode_step.py); false keeps it for every step.
+    # (engine/runner/decode_step.py); false keeps it for every step.
     lean_decode: bool = True
     max_waiting_requests: int = Field(default=64, ge=1)
     max_running_requests: int = Field(default=8, ge=1)

@@ -3,7 +3,7 @@ memory that every forward attends to through a frame (ARCHITECTURE.md section 3)
 
     session.py     SessionMemory, STRATEGIES - the only interface the rest of engine/ uses
     frame.py       FrameState: the frame [sinks | retrieved | local window | chunk], positions,
-                   one layer's attention (reached through engine/attention.py)
+                   one layer's attention (reached through engine/runner/attention.py)
     band.py        a reading chunk's band attention, and the dtype it computes in
     step_cache.py  the decode-step path and what decode steps keep between steps
     buffers.py     GrowingBuffer, LayerStore: where each layer's keys and values live

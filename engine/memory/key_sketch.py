@@ -8,7 +8,7 @@ of them (docs/decisions/051-tokens-exact-scan.md).
 `KeySketch` holds the pre-rotary keys dimension-major in float16 (one dimension of every key is
 one contiguous run), which a streamed scan reads in blocks of 64 keys. The frame's memory keys
 are stored rotated by their offset in their block; the rotation cancels in the score, so the
-pre-rotary keys rank the same. engine/csrc/token_search.cpp does a layer's search in one call;
+pre-rotary keys rank the same. engine/runner/csrc/token_search.cpp does a layer's search in one call;
 `search_torch` is the same in torch ops (other devices, or no compiler). Decisions 046 and 048
 searched candidates picked by partial scores instead; the scan costs less and is exact.
 """
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from engine.cpu_extensions import load_extension
 from engine.memory.rotary import RotaryTable
+from engine.runner.cpu_extensions import load_extension
 
 
 class KeySketch:
@@ -77,7 +77,7 @@ def search(
     distinct hits taken rank by rank over its rows (tokens.fair_union), ascending, -1 padded.
     Every key is scored exactly on the sketch."""
     kernels = _kernels(queries, sketch)
-    if kernels is not None:  # one call for the layer (engine/csrc/token_search.cpp)
+    if kernels is not None:  # one call for the layer (engine/runner/csrc/token_search.cpp)
         return kernels.search(
             queries.float().contiguous(), sketch.view(), rotary.cos, rotary.sin, k,
             -1 if position is None else position,

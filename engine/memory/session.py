@@ -7,7 +7,7 @@
 `append` forwards the tokens in chunks of `chunk_size`; every chunk attends to the frame
 (sinks, the memory its strategy selects, the local window) and then joins it, so every token
 appended, prompt or generated, is context for every later append. The frame reaches the
-model's layers as a forward keyword of longserve's attention function (engine/attention.py),
+model's layers as a forward keyword of longserve's attention function (engine/runner/attention.py),
 which the model must have selected (the loader does); a forward without a session still runs
 plain SDPA attention.
 """
@@ -23,7 +23,6 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from engine.attention import FRAME_KWARG, require_longserve_attention
 from engine.memory.config import (
     NeurocacheConfig,
     SegmentsConfig,
@@ -36,6 +35,7 @@ from engine.memory.rotary import RotaryTable
 from engine.memory.selector import Selector
 from engine.memory.turns import TurnEncoding
 from engine.protocol import InvalidRequest, MemorySpec
+from engine.runner.attention import FRAME_KWARG, require_longserve_attention
 from memory_store.client import ChunkEncoding, TextEncoder, chain_hash
 
 STRATEGIES: tuple[str, ...] = ("segments", "tokens", "neurocache")
@@ -287,7 +287,7 @@ class SessionMemory:
         return out.logits[0, -1]
 
     def decode_row(self, token_id: int) -> MemoryRow:
-        """This memory's row in a batched decode forward (engine/rows.py): reading token_id
+        """This memory's row in a batched decode forward (engine/runner/rows.py): reading token_id
         there does what `append` of that one token does."""
         return MemoryRow(self, token_id)
 
@@ -454,7 +454,7 @@ class SessionMemory:
 
 
 class MemoryRow:
-    """A memory's one-token append, as a row of a batched decode forward (engine/rows.py)."""
+    """A memory's one-token append, as a row of a batched decode forward (engine/runner/rows.py)."""
 
     def __init__(self, memory: SessionMemory, token_id: int) -> None:
         self._memory = memory

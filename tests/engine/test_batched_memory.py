@@ -1,4 +1,4 @@
-"""Batched decode on memory (engine/rows.py): plain KV rows and memory-frame rows of every
+"""Batched decode on memory (engine/runner/rows.py): plain KV rows and memory-frame rows of every
 strategy share one forward, each row attending to its own context, and decode the same greedy
 tokens as each request alone (logprobs within 1e-4: rows of a batched matmul are reduced in
 another order, so bit equality is not expected). On the tiny random Llama."""
@@ -11,10 +11,10 @@ import random
 import pytest
 import torch
 
-from engine.generate import Generation, KVCacheState, decode_batch, step_batch
 from engine.memory.session import SessionMemory
-from engine.memory_state import MemoryState
 from engine.protocol import MemorySpec, SamplingParams
+from engine.runner.generate import Generation, KVCacheState, decode_batch, step_batch
+from engine.sessions.memory_state import MemoryState
 
 FRAME = {"sinks": 8, "local_window": 32, "chunk_size": 32, "block": 16}
 SPECS = {
@@ -197,14 +197,14 @@ async def test_sessions_and_plain_requests_decode_in_one_batch(make_engine):
     assert [token_ids(d) for d in together] == alone
     assert max(sizes) == len(ROWS)
     for kind in SPECS:  # the answer joined each session's turns as when decoded alone
-        session = engine._memory_sessions.sessions[kind]
+        session = engine._frame_backend.conversations[kind]
         assert session.turns[-1][1] == "".join(d.text for d in together[ROWS.index(kind)])
 
 
 @pytest.fixture(scope="module")
 def bf16_loaded(tiny_model_dir):
     from engine.config import EngineConfig
-    from engine.loader import load_model
+    from engine.runner.loader import load_model
 
     return load_model(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="bfloat16"))
 

@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from engine.generate import Generation, KVCacheState, decode_batch, step_batch
 from engine.protocol import EngineError, SamplingParams
-from engine.worker import Collector, Job, Worker
+from engine.runner.generate import Generation, KVCacheState, decode_batch, step_batch
+from engine.scheduler.worker import Collector, Job, Worker
 
 LOGITS_ATOL = 1e-4
 TEXTS = [

@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from engine.larimar import (
+from engine.protocol import InvalidRequest, MemorySpec
+from engine.sessions.larimar import (
     LarimarParams,
     LarimarReader,
     conditioned,
@@ -17,7 +18,6 @@ from engine.larimar import (
     retrieved_sentences,
     split_context,
 )
-from engine.protocol import InvalidRequest, MemorySpec
 from memory_store.backends import EmbeddedBackend
 from memory_store.client import MemoryStoreClient
 from memory_store.larimar import LarimarConfig, LarimarHit
@@ -151,7 +151,7 @@ async def test_reader_finds_the_needle_in_a_haystack(minilm, tmp_path) -> None:
 @pytest.mark.real_model
 async def test_embedded_model_answers_the_pass_key_at_100k_tokens(minilm, tmp_path) -> None:
     from engine.config import EngineConfig
-    from engine.loader import load_model
+    from engine.runner.loader import load_model
 
     loaded = load_model(EngineConfig(device="cpu"))
     tokenizer, model = loaded.tokenizer, loaded.model

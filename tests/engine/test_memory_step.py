@@ -1,4 +1,4 @@
-"""engine/csrc/memory_step.cpp against the torch ops it replaces in a memory decode step."""
+"""engine/runner/csrc/memory_step.cpp against the torch ops it replaces in a memory decode step."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.cpu_extensions import load_extension
 from engine.memory.rotary import RotaryTable
+from engine.runner.cpu_extensions import load_extension
 
 pytestmark = pytest.mark.skipif(
     load_extension("memory_step") is None, reason="no C++ compiler or ninja to build the kernel"

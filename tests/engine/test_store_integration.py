@@ -1,6 +1,6 @@
 """Document encodings written once to the memory store, sessions rebuilt from them without the
 model: SessionMemory export/import per strategy, and LocalEngine ingest through an embedded
-store (engine/store.py)."""
+store (engine/caches/store.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from engine.caches.store import StoreBridge
 from engine.client import LocalEngine
 from engine.config import EngineConfig
-from engine.loader import load_model
 from engine.memory.session import STRATEGIES, SessionMemory
 from engine.protocol import MemorySpec, SamplingParams, StoreUnavailableError
-from engine.store import StoreBridge
+from engine.runner.loader import load_model
 from memory_store.encodings import decode_chunk, encode_chunk
 from memory_store.errors import StoreUnavailableError
 
@@ -263,7 +263,7 @@ async def test_one_store_client_serves_encodings_and_larimar(engines, tmp_path):
     progress = await _collect(engine.ingest("d", "s", DOC))
     assert progress[-1].done and progress[-1].tokens_from_store == 0
     assert await client.list_documents("s")  # the manifest went through the given client
-    assert engine._larimar_sessions._larimar().client is client
+    assert engine._larimar_backend._larimar().client is client
     await engine.shutdown()
     await client.ping()  # the engine leaves the shared client open for its owner
 
@@ -290,7 +290,7 @@ def test_ingest_cli_encodes_files_into_a_collection(tiny_model_dir, tmp_path, mo
     import json
 
     import memory_store.embedder
-    from engine import ingest_cli
+    from engine.caches import ingest_cli
 
     class FakeEmbedder:
         def embed(self, texts):

@@ -2,14 +2,14 @@
 
 A `DecodeState` turns tokens into next-token logits. `KVCacheState` runs the model with its own
 attention over a per-request KV cache (prompts that fit the window); `MemoryState`
-(engine/memory_state.py) wraps a session's `SessionMemory` (prompts longer than the window, and
+(engine/sessions/memory_state.py) wraps a session's `SessionMemory` (prompts longer than the window, and
 sessions). A `Generation` is one
 request as an iterator: each `next()` does one unit of device work (one prefill chunk, or one
 decode token) and returns a `GenerationDelta` or None, so the worker can interleave requests
 between steps. `step_batch` runs the next decode token of many KV-path generations in one
 forward: a decode forward costs about as much for 16 rows as for one (it is dominated by reading
 the weights), so batching raises throughput with concurrency. That holds for every path: a
-memory-path row attends to its own frame inside the same forward (engine/rows.py).
+memory-path row attends to its own frame inside the same forward (engine/runner/rows.py).
 """
 
 from __future__ import annotations
@@ -20,21 +20,21 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.attention import KV_KWARG, require_longserve_attention
-from engine.decode_step import decoder_of
-from engine.detokenize import Detokenizer, token_bytes, token_text
-from engine.grammar import Constraint, Grammars
-from engine.kv_cache import KVBatch, KVCache
 from engine.protocol import (
+    AlternativeLogprob,
     FinishReason,
     GenerationDelta,
     RequestStats,
     SamplingParams,
     TokenLogprob,
-    TopLogprob,
 )
-from engine.rows import DecodeRow, KVRow, decode_rows
-from engine.sampling import make_generator, sample_token, token_logprobs
+from engine.runner.attention import KV_KWARG, require_longserve_attention
+from engine.runner.decode_step import decoder_of
+from engine.runner.detokenize import Detokenizer, token_bytes, token_text
+from engine.runner.grammar import Constraint, Grammars
+from engine.runner.kv_cache import KVBatch, KVCache
+from engine.runner.rows import DecodeRow, KVRow, decode_rows
+from engine.runner.sampling import make_generator, sample_token, token_logprobs
 
 
 class DecodeState(Protocol):
@@ -56,7 +56,7 @@ class DecodeState(Protocol):
     def pop_retrieval_seconds(self) -> float: ...
 
     def decode_row(self, token_id: int) -> DecodeRow:
-        """Appending token_id as a row of a batched decode forward (engine/rows.py)."""
+        """Appending token_id as a row of a batched decode forward (engine/runner/rows.py)."""
         ...
 
 
@@ -153,7 +153,7 @@ def _logprob_entry(tokenizer: Any, logits: torch.Tensor, token_id: int, top_n: i
         logprob=chosen,
         bytes=list(token_bytes(tokenizer, token_id)),
         top_logprobs=[
-            TopLogprob(token_text(tokenizer, t), lp, list(token_bytes(tokenizer, t)))
+            AlternativeLogprob(token_text(tokenizer, t), lp, list(token_bytes(tokenizer, t)))
             for t, lp in top
         ],
     )

@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from engine.protocol import (
-    ChatMessage,
     CollectionAttachment,
     CollectionIncompatible,
     EngineClient,
@@ -50,6 +49,7 @@ from engine.protocol import (
     InvalidRequest,
     MemorySpec,
     Prompt,
+    PromptMessage,
     SamplingParams,
     SessionTurn,
     StoreUnavailableError,
@@ -117,7 +117,7 @@ def last_sentence(text: str) -> str:
     return sentences[-1] if sentences else ""
 
 
-def _content_text(message: ChatMessage) -> str:
+def _content_text(message: PromptMessage) -> str:
     content = message.get("content")
     if content is None:
         return ""
@@ -126,7 +126,7 @@ def _content_text(message: ChatMessage) -> str:
     return "\n".join(str(part.get("text", "")) for part in content if isinstance(part, Mapping))
 
 
-def _last_user_index(messages: Sequence[ChatMessage]) -> int:
+def _last_user_index(messages: Sequence[PromptMessage]) -> int:
     for i in range(len(messages) - 1, -1, -1):
         if messages[i].get("role") == "user":
             return i
@@ -267,7 +267,7 @@ class LarimarReader:
 # ---------------------------------------------------------------------------------------------
 
 
-class LarimarSessions:
+class LarimarBackend:
     """The session kind whose memory is the memory service's Larimar memory: the readout's
     sentences condition a plain generation. Asyncio side only: nothing here holds the device."""
 

@@ -1,5 +1,5 @@
 """A lean decode step for Llama-family models: the next token of every decode row (plain KV
-caches and memory frames alike, engine/rows.py), without transformers' module tree.
+caches and memory frames alike, engine/runner/rows.py), without transformers' module tree.
 
 A decode token on a CPU is a few milliseconds of arithmetic wrapped in thousands of small eager
 ops: transformers' forward builds masks, position embeddings and per-layer casts, and calls seven
@@ -11,10 +11,10 @@ own weights (docs/decisions/037-lean-decode-step.md):
                 -> one gate|up linear -> silu * up -> down linear -> residual
 
 Every row gets the same query, key and value transformers' forward would hand it and attends
-through its own DecodeRow: a plain row to its KVCache (engine/cpu_attention.py's split-key
-kernel on a float32 CPU model, engine/kv_cache.py), a memory row to its frame.
+through its own DecodeRow: a plain row to its KVCache (engine/runner/cpu_attention.py's split-key
+kernel on a float32 CPU model, engine/runner/kv_cache.py), a memory row to its frame.
 
-With int4 linears and engine/csrc/quant_matmul.cpp built, a step of at most SMALL_M rows runs
+With int4 linears and engine/runner/csrc/quant_matmul.cpp built, a step of at most SMALL_M rows runs
 each layer's work before attention (norm, q|k|v, rotary) and after it (o, residual, norm, gated
 MLP, residual) as one C++ call each (docs/decisions/038).
 
@@ -31,10 +31,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.attention import KV_KWARG
-from engine.cpu_attention import kernel_ready
-from engine.rows import DecodeRow, RowBatch
-from engine.weights import SMALL_M, Int4Linear, fuse_linears, quant_kernels, small_matmul
+from engine.runner.attention import KV_KWARG
+from engine.runner.cpu_attention import kernel_ready
+from engine.runner.rows import DecodeRow, RowBatch
+from engine.runner.weights import SMALL_M, Int4Linear, fuse_linears, quant_kernels, small_matmul
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]
 # a layer: input norm weight, q|k|v, o, post-attention norm weight, gate|up, down
@@ -60,7 +60,7 @@ def unsupported(model: Any) -> str | None:
 
 
 class LeanDecoder:
-    """One decode token for B decode rows (engine/rows.py) of a LlamaForCausalLM (`unsupported`
+    """One decode token for B decode rows (engine/runner/rows.py) of a LlamaForCausalLM (`unsupported`
     is None)."""
 
     def __init__(self, model: Any) -> None:
@@ -146,7 +146,7 @@ class LeanDecoder:
     @torch.inference_mode()
     def forward(self, rows: Sequence[DecodeRow], token_ids: Sequence[int]) -> torch.Tensor:
         """Append token_ids[b] to rows[b] for every b; logits (B, vocab). On failure no row has
-        changed (engine/rows.py's contract, as transformers' forward keeps it)."""
+        changed (engine/runner/rows.py's contract, as transformers' forward keeps it)."""
         device = self.norm.device
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)  # (B,)
         batch = RowBatch(rows)

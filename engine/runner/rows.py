@@ -2,10 +2,10 @@
 
 A decode step reads every weight of the model once whatever the number of rows, so the next
 token of every running request is computed in one forward of input_ids (B, 1). Only attention
-differs per row: a `RowBatch` (passed as the forward keyword `KV_KWARG`, engine/attention.py)
+differs per row: a `RowBatch` (passed as the forward keyword `KV_KWARG`, engine/runner/attention.py)
 hands each layer's row b to its own `DecodeRow`, which attends to the request's own context:
 
-    KVRow       a KVCache (engine/kv_cache.py): the row's cache, as KVBatch attends it
+    KVRow       a KVCache (engine/runner/kv_cache.py): the row's cache, as KVBatch attends it
     MemoryRow   a SessionMemory (engine/memory/session.py): the row's frame, with its own
                 retrieval, text prior and decode-step caches, as a one-token append reads it
 
@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.kv_cache import KVCache, attend_cache
+from engine.runner.kv_cache import KVCache, attend_cache
 
 
 class DecodeRow(Protocol):
@@ -133,8 +133,8 @@ class RowBatch:
 def decode_rows(model: Any, rows: Sequence[DecodeRow], token_ids: Sequence[int]) -> torch.Tensor:
     """Append token_ids[b] to rows[b] for every b in one forward; logits (B, vocab). On failure
     no row has changed."""
-    from engine.attention import KV_KWARG
-    from engine.decode_step import decoder_of
+    from engine.runner.attention import KV_KWARG
+    from engine.runner.decode_step import decoder_of
 
     decoder = decoder_of(model)
     if decoder is not None:

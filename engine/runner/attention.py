@@ -6,7 +6,7 @@ rotated at the position ids it was given) and every keyword argument of the forw
 keywords pick the path:
 
     FRAME_KWARG  a session's FrameState   -> the frame's attention (engine/memory/frame.py)
-    KV_KWARG     a KVBatch                -> per-request KV caches (engine/kv_cache.py)
+    KV_KWARG     a KVBatch                -> per-request KV caches (engine/runner/kv_cache.py)
     neither                               -> plain SDPA, the model's own attention
 
 so one model serves every request, with or without a session, and nothing switches the model's
@@ -25,8 +25,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 if TYPE_CHECKING:
-    from engine.kv_cache import KVBatch
     from engine.memory.frame import FrameState
+    from engine.runner.kv_cache import KVBatch
 
 ATTENTION_NAME = "longserve"  # the model's config._attn_implementation once selected
 FRAME_KWARG = "longserve_memory"
@@ -78,5 +78,5 @@ def require_longserve_attention(model: PreTrainedModel) -> None:
     if model.config._attn_implementation != ATTENTION_NAME:
         raise ValueError(
             f"the model's attention is {model.config._attn_implementation!r}, not longserve's: "
-            "call engine.attention.use_longserve_attention(model) once after loading it"
+            "call engine.runner.attention.use_longserve_attention(model) once after loading it"
         )
