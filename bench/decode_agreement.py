@@ -27,7 +27,7 @@ import torch
 
 from bench.recall_corpus import filler, load_token_counter
 from engine.config import EngineConfig
-from engine.runner.generate import KVCacheState, forward_kv
+from engine.runner.decode_state import KVCacheState, forward_kv
 from engine.runner.loader import load_model
 
 

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 from engine.config import EngineConfig
 from engine.runner.cpu_attention import decode_attention, load_kernel
+from engine.runner.decode_state import KVCacheState, forward_kv
 from engine.runner.decode_step import decoder_of
-from engine.runner.generate import KVCacheState, forward_kv
 from engine.runner.kv_cache import KVCache
 from engine.runner.loader import load_model
 from engine.runner.weights import Int4Linear, LowPrecisionLinear, quant_kernels, small_matmul

@@ -25,7 +25,7 @@ from bench.recall_corpus import filler, load_token_counter
 from engine.config import EngineConfig
 from engine.memory.session import SessionMemory
 from engine.protocol import MemorySpec
-from engine.runner.generate import decode_batch
+from engine.runner.decode_state import decode_batch
 from engine.runner.loader import load_model
 from engine.sessions.memory_state import MemoryState
 

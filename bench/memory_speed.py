@@ -31,7 +31,7 @@ from engine.config import EngineConfig
 from engine.memory.band import read_dtype
 from engine.memory.session import STRATEGIES, SessionMemory
 from engine.protocol import MemorySpec
-from engine.runner.generate import KVCacheState
+from engine.runner.decode_state import KVCacheState
 from engine.runner.loader import load_model
 from engine.runner.rows import decode_rows
 

@@ -36,7 +36,8 @@ from engine.protocol import (
     SessionTurn,
 )
 from engine.runner.chat_template import assistant_turn_end, encode_chat, end_token_ids
-from engine.runner.generate import Generation, KVCacheState, running_generation, step_batch
+from engine.runner.decode_state import KVCacheState
+from engine.runner.generate import Generation, running_generation, step_batch
 from engine.runner.grammar import Grammars
 from engine.runner.loader import LoadedModel, load_model
 from engine.scheduler.stream import aborted_delta, submit

@@ -167,11 +167,11 @@ def run_serve(args: argparse.Namespace) -> int:
 def memory_store_client(settings: ServerSettings) -> MemoryStoreClient:
     """The process's client (session records, and the engine's encodings when embedded): the
     memory service at --memory-store, else the embedded store in DATA_DIR/memory-store."""
-    from memory_store.client import MemoryStoreClient
+    from memory_store.client import embedded_client, http_client
 
     if settings.memory_store_url:
-        return MemoryStoreClient.http(settings.memory_store_url)
-    return MemoryStoreClient.embedded(Path(settings.data_dir) / EMBEDDED_STORE)
+        return http_client(settings.memory_store_url)
+    return embedded_client(Path(settings.data_dir) / EMBEDDED_STORE)
 
 
 def _error_text(error: Any) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from engine.memory.ranking import fair_union, padded_rows
 from engine.memory.rotary import RotaryTable
 from engine.runner.cpu_extensions import load_extension
 
@@ -74,7 +75,7 @@ def search(
 ) -> torch.Tensor:
     """queries (kv_heads, R, d), each head's rows in rank order, rotated by the rotary
     `position` first when it is given -> (kv_heads, width) memory rows: each head's first k
-    distinct hits taken rank by rank over its rows (tokens.fair_union), ascending, -1 padded.
+    distinct hits taken rank by rank over its rows (ranking.fair_union), ascending, -1 padded.
     Every key is scored exactly on the sketch."""
     kernels = _kernels(queries, sketch)
     if kernels is not None:  # one call for the layer (engine/runner/csrc/token_search.cpp)
@@ -89,8 +90,6 @@ def search(
 
 def search_torch(queries: torch.Tensor, sketch: KeySketch, k: int) -> torch.Tensor:
     """`search` in torch ops, the queries as given: ties go to the lower row, as in the kernel."""
-    from engine.memory.tokens import fair_union, padded_rows  # tokens imports this module
-
     keys = sketch.view()
     scores = queries.float() @ keys.to(queries.device).float()  # (kv_heads, R, n)
     n = keys.shape[2]

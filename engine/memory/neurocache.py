@@ -23,7 +23,7 @@ what the paper initialises cache attention with.
 
 A multi-token chunk's one retrieval uses up to `max_queries` of its tokens (evenly spaced, the
 last one in); their hits are merged rank by rank, the last token first, and the first k kept
-(tokens.fair_union: ranking by raw score lets the chunk's filler rows, which have near-exact
+(ranking.fair_union: ranking by raw score lets the chunk's filler rows, which have near-exact
 copies in memory, take every slot from the last token's).
 
 Defaults (NeurocacheConfig): k 64 (the paper's setting for adapted pretrained models), w 2,
@@ -46,8 +46,8 @@ from transformers import PreTrainedModel
 from engine.memory.buffers import LayerStore
 from engine.memory.config import NeurocacheConfig
 from engine.memory.index import VectorIndex
+from engine.memory.ranking import fair_union, query_rows
 from engine.memory.selector import Selector
-from engine.memory.tokens import fair_union, query_rows
 from engine.protocol import InvalidRequest
 from engine.runner.attention import FRAME_KWARG, KV_KWARG
 from engine.runner.rows import RowBatch

@@ -1,4 +1,4 @@
-"""How a frame reads the memory rows its selector chose (FrameState.attend's retrieval).
+"""How a frame reads the memory rows its selector chose (Frame.attend's retrieval).
 
 A retrieval is (kv_heads, R) memory row ids, -1 padded. A decode step whose rows are whole
 blocks at whole-block slots reads them block-local: in place by the CPU kernel, or gathered

@@ -23,7 +23,7 @@ from engine.memory.rotary import Angles
 from engine.runner.cpu_attention import attend_pieces, kernel_ready, step_kernels
 
 if TYPE_CHECKING:
-    from engine.memory.frame import FrameState
+    from engine.memory.frame_state import FrameState
 
 
 class Retrieved(NamedTuple):

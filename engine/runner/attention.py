@@ -5,7 +5,7 @@ for every attention layer. Each layer calls it with the query, key and value it 
 rotated at the position ids it was given) and every keyword argument of the forward, and the
 keywords pick the path:
 
-    FRAME_KWARG  a session's FrameState   -> the frame's attention (engine/memory/frame.py)
+    FRAME_KWARG  a session's Frame        -> the frame's attention (engine/memory/frame.py)
     KV_KWARG     a KVBatch                -> per-request KV caches (engine/runner/kv_cache.py)
     neither                               -> plain SDPA, the model's own attention
 
@@ -25,7 +25,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 if TYPE_CHECKING:
-    from engine.memory.frame import FrameState
+    from engine.memory.frame import Frame
     from engine.runner.kv_cache import KVBatch
 
 ATTENTION_NAME = "longserve"  # the model's config._attn_implementation once selected
@@ -44,7 +44,7 @@ def longserve_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """query (B, H, T, d), key/value (B, kv_heads, T, d) -> ((B, T, H, d), None)."""
-    frame: FrameState | None = kwargs.get(FRAME_KWARG)
+    frame: Frame | None = kwargs.get(FRAME_KWARG)
     batch: KVBatch | None = kwargs.get(KV_KWARG)
     if frame is None and batch is None:
         out, _ = sdpa_attention_forward(

@@ -216,3 +216,30 @@ def attach_decoder(model: Any) -> LeanDecoder | None:
 
 def decoder_of(model: Any) -> LeanDecoder | None:
     return getattr(model, DECODER_ATTR, None)
+
+
+@torch.inference_mode()
+def decode_rows(model: Any, rows: Sequence[DecodeRow], token_ids: Sequence[int]) -> torch.Tensor:
+    """Append token_ids[b] to rows[b] for every b in one forward; logits (B, vocab). On failure
+    no row has changed."""
+    decoder = decoder_of(model)
+    if decoder is not None:
+        return decoder.forward(rows, token_ids)
+    device = next(model.parameters()).device
+    ids = torch.tensor(list(token_ids), dtype=torch.long, device=device).view(-1, 1)  # (B, 1)
+    batch = RowBatch(rows)
+    positions = batch.begin(device)
+    try:
+        out = model(
+            input_ids=ids,
+            position_ids=positions,
+            use_cache=False,
+            logits_to_keep=1,
+            **{KV_KWARG: batch},
+        )
+        logits = out.logits[:, -1]  # (B, vocab)
+        batch.commit(logits)
+    except BaseException:
+        batch.abort()
+        raise
+    return logits

@@ -10,13 +10,14 @@ hands each layer's row b to its own `DecodeRow`, which attends to the request's 
                 retrieval, text prior and decode-step caches, as a one-token append reads it
 
 Each row keeps its own position ids (a frame position, or a cache length). A forward that fails
-changes no row (every row aborts); one that succeeds commits every row.
+changes no row (every row aborts); one that succeeds commits every row. `decode_rows`
+(engine/runner/decode_step.py) runs one such forward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -127,33 +128,3 @@ class RowBatch:
             for b, row in enumerate(self.rows)
         ]
         return (out[0] if len(out) == 1 else torch.cat(out)).contiguous()
-
-
-@torch.inference_mode()
-def decode_rows(model: Any, rows: Sequence[DecodeRow], token_ids: Sequence[int]) -> torch.Tensor:
-    """Append token_ids[b] to rows[b] for every b in one forward; logits (B, vocab). On failure
-    no row has changed."""
-    from engine.runner.attention import KV_KWARG
-    from engine.runner.decode_step import decoder_of
-
-    decoder = decoder_of(model)
-    if decoder is not None:
-        return decoder.forward(rows, token_ids)
-    device = next(model.parameters()).device
-    ids = torch.tensor(list(token_ids), dtype=torch.long, device=device).view(-1, 1)  # (B, 1)
-    batch = RowBatch(rows)
-    positions = batch.begin(device)
-    try:
-        out = model(
-            input_ids=ids,
-            position_ids=positions,
-            use_cache=False,
-            logits_to_keep=1,
-            **{KV_KWARG: batch},
-        )
-        logits = out.logits[:, -1]  # (B, vocab)
-        batch.commit(logits)
-    except BaseException:
-        batch.abort()
-        raise
-    return logits

@@ -59,6 +59,9 @@ from memory_store.client import (
     LarimarHit,
     MemoryStoreClient,
     TextEncoder,
+    embedded_client,
+    http_client,
+    in_process_client,
     split_sentences,
 )
 from memory_store.errors import StoreError
@@ -66,7 +69,7 @@ from memory_store.errors import StoreError
 if TYPE_CHECKING:
     import torch
 
-    from memory_store.client import Backend
+    from memory_store.client import Backend, embedded_client, http_client, in_process_client
 
 STRATEGY = "larimar"
 
@@ -223,7 +226,7 @@ class LarimarReader:
         """A reader over an in-process memory store whose writing keys use `params`'s
         prefix_length."""
         params = params or LarimarParams()
-        client = MemoryStoreClient.in_process(
+        client = in_process_client(
             backend, encoder=encoder, larimar=LarimarConfig(prefix_length=params.prefix_length)
         )
         return cls(client, params=params)
@@ -339,7 +342,7 @@ class LarimarBackend:
             if self._store is not None:
                 self._reader = LarimarReader(self._store)
             elif self._config.memory_store_url is not None:
-                client = MemoryStoreClient.http(
+                client = http_client(
                     self._config.memory_store_url, timeout_s=self._config.memory_store_timeout_s
                 )
                 self._reader = LarimarReader(client)
@@ -349,7 +352,7 @@ class LarimarBackend:
                     if self._config.data_dir is not None
                     else Path(tempfile.mkdtemp(prefix="longserve-larimar-"))
                 )
-                self._reader = LarimarReader(MemoryStoreClient.embedded(root / "memory-store"))
+                self._reader = LarimarReader(embedded_client(root / "memory-store"))
         return self._reader
 
     async def _generate(

@@ -19,7 +19,7 @@ from server.auth import require_tenant
 from server.documents import Upload, split_content_type
 from server.errors import error_responses, invalid_request, unsupported_media_type
 from server.limits import JSONBodyRoute
-from server.protocol import (
+from server.protocol_sessions import (
     CollectionAttachRequest,
     DocumentCreateRequest,
     SessionCollection,

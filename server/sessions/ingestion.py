@@ -19,7 +19,7 @@ from engine.protocol import EngineError, IngestProgress, StoreUnavailableError
 from memory_store.errors import StoreError
 from server.documents import Upload
 from server.errors import document_not_found, from_exception
-from server.protocol import SessionDocument
+from server.protocol_sessions import SessionDocument
 from server.sessions.models import Document, Session, new_document_id
 from server.sessions.quotas import check_document_room, check_memory_budget
 

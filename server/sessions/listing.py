@@ -8,7 +8,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from memory_store.errors import InvalidStoreRequest, StoreError
-from server.protocol import SessionObject
+from server.protocol_sessions import SessionObject
 from server.sessions.models import Session, stored_view
 from server.sessions.records import SessionRecord
 

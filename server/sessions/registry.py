@@ -20,7 +20,7 @@ from server.disconnect import until_disconnected
 from server.documents import DocumentLimits, DocumentReader
 from server.errors import invalid_request, session_busy, session_not_found
 from server.metrics import Metrics
-from server.protocol import SessionCreateRequest, SessionObject
+from server.protocol_sessions import SessionCreateRequest, SessionObject
 from server.sessions.attachments import CollectionAttachments
 from server.sessions.ingestion import DocumentIngestion
 from server.sessions.models import Document, Session, new_session_id

@@ -13,7 +13,8 @@ import torch
 
 from engine.memory.session import SessionMemory
 from engine.protocol import MemorySpec, SamplingParams
-from engine.runner.generate import Generation, KVCacheState, decode_batch, step_batch
+from engine.runner.decode_state import KVCacheState, decode_batch
+from engine.runner.generate import Generation, step_batch
 from engine.sessions.memory_state import MemoryState
 
 FRAME = {"sinks": 8, "local_window": 32, "chunk_size": 32, "block": 16}

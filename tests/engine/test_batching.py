@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from engine.protocol import EngineError, SamplingParams
-from engine.runner.generate import Generation, KVCacheState, decode_batch, step_batch
+from engine.runner.decode_state import KVCacheState, decode_batch
+from engine.runner.generate import Generation, step_batch
 from engine.scheduler.worker import Collector, Job, Worker
 
 LOGITS_ATOL = 1e-4

@@ -13,10 +13,16 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from engine.runner import weights
 from engine.runner.attention import use_longserve_attention
 from engine.runner.cpu_attention import decode_attention, load_kernel
-from engine.runner.decode_step import DECODER_ATTR, attach_decoder, decoder_of, unsupported
-from engine.runner.generate import KVCacheState, forward_kv
+from engine.runner.decode_state import KVCacheState, forward_kv
+from engine.runner.decode_step import (
+    DECODER_ATTR,
+    attach_decoder,
+    decode_rows,
+    decoder_of,
+    unsupported,
+)
 from engine.runner.kv_cache import KVCache
-from engine.runner.rows import KVRow, decode_rows
+from engine.runner.rows import KVRow
 from engine.runner.weights import Int4Linear, _Concat, fuse_linears, lower_linear_weights
 
 SMALL = dict(

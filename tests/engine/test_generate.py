@@ -3,7 +3,8 @@ import torch
 
 from engine.memory.session import SessionMemory
 from engine.protocol import SamplingParams
-from engine.runner.generate import Generation, KVCacheState
+from engine.runner.decode_state import KVCacheState
+from engine.runner.generate import Generation
 from engine.sessions.memory_state import MemoryState
 
 

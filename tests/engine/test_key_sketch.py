@@ -11,8 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.memory import key_sketch
 from engine.memory.key_sketch import KeySketch, search, search_torch
+from engine.memory.ranking import fair_union
 from engine.memory.rotary import RotaryTable
-from engine.memory.tokens import fair_union
 from engine.runner.cpu_extensions import load_extension
 
 D = 32

@@ -19,7 +19,7 @@ from engine.sessions.larimar import (
     split_context,
 )
 from memory_store.backends import EmbeddedBackend
-from memory_store.client import MemoryStoreClient
+from memory_store.client import in_process_client
 from memory_store.larimar import LarimarConfig, LarimarHit
 from tests.memory_store.conftest import HashingEncoder, minilm  # noqa: F401 (fixture)
 
@@ -114,7 +114,7 @@ def test_retrieved_sentences_are_distinct_in_document_order() -> None:
 
 
 async def test_prefix_length_must_match_the_store(tmp_path) -> None:
-    client = MemoryStoreClient.in_process(
+    client = in_process_client(
         EmbeddedBackend(tmp_path), encoder=HashingEncoder(), larimar=LarimarConfig(prefix_length=4)
     )
     reader = LarimarReader(client)

@@ -108,12 +108,12 @@ def test_block_scores_are_the_softmax_mean_over_the_group(score, blocks):
 )
 def test_whole_blocks_agrees_with_the_frames_torch_check(rows, whole, padded):
     from engine.memory.config import FrameConfig
-    from engine.memory.frame import FrameState
+    from engine.memory.frame import Frame
     from engine.memory.selector import Selector
 
     idx = torch.tensor(rows)
     assert load_extension("memory_step").whole_blocks(idx, 4) == (whole, padded)
-    frame = FrameState(
+    frame = Frame(
         FrameConfig(block=4),
         Selector(),
         table(),

@@ -254,9 +254,9 @@ async def test_store_outage_reads_into_memory_and_raises(engines, monkeypatch):
 
 
 async def test_one_store_client_serves_encodings_and_larimar(engines, tmp_path):
-    from memory_store.client import MemoryStoreClient
+    from memory_store.client import embedded_client
 
-    client = MemoryStoreClient.embedded(tmp_path / "shared")
+    client = embedded_client(tmp_path / "shared")
     engine = engines(data_dir=None, store=client)
     assert engine._store is not None and engine._store.client is client
     await engine.create_session("s", SPEC)
@@ -337,7 +337,7 @@ async def test_rebuild_through_the_http_memory_service(engines, tmp_path):
 
     from memory_store.app import build_app
     from memory_store.backends import EmbeddedBackend
-    from memory_store.client import MemoryStoreClient
+    from memory_store.client import http_client
     from memory_store.settings import MemoryStoreSettings
 
     app = build_app(
@@ -348,9 +348,7 @@ async def test_rebuild_through_the_http_memory_service(engines, tmp_path):
 
     def over_http() -> LocalEngine:
         # The engine runs its store calls on its own loop only (no larimar session here).
-        client = MemoryStoreClient.http(
-            "http://memory-store", transport=httpx.ASGITransport(app=app)
-        )
+        client = http_client("http://memory-store", transport=httpx.ASGITransport(app=app))
         return engines(data_dir=None, store=client)
 
     results = []
