@@ -32,8 +32,8 @@ from engine.memory.band import read_dtype
 from engine.memory.session import STRATEGIES, SessionMemory
 from engine.protocol import MemorySpec
 from engine.runner.decode_state import KVCacheState
+from engine.runner.decode_step import decode_rows
 from engine.runner.loader import load_model
-from engine.runner.rows import decode_rows
 
 
 def random_text_ids(tokenizer, n_tokens: int, seed: int) -> list[int]:

@@ -18,6 +18,7 @@ class MemoryRow:
     def __init__(self, memory: SessionMemory, token_id: int) -> None:
         self._memory = memory
         self._ids = torch.tensor([token_id], dtype=torch.long)
+        self.attend = memory._frame.attend  # a layer's attention of the row: its frame's
 
     @property
     def frame(self) -> Frame:
@@ -28,16 +29,6 @@ class MemoryRow:
         memory.reload()
         assert not memory._selector.wants_vote(1), "a decode step never votes"
         return int(memory._begin_forward(1)[0])
-
-    def attend(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scaling: float,
-    ) -> torch.Tensor:
-        return self._memory._frame.attend(layer, query, key, value, scaling)
 
     def commit(self, logits: torch.Tensor) -> None:
         self._memory._commit(self._ids)

@@ -80,3 +80,24 @@ def require_longserve_attention(model: PreTrainedModel) -> None:
             f"the model's attention is {model.config._attn_implementation!r}, not longserve's: "
             "call engine.runner.attention.use_longserve_attention(model) once after loading it"
         )
+
+
+def forward_through(
+    model: Any, ids: torch.Tensor, positions: torch.Tensor, batch: Any
+) -> torch.Tensor:
+    """One forward of ids (B, T) at positions (B, T) whose attention goes through `batch` (the
+    forward keyword KV_KWARG: a KVBatch, or engine/runner/rows.py's RowBatch); logits
+    (B, vocab) at each row's last position. The batch aborts when the forward fails; the
+    caller commits it."""
+    try:
+        out = model(
+            input_ids=ids,
+            position_ids=positions,
+            use_cache=False,
+            logits_to_keep=1,
+            **{KV_KWARG: batch},
+        )
+    except BaseException:
+        batch.abort()
+        raise
+    return out.logits[:, -1]

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.runner.attention import KV_KWARG, require_longserve_attention
+from engine.runner.attention import forward_through, require_longserve_attention
 from engine.runner.decode_step import decode_rows, decoder_of
 from engine.runner.kv_cache import KVBatch, KVCache
 from engine.runner.rows import DecodeRow, KVRow
@@ -86,19 +86,9 @@ def forward_kv(model: Any, states: Sequence[KVCacheState], ids: torch.Tensor) ->
     last position of each row. On failure no cache has changed."""
     batch = KVBatch([state.cache for state in states])
     positions = batch.begin(ids.shape[1])  # (B, T)
-    try:
-        out = model(
-            input_ids=ids,
-            position_ids=positions,
-            use_cache=False,
-            logits_to_keep=1,
-            **{KV_KWARG: batch},
-        )
-    except BaseException:
-        batch.abort()
-        raise
+    logits = forward_through(model, ids, positions, batch)  # (B, vocab)
     batch.commit()
-    return out.logits[:, -1]  # (B, vocab)
+    return logits
 
 
 def decode_batch(

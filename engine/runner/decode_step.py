@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.runner.attention import KV_KWARG
+from engine.runner.attention import KV_KWARG, forward_through
 from engine.runner.cpu_attention import kernel_ready
 from engine.runner.rows import DecodeRow, RowBatch
 from engine.runner.weights import SMALL_M, Int4Linear, fuse_linears, quant_kernels, small_matmul
@@ -229,15 +229,8 @@ def decode_rows(model: Any, rows: Sequence[DecodeRow], token_ids: Sequence[int])
     ids = torch.tensor(list(token_ids), dtype=torch.long, device=device).view(-1, 1)  # (B, 1)
     batch = RowBatch(rows)
     positions = batch.begin(device)
+    logits = forward_through(model, ids, positions, batch)  # (B, vocab)
     try:
-        out = model(
-            input_ids=ids,
-            position_ids=positions,
-            use_cache=False,
-            logits_to_keep=1,
-            **{KV_KWARG: batch},
-        )
-        logits = out.logits[:, -1]  # (B, vocab)
         batch.commit(logits)
     except BaseException:
         batch.abort()

@@ -7,7 +7,9 @@ with (`Decoding`); `frame_backend` keeps each session's memory on the device, a 
 
 Names, one per thing:
 - Session: the API object a client creates (server/sessions/models.py `Session`).
+- SessionRegistry: the server's live Sessions, by tenant (server/sessions/registry.py).
 - SessionRecord: what the memory store keeps of a session (server/sessions/records.py).
+- SessionStore: the server's reads and writes of SessionRecords (server/sessions/records.py).
 - SessionMemory: a session's memory on the device, the frame and its blocks
   (engine/memory/session.py).
 - Conversation: the engine's state of one session on the frame backend: its SessionMemory,

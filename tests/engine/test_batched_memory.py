@@ -16,15 +16,8 @@ from engine.protocol import MemorySpec, SamplingParams
 from engine.runner.decode_state import KVCacheState, decode_batch
 from engine.runner.generate import Generation, step_batch
 from engine.sessions.memory_state import MemoryState
+from tests.engine.helpers import FRAME, SPECS, record_batches
 
-FRAME = {"sinks": 8, "local_window": 32, "chunk_size": 32, "block": 16}
-SPECS = {
-    "segments": MemorySpec("segments", {**FRAME, "k": 2, "u": 1}),
-    "tokens": MemorySpec("tokens", {**FRAME, "k": 16, "index": "torch"}),
-    "neurocache": MemorySpec(
-        "neurocache", {**FRAME, "k": 4, "w": 2, "c": 2, "r": 0, "fit_tokens": 32, "d": 8}
-    ),
-}
 ROWS = ["plain", *SPECS]  # one row of every path
 LOGPROB_ATOL = 1e-4
 
@@ -186,14 +179,7 @@ async def test_sessions_and_plain_requests_decode_in_one_batch(make_engine):
 
     # alone, one at a time; the same new chat again later starts again after the documents
     alone = [token_ids(await collect(request("alone", kind))) for kind in ROWS]
-    sizes = []
-    run = engine._worker._run_batch
-
-    def recording(steps):
-        sizes.append(len(steps))
-        return run(steps)
-
-    engine._worker._run_batch = recording
+    sizes = record_batches(engine)
     together = await asyncio.gather(*(collect(request("together", kind)) for kind in ROWS))
     assert [token_ids(d) for d in together] == alone
     assert max(sizes) == len(ROWS)

@@ -6,7 +6,6 @@ of the session's memory."""
 from __future__ import annotations
 
 import argparse
-import json
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from engine.protocol import (
 from engine.runner.chat_template import assistant_turn_end
 from engine.runner.loader import load_model
 from engine.sessions.prior_query import prior_query
+from tests.engine.helpers import ingest_args
 from tests.memory_store.conftest import minilm  # noqa: F401 - a fixture
 
 from .test_memory_frame import tiny
@@ -52,21 +52,7 @@ async def collection(tiny_model_dir, tmp_path, monkeypatch, minilm):  # noqa: F8
         files.append(str(path))
     parser = argparse.ArgumentParser()
     ingest_cli.add_arguments(parser)
-    args = parser.parse_args(
-        [
-            *files,
-            "--collection",
-            "manuals",
-            "--data-dir",
-            str(tmp_path / "data"),
-            "--model",
-            str(tiny_model_dir),
-            "--device",
-            "cpu",
-            "--memory",
-            json.dumps(SPEC.params),
-        ]
-    )
+    args = parser.parse_args(ingest_args(files, tmp_path / "data", tiny_model_dir, SPEC, "manuals"))
     return await ingest_cli.ingest_files(args)
 
 

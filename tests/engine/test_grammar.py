@@ -11,6 +11,7 @@ import json
 import pytest
 
 from engine.protocol import InvalidRequest, SamplingParams, StructuredOutput
+from tests.engine.helpers import record_batches
 
 SCHEMA = {
     "type": "object",
@@ -67,14 +68,7 @@ async def test_a_batch_mixes_constrained_and_free_rows(make_engine):
     constrained = SamplingParams(max_tokens=120, temperature=0.0, response_format=FORMAT)
     alone_free = await answer(engine, "f0", "Once upon a time,", free)
     alone_json = await answer(engine, "j0", "Describe someone.", constrained)
-    sizes = []
-    run = engine._worker._run_batch
-
-    def recording(steps):
-        sizes.append(len(steps))
-        return run(steps)
-
-    engine._worker._run_batch = recording
+    sizes = record_batches(engine)
     together = await asyncio.gather(
         answer(engine, "f1", "Once upon a time,", free),
         answer(engine, "j1", "Describe someone.", constrained),

@@ -21,6 +21,7 @@ from engine.sessions.larimar import (
 from memory_store.backends import EmbeddedBackend
 from memory_store.client import in_process_client
 from memory_store.larimar import LarimarConfig, LarimarHit
+from tests.helpers import HAYSTACK_OBJECTS, HAYSTACK_VERBS
 from tests.memory_store.conftest import HashingEncoder, minilm  # noqa: F401 (fixture)
 
 FILLER = (
@@ -42,28 +43,7 @@ def haystack(n: int, seed: int = 3) -> list[str]:
         "The committee",
         "The road",
     ]
-    verbs = [
-        "waited for",
-        "talked about",
-        "remembered",
-        "painted",
-        "argued over",
-        "discovered",
-        "ignored",
-        "celebrated",
-        "measured",
-        "described",
-    ]
-    objects = [
-        "the long summer",
-        "a broken bridge",
-        "the first snow",
-        "an empty harbour",
-        "the evening news",
-        "a forgotten song",
-        "the harvest",
-        "a red kite",
-    ]
+    verbs, objects = HAYSTACK_VERBS, HAYSTACK_OBJECTS
     return [f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}." for _ in range(n)]
 
 

@@ -18,6 +18,7 @@ from engine.protocol import MemorySpec, SamplingParams, StoreUnavailableError
 from engine.runner.loader import load_model
 from memory_store.encodings import decode_chunk, encode_chunk
 from memory_store.errors import StoreUnavailableError
+from tests.engine.helpers import ingest_args
 
 from .test_memory_frame import tiny
 from .test_memory_session import SMALL
@@ -302,19 +303,7 @@ def test_ingest_cli_encodes_files_into_a_collection(tiny_model_dir, tmp_path, mo
     parser = argparse.ArgumentParser()
     ingest_cli.add_arguments(parser)
     args = parser.parse_args(
-        [
-            str(doc),
-            "--collection",
-            "manuals",
-            "--data-dir",
-            str(tmp_path / "data"),
-            "--model",
-            str(tiny_model_dir),
-            "--device",
-            "cpu",
-            "--memory",
-            json.dumps(SPEC.params),
-        ]
+        ingest_args([str(doc)], tmp_path / "data", tiny_model_dir, SPEC, "manuals")
     )
     assert ingest_cli.run(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -10,16 +10,9 @@ import dataclasses
 import pytest
 import torch
 
-from engine.protocol import InvalidRequest, MemoryBudgetExceeded, MemorySpec, SamplingParams
+from engine.protocol import InvalidRequest, MemoryBudgetExceeded, SamplingParams
+from tests.engine.helpers import SPECS
 
-FRAME = {"sinks": 8, "local_window": 32, "chunk_size": 32, "block": 16}
-SPECS = {
-    "segments": MemorySpec("segments", {**FRAME, "k": 2, "u": 1}),
-    "tokens": MemorySpec("tokens", {**FRAME, "k": 16, "index": "torch"}),
-    "neurocache": MemorySpec(
-        "neurocache", {**FRAME, "k": 4, "w": 2, "c": 2, "r": 0, "fit_tokens": 32, "d": 8}
-    ),
-}
 ANSWER = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 DOCUMENT = " ".join(f"Fact {i}: the code of room {i} is {1000 + 37 * i}." for i in range(30))
 
