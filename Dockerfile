@@ -62,7 +62,7 @@ COPY bench ./bench
 RUN pip install --no-cache-dir --no-deps . \
  && longserve --help > /dev/null
 
-# The CPU kernels (engine/csrc: decode attention, quantized matmuls), built here from the
+# The CPU kernels (engine/runner/csrc: decode attention, quantized matmuls), built here from the
 # installed package (`python -P`: not /src) for both x86 vector levels torch may report at run
 # time. The runtime image has no compiler: where neither build matches, torch's ops are used.
 ENV TORCH_EXTENSIONS_DIR=/opt/torch_extensions
@@ -72,7 +72,7 @@ RUN mkdir -p "${TORCH_EXTENSIONS_DIR}" \
       apt-get update -qq \
    && apt-get install -y -qq --no-install-recommends g++ \
    && for cap in avx2 avx512; do \
-        ATEN_CPU_CAPABILITY="${cap}" python -P -c "from engine.cpu_extensions import load_extension as f; f('decode_attention'); f('memory_step'); f('quant_matmul')"; \
+        ATEN_CPU_CAPABILITY="${cap}" python -P -c "from engine.runner.cpu_extensions import load_extension as f; f('decode_attention'); f('memory_step'); f('quant_matmul')"; \
       done \
    && rm -rf /var/lib/apt/lists/*; \
     fi

@@ -6,7 +6,7 @@ then --new-tokens greedy steps run with teacher forcing: both caches take the fp
 token, so every step compares the same context. Agreement is the share of steps where the
 path's argmax equals the reference's:
 
-- `lean_vs_transformers`: the lean step (engine/decode_step.py) against transformers' forward
+- `lean_vs_transformers`: the lean step (engine/runner/decode_step.py) against transformers' forward
   on the same weights;
 - `vs_fp32`: the lean step against transformers' forward on the fp32 model (the precision's
   own divergence).
@@ -27,8 +27,8 @@ import torch
 
 from bench.recall_corpus import filler, load_token_counter
 from engine.config import EngineConfig
-from engine.generate import KVCacheState, forward_kv
-from engine.loader import load_model
+from engine.runner.decode_state import KVCacheState, forward_kv
+from engine.runner.loader import load_model
 
 
 def passage(tokenizer: Any, seed: int, tokens: int) -> torch.Tensor:

@@ -7,10 +7,10 @@ cannot go under without fewer weight bytes. One JSON line per --dtypes entry: th
 bare matmuls, the weights' MB and the bandwidth they imply, and the share of the step that is
 not weight matmuls (Python, dispatch, norms, rotary, attention, sampling-side work).
 
-The step is the engine's: the lean decode step where the model has one (engine/decode_step.py),
+The step is the engine's: the lean decode step where the model has one (engine/runner/decode_step.py),
 and `transformers_step_ms` the same step through transformers' forward, on a second cache.
 `attention_ms` times one token's attention over the --context-tokens cache for every layer,
-with the CPU kernel (engine/cpu_attention.py) and with SDPA; --kv-dtype float16 keeps the
+with the CPU kernel (engine/runner/cpu_attention.py) and with SDPA; --kv-dtype float16 keeps the
 engine step's cache (and the one attention_ms reads) in half precision.
 
     longserve bench decode_floor --dtypes float32 bfloat16 float32+bfloat16-linears \
@@ -30,12 +30,12 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import EngineConfig
-from engine.cpu_attention import decode_attention, load_kernel
-from engine.decode_step import decoder_of
-from engine.generate import KVCacheState, forward_kv
-from engine.kv_cache import KVCache
-from engine.loader import load_model
-from engine.weights import Int4Linear, LowPrecisionLinear, quant_kernels, small_matmul
+from engine.runner.cpu_attention import decode_attention, load_kernel
+from engine.runner.decode_state import KVCacheState, forward_kv
+from engine.runner.decode_step import decoder_of
+from engine.runner.kv_cache import KVCache
+from engine.runner.loader import load_model
+from engine.runner.weights import Int4Linear, LowPrecisionLinear, quant_kernels, small_matmul
 
 
 def bare_matmul(m: Any) -> Callable[[], torch.Tensor]:

@@ -25,9 +25,9 @@ import torch
 
 from bench.framing import PLACES, SECTIONS
 from engine.config import EngineConfig
-from engine.loader import load_model
 from engine.memory.config import MemorySpec
 from engine.memory.session import SessionMemory
+from engine.runner.loader import load_model
 
 
 def _paragraphs() -> list[str]:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.loader import load_model
+from engine.runner.loader import load_model
 
 SECTIONS = ("compound", "types", "string-methods", "typesseq", "specialnames", "execmodel")
 PLACES = ("harbour", "library", "greenhouse", "observatory", "archive", "foundry", "chapel")

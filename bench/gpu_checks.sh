@@ -42,7 +42,7 @@ torch.version.cuda, torch.cuda.get_device_name(0), 'transformers', transformers.
 
 # the CPU kernels the tests compare against, built in the background while the GPU works
 for stem in decode_attention memory_step; do
-    python3 -c "from engine.cpu_extensions import load_extension as l; print('$stem', l('$stem'))" &
+    python3 -c "from engine.runner.cpu_extensions import load_extension as l; print('$stem', l('$stem'))" &
 done >"$out/extensions.txt" 2>&1
 
 step peers 120 python3 -m bench.peers --device cuda --peers longserve transformers \

@@ -44,8 +44,8 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.larimar import LarimarParams, LarimarReader, split_context
-from engine.loader import load_model
+from engine.runner.loader import load_model
+from engine.sessions.larimar import LarimarParams, LarimarReader, split_context
 from memory_store.backends import EmbeddedBackend
 from memory_store.embedder import default_embedder
 

@@ -23,11 +23,11 @@ import torch
 
 from bench.recall_corpus import filler, load_token_counter
 from engine.config import EngineConfig
-from engine.generate import decode_batch
-from engine.loader import load_model
 from engine.memory.session import SessionMemory
-from engine.memory_state import MemoryState
 from engine.protocol import MemorySpec
+from engine.runner.decode_state import decode_batch
+from engine.runner.loader import load_model
+from engine.sessions.memory_state import MemoryState
 
 
 def step_ms(model, memory: SessionMemory, strategy: str, rows: int, token: int, steps: int):

@@ -28,12 +28,12 @@ import time
 import torch
 
 from engine.config import EngineConfig
-from engine.generate import KVCacheState
-from engine.loader import load_model
 from engine.memory.band import read_dtype
 from engine.memory.session import STRATEGIES, SessionMemory
 from engine.protocol import MemorySpec
-from engine.rows import decode_rows
+from engine.runner.decode_state import KVCacheState
+from engine.runner.decode_step import decode_rows
+from engine.runner.loader import load_model
 
 
 def random_text_ids(tokenizer, n_tokens: int, seed: int) -> list[int]:
@@ -62,8 +62,8 @@ def bare_forward_seconds(model, ids: torch.Tensor, chunk: int) -> float:
 def decode_ms_per_token(
     memory: SessionMemory, first: int, steps: int, device, last: list[int] | None = None
 ) -> float:
-    """The engine's decode step on the memory: a decode row (engine/rows.py), as the worker
-    runs it (through engine/decode_step.py's lean step where the model has one). last[0], if
+    """The engine's decode step on the memory: a decode row (engine/runner/rows.py), as the worker
+    runs it (through engine/runner/decode_step.py's lean step where the model has one). last[0], if
     given, receives the next input token."""
     token = first
     started = time.perf_counter()
@@ -80,7 +80,7 @@ def decode_ms_per_token(
 def plain_decode_ms_per_token(model, ids: torch.Tensor, steps: int) -> float:
     """Decode ms/token on transformers' own KV cache (DynamicCache) after a prompt of ids, no
     session: the model's plain decode over the same tokens. (The server's plain requests use
-    their own cache, engine/kv_cache.py; this is the model's reference, not that path.)"""
+    their own cache, engine/runner/kv_cache.py; this is the model's reference, not that path.)"""
     out = model(ids[None], use_cache=True, logits_to_keep=1)
     cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
     started = time.perf_counter()

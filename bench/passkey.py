@@ -24,9 +24,9 @@ import time
 import torch
 
 from engine.config import EngineConfig
-from engine.loader import load_model
 from engine.memory.session import STRATEGIES, SessionMemory
 from engine.protocol import MemorySpec
+from engine.runner.loader import load_model
 
 INTRO = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize "

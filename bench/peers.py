@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> None:
     import torch
 
     from engine.config import EngineConfig
-    from engine.loader import embedded_model_path, load_model
+    from engine.runner.loader import embedded_model_path, load_model
 
     torch.set_num_threads(args.threads)
     gguf = args.gguf or str(embedded_model_path())

@@ -10,7 +10,7 @@ line gives each turn's time relative to turn 1 and whether every answer matched.
 
 With --replicas N, the chat goes to N servers in turn (turn t to replica t mod N), as behind a
 proxy without affinity: each on one memory service over Redis, with the prefix cache's
-write-through on (LONGSERVE_PREFIX_CACHE_STORE=1, engine/prefix_store.py), so a turn on another
+write-through on (LONGSERVE_PREFIX_CACHE_STORE=1, engine/caches/prefix_store.py), so a turn on another
 replica imports what the first one read.
 
     longserve bench prefix --length 32768 --turns 3 [--replicas 2]

@@ -2,7 +2,7 @@
 
 The documents and questions are `longserve bench recall`'s (same seeds, same text kinds); the
 document's tokens are cut into memory blocks, each block embedded with the engine's sentence
-encoder (EmbD), and every question's EmbQ (its last paragraph, as engine/prior_query.py takes
+encoder (EmbD), and every question's EmbQ (its last paragraph, as engine/sessions/prior_query.py takes
 it) ranks them. A fact whose value is cut in two by a block edge is not found (rank -1). This
 separates retrieval from reading: a question the model gets wrong with its fact ranked first
 failed in the model, not in the prior (docs/decisions/025-prior-rank.md).
@@ -22,7 +22,7 @@ import numpy as np
 
 from bench.recall_corpus import build_document, load_token_counter
 from bench.recall_tasks import TASKS, make_trial
-from engine.prior_query import question_text
+from engine.sessions.prior_query import question_text
 
 
 def rank(embed, blocks: list[str], vectors: np.ndarray, question: str, values) -> int:
@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from transformers import AutoTokenizer
 
-    from engine.loader import embedded_model_path
+    from engine.runner.loader import embedded_model_path
     from memory_store.client import default_embedder
 
     path = embedded_model_path()

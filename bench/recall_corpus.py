@@ -230,7 +230,7 @@ def load_token_counter(model: str | None) -> Callable[[list[str]], list[int]]:
     """Token counts of texts by the served model's tokenizer (the embedded GGUF by default)."""
     from transformers import AutoTokenizer
 
-    from engine.loader import embedded_model_path
+    from engine.runner.loader import embedded_model_path
 
     if model is None:
         path = embedded_model_path()

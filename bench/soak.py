@@ -40,7 +40,7 @@ from pathlib import Path
 import httpx
 
 from bench.server_process import free_port, model_args, served, wait_ready
-from memory_store.client import MemoryStoreClient
+from memory_store.client import http_client
 from memory_store.errors import NotFound
 
 # Without API keys every request is tenant "default" (loopback only): the store keeps a
@@ -228,7 +228,7 @@ async def chaos(redis: Redis, service: MemoryService, interval: float, end: floa
 
 async def audit(service: MemoryService, ledger: Ledger) -> dict:
     """Every acknowledged document and turn, looked up in the store's records."""
-    store = MemoryStoreClient.http(service.url, timeout_s=30)
+    store = http_client(service.url, timeout_s=30)
     lost_docs = lost_turns = 0
     try:
         records = {

@@ -1,4 +1,4 @@
-"""Ingest from scratch vs rebuild from the memory store, in one run (engine/store.py).
+"""Ingest from scratch vs rebuild from the memory store, in one run (engine/caches/store.py).
 
 One LocalEngine on the model (default: the embedded SmolLM2-135M) with an embedded store in a
 temporary data dir: session A ingests a document (forward every chunk, put its encodings),
@@ -23,8 +23,8 @@ from pathlib import Path
 from bench.memory_speed import random_text_ids
 from engine.client import LocalEngine
 from engine.config import EngineConfig
-from engine.loader import load_model
 from engine.protocol import MemorySpec
+from engine.runner.loader import load_model
 
 
 async def _ingest(engine: LocalEngine, request_id: str, session_id: str, text: str):

@@ -1,4 +1,8 @@
-"""The model and its memory. Import-light: `import engine` loads no torch; the names below are
+"""The model and its memory, by role: `protocol` (the contract the server calls), `client`
+(LocalEngine, which implements it) and `config` at the top; `runner/` runs the model, `memory/`
+is the memory attention's strategies, `sessions/` the session backends, `caches/` the prefix
+caches and the memory store's I/O, `scheduler/` the thread that owns the device. The design is
+docs/architecture.md. Import-light: `import engine` loads no torch; the names below are
 imported on first use."""
 
 from __future__ import annotations
@@ -8,8 +12,8 @@ from typing import Any
 _LAZY = {
     "EngineConfig": "engine.config",
     "LocalEngine": "engine.client",
-    "LoadedModel": "engine.loader",
-    "load_model": "engine.loader",
+    "LoadedModel": "engine.runner.loader",
+    "load_model": "engine.runner.loader",
 }
 
 __all__ = sorted(_LAZY)

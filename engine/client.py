@@ -1,10 +1,10 @@
 """`LocalEngine`: the in-process EngineClient. Async calls in, jobs on the device thread out.
 
-Everything here that touches torch runs on the worker thread (engine/worker.py); the async methods
+Everything here that touches torch runs on the worker thread (engine/scheduler/worker.py); the async methods
 only tokenize, validate, queue and wait. Tokenizers mutate shared state while encoding (the
 special-token switch), so the asyncio side and the device thread each use their own copy.
-Sessions come in kinds behind one interface (engine/sessions.py `SessionKind`): memory sessions
-on the device, and Larimar sessions kept in the memory service (engine/larimar.py).
+Sessions come in kinds behind one interface (engine/sessions/backend.py `SessionBackend`): memory sessions
+on the device, and Larimar sessions kept in the memory service (engine/sessions/larimar.py).
 """
 
 from __future__ import annotations
@@ -18,14 +18,9 @@ from typing import Any
 
 import torch
 
-from engine.chat_template import assistant_turn_end, encode_chat, end_token_ids
+from engine.caches.prefix_store import PrefixStoreStats
+from engine.caches.store import StoreBridge, model_fingerprint
 from engine.config import EngineConfig
-from engine.decode_step import decoder_of
-from engine.generate import Generation, KVCacheState, running_generation, step_batch
-from engine.grammar import Grammars
-from engine.larimar import LarimarSessions
-from engine.loader import LoadedModel, load_model
-from engine.prefix_store import PrefixStoreStats
 from engine.protocol import (
     CollectionAttachment,
     EngineHealth,
@@ -40,10 +35,18 @@ from engine.protocol import (
     SessionMemoryInfo,
     SessionTurn,
 )
-from engine.sessions import Decoding, MemorySessions, SessionKind
-from engine.store import StoreBridge, model_fingerprint
-from engine.stream import aborted_delta, submit
-from engine.worker import Worker
+from engine.runner.chat_template import assistant_turn_end, encode_chat, end_token_ids
+from engine.runner.decode_state import KVCacheState
+from engine.runner.decode_step import decoder_of
+from engine.runner.generate import Generation, running_generation, step_batch
+from engine.runner.grammar import Grammars
+from engine.runner.loader import LoadedModel, load_model
+from engine.scheduler.stream import aborted_delta, submit
+from engine.scheduler.worker import Worker
+from engine.sessions.backend import Decoding, SessionBackend
+from engine.sessions.conversation import check_memory_cap
+from engine.sessions.frame_backend import FrameBackend
+from engine.sessions.larimar import LarimarBackend
 from memory_store.client import MemoryStoreClient
 
 MAX_TOP_LOGPROBS = 20
@@ -98,7 +101,7 @@ class LocalEngine:
             assistant_turn_end(self._tokenizer),  # closes an answer in a session
             self._grammars,
         )
-        # The memory service (engine/store.py): None unless `store`, memory_store_url or
+        # The memory service (engine/caches/store.py): None unless `store`, memory_store_url or
         # data_dir is given.
         self._store = StoreBridge.from_config(self.config, store)
         self._model_fingerprint = (
@@ -121,7 +124,7 @@ class LocalEngine:
             housekeeping_interval_s=min(max(offload_after / 4, 0.01), 10.0),
             decode_share=self.config.decode_share,
         )
-        self._memory_sessions = MemorySessions(
+        self._frame_backend = FrameBackend(
             self.loaded.model,
             self.config,
             self._worker,
@@ -131,14 +134,14 @@ class LocalEngine:
             self._model_fingerprint,
             self.loaded.kv_dtype,
         )
-        self._larimar_sessions = LarimarSessions(
+        self._larimar_backend = LarimarBackend(
             self, lambda text: len(self.encode_prompt(text)), self.config, store
         )
-        self._kinds: tuple[SessionKind, ...] = (self._memory_sessions, self._larimar_sessions)
+        self._backends: tuple[SessionBackend, ...] = (self._frame_backend, self._larimar_backend)
         self._info = ModelInfo(
             id=self.loaded.model_id,
             max_model_len=self.loaded.max_model_len,
-            strategies=self._memory_sessions.strategies + self._larimar_sessions.strategies,
+            strategies=self._frame_backend.strategies + self._larimar_backend.strategies,
             created=int(time.time()),
         )
 
@@ -158,14 +161,14 @@ class LocalEngine:
 
     # -- sessions, whatever their kind ----------------------------------------------------------
 
-    def _kind_of(self, session_id: str) -> SessionKind:
+    def _backend_of(self, session_id: str) -> SessionBackend:
         """The kind holding the session; memory sessions answer for an unknown id."""
-        return next((k for k in self._kinds if session_id in k), self._memory_sessions)
+        return next((k for k in self._backends if session_id in k), self._frame_backend)
 
-    def _kind_for(self, spec: MemorySpec) -> SessionKind:
+    def _backend_for(self, spec: MemorySpec) -> SessionBackend:
         """The kind serving the strategy; memory sessions refuse an unknown one."""
         return next(
-            (k for k in self._kinds if spec.strategy in k.strategies), self._memory_sessions
+            (k for k in self._backends if spec.strategy in k.strategies), self._frame_backend
         )
 
     # -- EngineClient -------------------------------------------------------------------------
@@ -191,17 +194,17 @@ class LocalEngine:
             with self._tokenizer_lock:  # the llguidance tokenizer is built from this one
                 self._grammars.compile(sampling.response_format)  # InvalidRequest if it cannot
         if session_id is not None:
-            kind = self._kind_of(session_id)
-            return kind.generate(request_id, session_id, prompt, sampling, memory_room)
+            backend = self._backend_of(session_id)
+            return backend.generate(request_id, session_id, prompt, sampling, memory_room)
         prompt_ids = self._encode(prompt)  # (T,)
         total = len(prompt_ids) + sampling.max_tokens
         queued_at = time.perf_counter()
         if total <= self.loaded.max_model_len:
             steps = self._kv_steps(prompt_ids, sampling, queued_at)
             return submit(self._worker, request_id, steps, None, aborted_delta(len(prompt_ids)))
-        self._memory_sessions.check_memory_cap(total)
+        check_memory_cap(total, self.config.max_memory_tokens)
         spec = memory or MemorySpec(strategy=self.config.memory_strategy)
-        return self._kind_for(spec).generate_ephemeral(
+        return self._backend_for(spec).generate_ephemeral(
             request_id, prompt, prompt_ids, sampling, spec, queued_at, scope=tenant
         )
 
@@ -213,27 +216,27 @@ class LocalEngine:
 
     async def create_session(self, session_id: str, memory: MemorySpec | None = None) -> None:
         spec = memory or MemorySpec(strategy=self.config.memory_strategy)
-        if any(session_id in kind for kind in self._kinds):
+        if any(session_id in kind for kind in self._backends):
             raise InvalidRequest(f"session {session_id!r} already exists", param="session_id")
-        await self._kind_for(spec).create(session_id, spec)
+        await self._backend_for(spec).create(session_id, spec)
 
     async def import_turn(self, session_id: str, turn: SessionTurn) -> None:
-        await self._kind_of(session_id).import_turn(session_id, turn)
+        await self._backend_of(session_id).import_turn(session_id, turn)
 
     async def drop_session(self, session_id: str) -> None:
-        await self._kind_of(session_id).drop(session_id)
+        await self._backend_of(session_id).drop(session_id)
 
     def ingest(self, request_id: str, session_id: str, text: str) -> AsyncIterator[IngestProgress]:
         self._worker.check_alive()
-        return self._kind_of(session_id).ingest(request_id, session_id, text)
+        return self._backend_of(session_id).ingest(request_id, session_id, text)
 
     async def attach_collection(self, session_id: str, name: str) -> CollectionAttachment:
-        """Attach `name` (written by `longserve ingest`) to the session (engine/collections.py)."""
+        """Attach `name` (written by `longserve ingest`) to the session (engine/sessions/document_collections.py)."""
         self._worker.check_alive()
-        return await self._kind_of(session_id).attach_collection(session_id, name)
+        return await self._backend_of(session_id).attach_collection(session_id, name)
 
     def session_memory_info(self, session_id: str) -> SessionMemoryInfo | None:
-        return self._memory_sessions.memory_info(session_id)
+        return self._frame_backend.memory_info(session_id)
 
     async def health(self) -> EngineHealth:
         if self._worker.dead is not None:
@@ -243,9 +246,9 @@ class LocalEngine:
         return EngineHealth(ok=True, detail=f"{self._info.id} on {self.loaded.device}")
 
     def stats(self) -> EngineStats:
-        sessions = list(self._memory_sessions.sessions.values())
-        prefixes = self._memory_sessions.prefixes.stats()
-        shared = self._memory_sessions.prefix_store
+        sessions = list(self._frame_backend.conversations.values())
+        prefixes = self._frame_backend.prefixes.stats()
+        shared = self._frame_backend.prefix_store
         stored = shared.stats() if shared is not None else PrefixStoreStats()
         return EngineStats(
             num_requests_running=self._worker.num_running,
@@ -270,7 +273,7 @@ class LocalEngine:
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self._worker.stop)
-        self._memory_sessions.sessions.clear()
+        self._frame_backend.conversations.clear()
         if self._store is not None:
             await asyncio.to_thread(self._store.close)
 
@@ -298,7 +301,7 @@ class LocalEngine:
         return step_batch(self.loaded.model, steps, self._invariant_rows)
 
     def _offload_idle_sessions(self) -> None:
-        self._memory_sessions.offload_idle()
+        self._frame_backend.offload_idle()
 
 
 def _can_batch(steps: Any) -> bool:

@@ -35,16 +35,16 @@ class EngineConfig:
     text_prior: give every memory session the text prior (engine/memory/prior.py: the
     sentence encoder's EmbQ(question) . EmbD(block) picks blocks next to attention); False,
     or no encoder installed, leaves the memory knobs prior_k/prior_u without effect.
-    prefix_cache_bytes: memories kept for long prompts' reuse (engine/prefix_cache.py), an LRU
+    prefix_cache_bytes: memories kept for long prompts' reuse (engine/caches/prefix_cache.py), an LRU
     by bytes in host memory; 0 keeps none.
     prefix_cache_store: with a memory store, long prompts' documents are also read with
     write-through to it, chunk by chunk (fp16, about 23 KB per token for SmolLM2), so a later
-    prompt on any replica imports what it shares with them (engine/prefix_store.py). The store
+    prompt on any replica imports what it shares with them (engine/caches/prefix_store.py). The store
     keeps those chunks as it keeps uploaded documents'.
     linear_dtype: the precision the linear layers keep their weights in and multiply in
-    (engine/weights.py). "auto": a GGUF whose linears are Q4_1 (the embedded one), run on the
+    (engine/runner/weights.py). "auto": a GGUF whose linears are Q4_1 (the embedded one), run on the
     CPU, keeps them as the file holds them, i.e. "int4"; anything else keeps the model's dtype
-    (engine/loader.py's resolve_precision). "float32" forces the dequantized fp32 reference;
+    (engine/runner/loader.py's resolve_precision). "float32" forces the dequantized fp32 reference;
     "bfloat16" on a float32 CPU model halves the bytes a decode step reads; "int4" keeps 4-bit
     groups of 32 (Q4_1's grid; CPU only) and the output head in int8 rows (the GGUF's Q8_0);
     everything else stays in the model's dtype.
@@ -55,7 +55,7 @@ class EngineConfig:
     attends them in the model's dtype. Memory blocks have their own knob (memory_dtype,
     engine/memory/config.py).
     lean_decode: decode steps of plain (non-memory) requests on a Llama-family model run
-    engine/decode_step.py's lean step instead of transformers' forward (the same function in
+    engine/runner/decode_step.py's lean step instead of transformers' forward (the same function in
     far fewer eager ops); False keeps transformers' forward for every step.
     decode_share: while a request is being read, the share of device time the decode steps of
     the other running requests get (the worker runs several decode steps per reading chunk);

@@ -13,10 +13,10 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from memory_store import errors as store_errors
 
-ChatMessage = Mapping[str, Any]
+PromptMessage = Mapping[str, Any]
 """One chat message as OpenAI sends it: {"role": ..., "content": str | list of text parts}."""
 
-Prompt = str | Sequence[ChatMessage]
+Prompt = str | Sequence[PromptMessage]
 """A completion prompt (str, used verbatim) or chat messages (rendered by the chat template)."""
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -88,8 +88,8 @@ class StoreUnavailableError(EngineError, store_errors.StoreUnavailableError):
 
 
 @dataclass(frozen=True)
-class ResponseFormat:
-    """A structured output the tokens must follow (engine/grammar.py): any JSON object
+class StructuredOutput:
+    """A structured output the tokens must follow (engine/runner/grammar.py): any JSON object
     ("json_object"), JSON valid against `schema` ("json_schema"; the schema as JSON text), or
     text of a grammar in llguidance's Lark dialect ("lark"; `schema` holds the grammar)."""
 
@@ -117,7 +117,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
-    response_format: ResponseFormat | None = None
+    response_format: StructuredOutput | None = None
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ class MemorySpec:
 
 
 @dataclass(frozen=True)
-class TopLogprob:
+class AlternativeLogprob:
     token: str
     logprob: float
     bytes: list[int] | None
@@ -146,7 +146,7 @@ class TokenLogprob:
     token: str
     logprob: float
     bytes: list[int] | None
-    top_logprobs: list[TopLogprob]
+    top_logprobs: list[AlternativeLogprob]
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,7 @@ class SessionTurn:
     forward when `encoding` is there; its tokens are read again when it is not).
 
     seq counts the session's turns from 1. restart: the memory first went back to the end of
-    its documents, forgetting the conversation held (MemorySession.plan_chat). messages: the
+    its documents, forgetting the conversation held (Conversation.plan_chat). messages: the
     chat messages appended, (role, text) each; None for a completion prompt. commits: tokens
     per commit, in the order the memory committed them. turns / turn_tokens: how many turns,
     and their tokens, the memory holds after this one (documents and collections apart).
@@ -253,7 +253,7 @@ class EngineStats:
     sessions_active: int = 0
     memory_tokens: int = 0
     sessions_offloaded: int = 0  # of sessions_active, those moved to host memory while idle
-    # long prompts' prefix reuse (engine/prefix_cache.py): counters since start, and what the
+    # long prompts' prefix reuse (engine/caches/prefix_cache.py): counters since start, and what the
     # cache holds now
     prefix_cache_hits: int = 0
     prefix_cache_misses: int = 0
@@ -261,12 +261,12 @@ class EngineStats:
     prefix_cache_evictions: int = 0
     prefix_cache_entries: int = 0
     prefix_cache_bytes: int = 0
-    # ... through the memory store (engine/prefix_store.py), counters since start
+    # ... through the memory store (engine/caches/prefix_store.py), counters since start
     prefix_cache_store_hits: int = 0
     prefix_cache_store_tokens_imported: int = 0
     prefix_cache_store_chunks_written: int = 0
     prefix_cache_store_failures: int = 0
-    # structured outputs (engine/grammar.py): grammars compiled and reused since start
+    # structured outputs (engine/runner/grammar.py): grammars compiled and reused since start
     grammars_compiled: int = 0
     grammar_cache_hits: int = 0
     grammar_compile_seconds: float = 0.0

@@ -1,11 +1,11 @@
 """The typed async client the engine and the server use to reach the memory service.
 
-`MemoryStoreClient` is the API; two implementations sit behind it:
+`MemoryStoreClient` (client_api.py) is the API; two implementations sit behind it:
 
-- `MemoryStoreClient.in_process(backend)` (`client_inprocess.py`): wraps the store over a
-  backend in this process (the embedded default; also works over Redis without the HTTP hop).
-  `MemoryStoreClient.embedded(data_dir)` is that over an `EmbeddedBackend` at `data_dir`.
-- `MemoryStoreClient.http(base_url)` (`client_http.py`): httpx to a remote `longserve
+- `in_process_client(backend)` (`client_inprocess.py`): wraps the store over a backend in this
+  process (the embedded default; also works over Redis without the HTTP hop).
+  `embedded_client(data_dir)` is that over an `EmbeddedBackend` at `data_dir`.
+- `http_client(base_url)` (`client_http.py`): httpx to a remote `longserve
   memory-store`, with bounded retries and backoff; a restarted service is picked up on the next
   call.
 
@@ -22,13 +22,11 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
-
-import numpy as np
+from collections.abc import Callable
+from typing import Any
 
 from memory_store.backends import Backend, EmbeddedBackend
+from memory_store.client_api import MemoryStoreClient
 from memory_store.embedder import Embedder, TextEncoder, bundled_model_path
 from memory_store.encodings import (
     ChunkEncoding,
@@ -40,7 +38,7 @@ from memory_store.encodings import (
 from memory_store.errors import StoreUnavailableError
 from memory_store.keys import KeySpace
 from memory_store.larimar import LarimarConfig, LarimarHit, split_sentences
-from memory_store.observed import RequestHook, observed
+from memory_store.observed import RequestHook
 from memory_store.retry import RetryPolicy
 
 __all__ = [
@@ -59,11 +57,12 @@ __all__ = [
     "bundled_model_path",
     "chain_hash",
     "default_embedder",
+    "embedded_client",
+    "http_client",
+    "in_process_client",
     "split_sentences",
     "wait_until_ready",
 ]
-
-T = TypeVar("T")
 
 
 def default_embedder() -> Embedder:
@@ -73,160 +72,48 @@ def default_embedder() -> Embedder:
     return embedder.default_embedder()
 
 
-class MemoryStoreClient(ABC):
-    """The memory service's API. Use `in_process(...)`, `embedded(...)` or `http(...)` to get one."""
+def in_process_client(
+    backend: Backend,
+    *,
+    encoder: TextEncoder | Callable[[], TextEncoder] | None = None,
+    larimar: LarimarConfig | None = None,
+    on_request: RequestHook | None = None,
+) -> MemoryStoreClient:
+    """The client over `backend` in this process."""
+    from memory_store.client_inprocess import InProcessMemoryStoreClient
 
-    backend_name: str = "unknown"
+    return InProcessMemoryStoreClient(
+        backend, encoder=encoder, larimar=larimar, on_request=on_request
+    )
 
-    def __init__(self, on_request: RequestHook | None = None) -> None:
-        self.on_request = on_request
 
-    @staticmethod
-    def in_process(
-        backend: Backend,
-        *,
-        encoder: TextEncoder | Callable[[], TextEncoder] | None = None,
-        larimar: LarimarConfig | None = None,
-        on_request: RequestHook | None = None,
-    ) -> MemoryStoreClient:
-        from memory_store.client_inprocess import InProcessMemoryStoreClient
+def embedded_client(
+    data_dir: str | os.PathLike[str],
+    *,
+    encoder: TextEncoder | Callable[[], TextEncoder] | None = None,
+    larimar: LarimarConfig | None = None,
+    on_request: RequestHook | None = None,
+) -> MemoryStoreClient:
+    """The in-process client over an `EmbeddedBackend` at `data_dir` (created if missing)."""
+    return in_process_client(
+        EmbeddedBackend(data_dir), encoder=encoder, larimar=larimar, on_request=on_request
+    )
 
-        return InProcessMemoryStoreClient(
-            backend, encoder=encoder, larimar=larimar, on_request=on_request
-        )
 
-    @staticmethod
-    def embedded(
-        data_dir: str | os.PathLike[str],
-        *,
-        encoder: TextEncoder | Callable[[], TextEncoder] | None = None,
-        larimar: LarimarConfig | None = None,
-        on_request: RequestHook | None = None,
-    ) -> MemoryStoreClient:
-        """The in-process client over an `EmbeddedBackend` at `data_dir` (created if missing)."""
-        return MemoryStoreClient.in_process(
-            EmbeddedBackend(data_dir), encoder=encoder, larimar=larimar, on_request=on_request
-        )
+def http_client(
+    base_url: str,
+    *,
+    timeout_s: float = 30.0,
+    retry: RetryPolicy | None = None,
+    on_request: RequestHook | None = None,
+    transport: Any = None,
+) -> MemoryStoreClient:
+    """The client of a remote `longserve memory-store` at `base_url`."""
+    from memory_store.client_http import HttpMemoryStoreClient
 
-    @staticmethod
-    def http(
-        base_url: str,
-        *,
-        timeout_s: float = 30.0,
-        retry: RetryPolicy | None = None,
-        on_request: RequestHook | None = None,
-        transport: Any = None,
-    ) -> MemoryStoreClient:
-        from memory_store.client_http import HttpMemoryStoreClient
-
-        return HttpMemoryStoreClient(
-            base_url, timeout_s=timeout_s, retry=retry, on_request=on_request, transport=transport
-        )
-
-    async def _observe(self, op: str, call: Callable[[], Awaitable[T]]) -> T:
-        async with observed(self.on_request, op, self.backend_name):
-            return await call()
-
-    # The API ----------------------------------------------------------------------------------
-
-    @abstractmethod
-    async def ping(self) -> None:
-        """Raises StoreUnavailableError when the store cannot be reached."""
-
-    @abstractmethod
-    async def put_chunk(
-        self,
-        fingerprint: str,
-        chain_hash: str,
-        chunk: ChunkEncoding,
-        quantization: Quantization = "fp16",
-    ) -> bool:
-        """True if written, False if that chunk was already stored."""
-
-    @abstractmethod
-    async def has_chunk(self, fingerprint: str, chain_hash: str) -> bool: ...
-
-    @abstractmethod
-    async def get_chunk(self, fingerprint: str, chain_hash: str) -> ChunkEncoding: ...
-
-    @abstractmethod
-    async def put_manifest(
-        self, session_id: str, doc_id: str, manifest: DocumentManifest
-    ) -> None: ...
-
-    @abstractmethod
-    async def get_manifest(self, session_id: str, doc_id: str) -> DocumentManifest: ...
-
-    @abstractmethod
-    async def list_documents(self, session_id: str) -> list[DocumentManifest]: ...
-
-    @abstractmethod
-    async def delete_session(self, session_id: str) -> int: ...
-
-    @abstractmethod
-    async def add_to_collection(
-        self, name: str, fingerprint: str, chain_hashes: Sequence[str], embeddings: np.ndarray
-    ) -> int: ...
-
-    @abstractmethod
-    async def select_chunks(
-        self, name: str, query_embedding: np.ndarray, top_k: int
-    ) -> list[ChunkRef]: ...
-
-    @abstractmethod
-    async def collection_chunks(self, name: str) -> list[ChunkRef]:
-        """Every chunk of the collection in document order (score 0); NotFound if none."""
-
-    @abstractmethod
-    async def delete_collection(self, name: str) -> int: ...
-
-    # Generic records and blobs (memory_store/records.py) -----------------------------------
-
-    @abstractmethod
-    async def put_record(self, namespace: str, key: str, record: Mapping[str, Any]) -> None:
-        """Store (or replace) a JSON object under `key` in `namespace` ("sess:ID", "tenant:ID")."""
-
-    @abstractmethod
-    async def get_record(self, namespace: str, key: str) -> dict[str, Any]:
-        """Raises NotFound."""
-
-    @abstractmethod
-    async def list_records(self, namespace: str, prefix: str = "") -> dict[str, dict[str, Any]]:
-        """The namespace's records whose key starts with `prefix`, by key."""
-
-    @abstractmethod
-    async def delete_record(self, namespace: str, key: str) -> bool: ...
-
-    @abstractmethod
-    async def put_blob(self, namespace: str, key: str, data: bytes) -> None: ...
-
-    @abstractmethod
-    async def get_blob(self, namespace: str, key: str) -> bytes:
-        """Raises NotFound."""
-
-    @abstractmethod
-    async def larimar_write(
-        self,
-        session_id: str,
-        *,
-        text: str | None = None,
-        segments: Sequence[str] | None = None,
-        save: bool = False,
-    ) -> int: ...
-
-    @abstractmethod
-    async def larimar_read(
-        self, session_id: str, query: str, top_k: int = 3, use_prefix: bool = True
-    ) -> list[LarimarHit]: ...
-
-    @abstractmethod
-    async def larimar_save(self, session_id: str) -> None: ...
-
-    @abstractmethod
-    async def larimar_load(self, session_id: str) -> dict[str, int]: ...
-
-    async def close(self) -> None:  # noqa: B027 - optional hook
-        """Release connections."""
+    return HttpMemoryStoreClient(
+        base_url, timeout_s=timeout_s, retry=retry, on_request=on_request, transport=transport
+    )
 
 
 async def wait_until_ready(client: MemoryStoreClient, timeout_s: float = 10.0) -> None:

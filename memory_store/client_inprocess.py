@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from memory_store.backends.base import Backend
-from memory_store.client import MemoryStoreClient
+from memory_store.client_api import MemoryStoreClient
 from memory_store.embedder import TextEncoder
 from memory_store.encoding_store import EncodingStore
 from memory_store.encodings import ChunkEncoding, ChunkRef, DocumentManifest, Quantization

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from memory_store.client import MemoryStoreClient
 
 EXIT_BAD_CONFIG = 2
-EMBEDDED_STORE = "memory-store"  # under --data-dir; engine/store.py uses the same directory
+EMBEDDED_STORE = "memory-store"  # under --data-dir; engine/caches/store.py uses the same directory
 EXIT_STARTUP_FAILURE = 3  # uvicorn's own code for a failed start-up
 
 
@@ -175,11 +175,11 @@ def run_serve(args: argparse.Namespace) -> int:
 def memory_store_client(settings: ServerSettings) -> MemoryStoreClient:
     """The process's client (session records, and the engine's encodings when embedded): the
     memory service at --memory-store, else the embedded store in DATA_DIR/memory-store."""
-    from memory_store.client import MemoryStoreClient
+    from memory_store.client import embedded_client, http_client
 
     if settings.memory_store_url:
-        return MemoryStoreClient.http(settings.memory_store_url)
-    return MemoryStoreClient.embedded(Path(settings.data_dir) / EMBEDDED_STORE)
+        return http_client(settings.memory_store_url)
+    return embedded_client(Path(settings.data_dir) / EMBEDDED_STORE)
 
 
 def _error_text(error: Any) -> str:
@@ -249,8 +249,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     ),
     "ingest": Subcommand(
         "pre-encode documents offline into a memory-store collection",
-        _lazy("engine.ingest_cli", "add_arguments"),
-        _lazy("engine.ingest_cli", "run"),
+        _lazy("engine.caches.ingest_cli", "add_arguments"),
+        _lazy("engine.caches.ingest_cli", "run"),
     ),
     "bench": Subcommand(
         "run a benchmark from bench/ (one JSON line per measurement)",

@@ -46,7 +46,7 @@ class ServerSettings(BaseSettings):
     # or "float16".
     kv_dtype: str = "auto"
     # Plain requests' decode steps on a Llama-family model skip transformers' forward
-    # (engine/decode_step.py); false keeps it for every step.
+    # (engine/runner/decode_step.py); false keeps it for every step.
     lean_decode: bool = True
     # The window of one forward (vLLM's --max-model-len); a longer prompt is read into memory.
     # None: the model's max_position_embeddings.

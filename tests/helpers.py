@@ -19,6 +19,30 @@ import uvicorn
 
 HOST = "127.0.0.1"
 
+# Words of haystack sentences (the Larimar tests): "<subject> <verb> <object>".
+HAYSTACK_VERBS = (
+    "waited for",
+    "talked about",
+    "remembered",
+    "painted",
+    "argued over",
+    "discovered",
+    "ignored",
+    "celebrated",
+    "measured",
+    "described",
+)
+HAYSTACK_OBJECTS = (
+    "the long summer",
+    "a broken bridge",
+    "the first snow",
+    "an empty harbour",
+    "the evening news",
+    "a forgotten song",
+    "the harvest",
+    "a red kite",
+)
+
 
 def free_port() -> int:
     """A local TCP port nothing listens on right now."""

@@ -1,9 +1,14 @@
 """The session memory: documents longer than the model's window, read into a per-session
-memory that every forward attends to through a frame (ARCHITECTURE.md section 3).
+memory that every forward attends to through a frame (docs/architecture.md section 3).
 
     session.py     SessionMemory, STRATEGIES - the only interface the rest of engine/ uses
-    frame.py       FrameState: the frame [sinks | retrieved | local window | chunk], positions,
-                   one layer's attention (reached through engine/attention.py)
+    transfer.py    a memory's encodings out to the memory store and back in, and its turns
+    decode_row.py  a memory's one-token append as a row of a batched decode forward
+    frame.py       Frame: the frame [sinks | retrieved | local window | chunk], one layer's
+                   attention (reached through engine/runner/attention.py), commits
+    frame_state.py FrameState, FrameMark: what a frame holds and its positions, read by the
+                   helpers below (none of them imports frame.py)
+    chunk.py       a chunk's attention over the whole frame concatenated
     band.py        a reading chunk's band attention, and the dtype it computes in
     step_cache.py  the decode-step path and what decode steps keep between steps
     buffers.py     GrowingBuffer, LayerStore: where each layer's keys and values live
@@ -12,4 +17,5 @@ memory that every forward attends to through a frame (ARCHITECTURE.md section 3)
     config.py      one frozen dataclass of hyperparameters per strategy, MemorySpec parsing
     segments.py    CacheFormer (default)      tokens.py  Unlimiformer (decoder-only)
     neurocache.py  Neurocache                 index.py   kNN backends (torch exact, faiss)
+    ranking.py     which rows a search keeps (fair_union), shared by tokens, key_sketch, neurocache
 """

@@ -18,7 +18,7 @@ from engine.memory.chunk import chunk_mask
 from engine.memory.rotary import Angles
 
 if TYPE_CHECKING:
-    from engine.memory.frame import FrameState
+    from engine.memory.frame_state import FrameState
 
 BAND_ROWS = 128  # query rows per attention call of a reading chunk (attend_band)
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from engine.memory.frame import FrameState
+    from engine.memory.frame_state import FrameState
 
 
 def attend_chunk(

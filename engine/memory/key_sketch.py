@@ -8,7 +8,7 @@ of them (docs/decisions/051-tokens-exact-scan.md).
 `KeySketch` holds the pre-rotary keys dimension-major in float16 (one dimension of every key is
 one contiguous run), which a streamed scan reads in blocks of 64 keys. The frame's memory keys
 are stored rotated by their offset in their block; the rotation cancels in the score, so the
-pre-rotary keys rank the same. engine/csrc/token_search.cpp does a layer's search in one call;
+pre-rotary keys rank the same. engine/runner/csrc/token_search.cpp does a layer's search in one call;
 `search_torch` is the same in torch ops (other devices, or no compiler). Decisions 046 and 048
 searched candidates picked by partial scores instead; the scan costs less and is exact.
 """
@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from engine.cpu_extensions import load_extension
+from engine.memory.ranking import fair_union, padded_rows
 from engine.memory.rotary import RotaryTable
+from engine.runner.cpu_extensions import load_extension
 
 
 class KeySketch:
@@ -74,10 +75,10 @@ def search(
 ) -> torch.Tensor:
     """queries (kv_heads, R, d), each head's rows in rank order, rotated by the rotary
     `position` first when it is given -> (kv_heads, width) memory rows: each head's first k
-    distinct hits taken rank by rank over its rows (tokens.fair_union), ascending, -1 padded.
+    distinct hits taken rank by rank over its rows (ranking.fair_union), ascending, -1 padded.
     Every key is scored exactly on the sketch."""
     kernels = _kernels(queries, sketch)
-    if kernels is not None:  # one call for the layer (engine/csrc/token_search.cpp)
+    if kernels is not None:  # one call for the layer (engine/runner/csrc/token_search.cpp)
         return kernels.search(
             queries.float().contiguous(), sketch.view(), rotary.cos, rotary.sin, k,
             -1 if position is None else position,
@@ -89,8 +90,6 @@ def search(
 
 def search_torch(queries: torch.Tensor, sketch: KeySketch, k: int) -> torch.Tensor:
     """`search` in torch ops, the queries as given: ties go to the lower row, as in the kernel."""
-    from engine.memory.tokens import fair_union, padded_rows  # tokens imports this module
-
     keys = sketch.view()
     scores = queries.float() @ keys.to(queries.device).float()  # (kv_heads, R, n)
     n = keys.shape[2]

@@ -23,7 +23,7 @@ what the paper initialises cache attention with.
 
 A multi-token chunk's one retrieval uses up to `max_queries` of its tokens (evenly spaced, the
 last one in); their hits are merged rank by rank, the last token first, and the first k kept
-(tokens.fair_union: ranking by raw score lets the chunk's filler rows, which have near-exact
+(ranking.fair_union: ranking by raw score lets the chunk's filler rows, which have near-exact
 copies in memory, take every slot from the last token's).
 
 Defaults (NeurocacheConfig): k 64 (the paper's setting for adapted pretrained models), w 2,
@@ -43,14 +43,14 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from engine.attention import FRAME_KWARG, KV_KWARG
 from engine.memory.buffers import LayerStore
 from engine.memory.config import NeurocacheConfig
 from engine.memory.index import VectorIndex
+from engine.memory.ranking import fair_union, query_rows
 from engine.memory.selector import Selector
-from engine.memory.tokens import fair_union, query_rows
 from engine.protocol import InvalidRequest
-from engine.rows import RowBatch
+from engine.runner.attention import FRAME_KWARG, KV_KWARG
+from engine.runner.rows import RowBatch
 
 
 class NeurocacheSelector(Selector):
@@ -143,7 +143,7 @@ class NeurocacheSelector(Selector):
 
     def _row(self, kwargs: dict[str, Any]) -> int | None:
         """The row of the forward that reads this selector's frame: 0 for the frame's own
-        forward, the frame's row in a batched decode forward (engine/rows.py), else None."""
+        forward, the frame's row in a batched decode forward (engine/runner/rows.py), else None."""
         if self.frame is None:
             return None
         if kwargs.get(FRAME_KWARG) is self.frame:

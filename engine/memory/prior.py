@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from engine.memory.frame import FrameState
+    from engine.memory.frame_state import FrameState
     from memory_store.client import TextEncoder
 
 

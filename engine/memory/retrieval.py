@@ -1,4 +1,4 @@
-"""How a frame reads the memory rows its selector chose (FrameState.attend's retrieval).
+"""How a frame reads the memory rows its selector chose (Frame.attend's retrieval).
 
 A retrieval is (kv_heads, R) memory row ids, -1 padded. A decode step whose rows are whole
 blocks at whole-block slots reads them block-local: in place by the CPU kernel, or gathered
@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from engine.cpu_attention import step_kernels
-from engine.cpu_extensions import load_extension
 from engine.memory.buffers import LayerStore
 from engine.memory.config import FrameConfig
 from engine.memory.rotary import Angles, RotaryTable
 from engine.memory.step_cache import Retrieved, in_place_ok
+from engine.runner.cpu_attention import step_kernels
+from engine.runner.cpu_extensions import load_extension
 
 
 class RowReader:
@@ -116,7 +116,7 @@ class RowReader:
         """(whether a decode step reads the rows idx (kv_heads, R) by whole block, their mask
         False at padding or None when there is none): one kernel call where there are kernels."""
         kernels = step_kernels(query) if step and self.block_local else None
-        if kernels is not None:  # engine/csrc/memory_step.cpp
+        if kernels is not None:  # engine/runner/csrc/memory_step.cpp
             whole, padded = kernels.whole_blocks(idx.contiguous(), self.config.block)
             return whole, idx >= 0 if padded else None
         ok = idx >= 0

@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from engine.cpu_attention import step_kernels
 from engine.memory.buffers import GrowingBuffer, LayerStore, storage_dtype
 from engine.memory.config import SegmentsConfig
 from engine.memory.selector import Selector
+from engine.runner.cpu_attention import step_kernels
 
 
 class SegmentSelector(Selector):
@@ -98,7 +98,7 @@ class SegmentSelector(Selector):
         summary = self.summaries[layer]
         one = q_pre.shape[2] == 1 and self.held_for_kernels
         kernels = step_kernels(q_pre) if one else None
-        if kernels is not None:  # a decode step: one call (engine/csrc/memory_step.cpp)
+        if kernels is not None:  # a decode step: one call (engine/runner/csrc/memory_step.cpp)
             if self.config.score == "mean":
                 high, low = summary["mean"].view(), _NONE
             else:
@@ -176,7 +176,7 @@ class SegmentSelector(Selector):
         self, kernels: Any, layer: int, q_pre: torch.Tensor, scaling: float, num_blocks: int
     ) -> tuple[list[int], torch.Tensor]:
         """A decode step's blocks under "consensus", and their rows (kv_heads, R), from
-        engine/csrc/memory_step.cpp: what block_scores, _consensus (running sum plus the carry),
+        engine/runner/csrc/memory_step.cpp: what block_scores, _consensus (running sum plus the carry),
         topk, the neighbours and _same_blocks compute in Python, in one call (a layer's
         selection was a dozen small ops)."""
         summary = self.summaries[layer]

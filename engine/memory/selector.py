@@ -14,7 +14,7 @@ import torch
 from engine.memory.buffers import LayerStore
 
 if TYPE_CHECKING:
-    from engine.memory.frame import FrameState
+    from engine.memory.frame_state import FrameState
 
 
 class Selector:
@@ -38,11 +38,11 @@ class Selector:
         """The n oldest memory tokens of this layer were dropped (FIFO)."""
 
     def mark_state(self) -> Any:
-        """What `on_rewind` needs to restore the selector's state beside memory (FrameState.mark)."""
+        """What `on_rewind` needs to restore the selector's state beside memory (Frame.mark)."""
         return None
 
     def on_rewind(self, n_local: int, state: Any) -> None:
-        """The frame forgot its newest tokens (FrameState.rewind): memory is as it was, the
+        """The frame forgot its newest tokens (Frame.rewind): memory is as it was, the
         window holds its n_local oldest tokens; `state` is what mark_state gave then."""
 
     def on_commit(self, num_new: int, to_sinks: int) -> None:

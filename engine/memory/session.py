@@ -7,7 +7,7 @@
 `append` forwards the tokens in chunks of `chunk_size`; every chunk attends to the frame
 (sinks, the memory its strategy selects, the local window) and then joins it, so every token
 appended, prompt or generated, is context for every later append. The frame reaches the
-model's layers as a forward keyword of longserve's attention function (engine/attention.py),
+model's layers as a forward keyword of longserve's attention function (engine/runner/attention.py),
 which the model must have selected (the loader does); a forward without a session still runs
 plain SDPA attention.
 """
@@ -19,24 +19,25 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from engine.attention import FRAME_KWARG, require_longserve_attention
 from engine.memory.config import (
     NeurocacheConfig,
     SegmentsConfig,
     TokensConfig,
     parse_memory_spec,
 )
-from engine.memory.frame import FrameMark, FrameState
-from engine.memory.prior import PRIOR_META, TextPrior, pack_rows, unpack_rows
+from engine.memory.decode_row import MemoryRow
+from engine.memory.frame import Frame
+from engine.memory.frame_state import FrameMark
+from engine.memory.prior import TextPrior
 from engine.memory.rotary import RotaryTable
 from engine.memory.selector import Selector
-from engine.memory.turns import TurnEncoding
+from engine.memory.transfer import EncodingTransfer
 from engine.protocol import InvalidRequest, MemorySpec
-from memory_store.client import ChunkEncoding, TextEncoder, chain_hash
+from engine.runner.attention import FRAME_KWARG, require_longserve_attention
+from memory_store.client import TextEncoder, chain_hash
 
 STRATEGIES: tuple[str, ...] = ("segments", "tokens", "neurocache")
 
@@ -50,7 +51,7 @@ class MemoryMark:
     last_logits: torch.Tensor | None
 
 
-class SessionMemory:
+class SessionMemory(EncodingTransfer):
     def __init__(
         self, model: PreTrainedModel, spec: MemorySpec | None = None, kv_dtype: str = "model"
     ) -> None:
@@ -88,7 +89,7 @@ class SessionMemory:
         else:  # pragma: no cover - parse_memory_spec only returns the three above
             raise InvalidRequest(f"unknown strategy {self.strategy}", param="memory.strategy")
         self._selector = selector
-        self._frame = FrameState(
+        self._frame = Frame(
             self.config,
             selector,
             RotaryTable(model, max_positions),
@@ -153,7 +154,7 @@ class SessionMemory:
     def end_document(self) -> None:
         """A document (or a collection) was read whole: once memory is in use, the window's
         whole blocks move to memory, so the conversation after it reaches the document through
-        retrieval, evidence right before the question (FrameState.flush_window)."""
+        retrieval, evidence right before the question (Frame.flush_window)."""
         self.reload()
         with torch.inference_mode():
             self._frame.flush_window()
@@ -287,7 +288,7 @@ class SessionMemory:
         return out.logits[0, -1]
 
     def decode_row(self, token_id: int) -> MemoryRow:
-        """This memory's row in a batched decode forward (engine/rows.py): reading token_id
+        """This memory's row in a batched decode forward (engine/runner/rows.py): reading token_id
         there does what `append` of that one token does."""
         return MemoryRow(self, token_id)
 
@@ -307,102 +308,6 @@ class SessionMemory:
 
     def _advance_hash(self, ids: torch.Tensor) -> None:
         self.state_hash = chain_hash(self.state_hash, ids.reshape(-1).cpu().numpy())
-
-    # -- the memory store: one forward's encodings out, and back in without the model --------
-
-    def ingest_chunk(
-        self, input_ids: torch.Tensor, text: str = ""
-    ) -> tuple[torch.Tensor, ChunkEncoding]:
-        """Forward input_ids (T,) as ONE chunk and export its encodings: per layer the
-        pre-rotary K/V (kv_heads, T, head_dim) in fp16, plus the strategy's own state.
-
-        The session commits the fp16 copy it exported, so it holds exactly what a session
-        rebuilt from the encoding holds (write-through). Returns (logits (vocab,), encoding).
-        """
-        self.reload()
-        ids = input_ids.reshape(-1)
-        if ids.numel() == 0:
-            raise InvalidRequest("nothing to read: input_ids is empty", param="input_ids")
-        device = next(self.model.parameters()).device
-        with torch.inference_mode():
-            logits = self._forward(ids.to(device))
-            try:
-                keys, values = self._frame.pending_chunk()
-                meta = {"strategy": self.strategy, **self._selector.export_chunk_state()}
-                encoding = ChunkEncoding(
-                    keys=tuple(k.to(torch.float16).cpu().numpy() for k in keys),
-                    values=tuple(v.to(torch.float16).cpu().numpy() for v in values),
-                    token_ids=ids.cpu().numpy().astype(np.int64),
-                    text=text,
-                    embedding=np.zeros(0, dtype=np.float32),
-                    meta=meta,
-                )
-                self._take(encoding, forwarded=True)
-            except BaseException:
-                self._frame.abort()
-                raise
-            embedded = self.prior.num_embedded if self.prior is not None else 0
-            self._commit(ids)
-        if self.prior is not None:  # EmbD of the blocks this chunk moved to memory
-            encoding.meta[PRIOR_META] = pack_rows(self.prior.embedded_since(embedded))
-        self._last_logits = logits
-        return logits, encoding
-
-    def import_chunk(self, encoding: ChunkEncoding) -> None:
-        """Append the encoding's tokens as if they had been forwarded (sinks, window, memory
-        blocks, summaries, indices), with no model forward. The last logits are forgotten: a
-        later append computes fresh ones."""
-        num_new = encoding.num_tokens
-        if num_new == 0:
-            return
-        self.reload()
-        if len(encoding.keys) != len(self._frame.layers):
-            raise InvalidRequest(
-                f"encoding has {len(encoding.keys)} layers, the model {len(self._frame.layers)}",
-                param="encoding",
-            )
-        with torch.inference_mode():
-            self._frame.begin_import(num_new)
-            try:
-                self._take(encoding, forwarded=False)
-            except BaseException:
-                self._frame.abort()
-                raise
-            self._commit(torch.as_tensor(np.asarray(encoding.token_ids, dtype=np.int64)))
-        self._last_logits = None
-
-    # -- turns: what one request committed, out and back in (engine/memory/turns.py) --------
-
-    def start_turn(self) -> None:
-        """Record every commit from now on, until `take_turn`."""
-        self._turn = []
-
-    def take_turn(self) -> TurnEncoding:
-        """What was committed since `start_turn`, in commits; recording stops."""
-        turn, self._turn = self._turn or [], None
-        return TurnEncoding.of_commits(turn)
-
-    def import_turn(self, enc: TurnEncoding) -> None:
-        """Commit a recorded turn's pieces as they were committed, with no model forward."""
-        if enc.keys and len(enc.keys) != len(self._frame.layers):
-            raise InvalidRequest(
-                f"turn has {len(enc.keys)} layers, the model {len(self._frame.layers)}",
-                param="turn",
-            )
-        self.reload()
-        with torch.inference_mode():
-            for piece, state in enc.pieces():
-                self._frame.begin_import(piece.stop - piece.start)
-                try:
-                    self._frame.replace_pending(
-                        [k[:, piece] for k in enc.keys], [v[:, piece] for v in enc.values]
-                    )
-                    self._selector.import_chunk_state(state, forwarded=False)
-                except BaseException:
-                    self._frame.abort()
-                    raise
-                self._commit(torch.tensor(enc.token_ids[piece], dtype=torch.long))
-        self._last_logits = None
 
     @property
     def window_dtype(self) -> torch.dtype:
@@ -426,15 +331,6 @@ class SessionMemory:
         with torch.inference_mode():
             return copy.deepcopy(self, shared)
 
-    def _take(self, encoding: ChunkEncoding, forwarded: bool) -> None:
-        self._frame.replace_pending(
-            [torch.from_numpy(np.array(k, dtype=np.float16)) for k in encoding.keys],
-            [torch.from_numpy(np.array(v, dtype=np.float16)) for v in encoding.values],
-        )
-        self._selector.import_chunk_state(encoding.meta, forwarded)
-        if not forwarded and self.prior is not None and PRIOR_META in encoding.meta:
-            self.prior.give(unpack_rows(encoding.meta[PRIOR_META]))
-
     def _chunks(self, total: int, tail: bool = True) -> list[tuple[int, int]]:
         """[start, end) of each forward: chunk_size pieces, the last `tail` tokens apart."""
         c = self.config
@@ -451,38 +347,3 @@ class SessionMemory:
         seconds, self._frame.retrieval_seconds = self._frame.retrieval_seconds, 0.0
         prior = self.prior.pop_seconds() if self.prior is not None else 0.0
         return seconds + self._selector.pop_seconds() + prior
-
-
-class MemoryRow:
-    """A memory's one-token append, as a row of a batched decode forward (engine/rows.py)."""
-
-    def __init__(self, memory: SessionMemory, token_id: int) -> None:
-        self._memory = memory
-        self._ids = torch.tensor([token_id], dtype=torch.long)
-
-    @property
-    def frame(self) -> FrameState:
-        return self._memory._frame
-
-    def begin(self) -> int:
-        memory = self._memory
-        memory.reload()
-        assert not memory._selector.wants_vote(1), "a decode step never votes"
-        return int(memory._begin_forward(1)[0])
-
-    def attend(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scaling: float,
-    ) -> torch.Tensor:
-        return self._memory._frame.attend(layer, query, key, value, scaling)
-
-    def commit(self, logits: torch.Tensor) -> None:
-        self._memory._commit(self._ids)
-        self._memory._last_logits = logits
-
-    def abort(self) -> None:
-        self._memory._frame.abort()

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from engine.cpu_attention import attend_pieces, kernel_ready, step_kernels
 from engine.memory.buffers import GrowingBuffer
 from engine.memory.prior import merge_rows
 from engine.memory.rotary import Angles
+from engine.runner.cpu_attention import attend_pieces, kernel_ready, step_kernels
 
 if TYPE_CHECKING:
-    from engine.memory.frame import FrameState
+    from engine.memory.frame_state import FrameState
 
 
 class Retrieved(NamedTuple):
@@ -44,7 +44,7 @@ class Retrieved(NamedTuple):
 class StepQueries(NamedTuple):
     """A step's pre-rotary query (kv_heads, group, d) and key (kv_heads, 1, d), and both
     rotated at its window position (kv_heads, 1, group, d), (kv_heads, 1, d):
-    engine/csrc/memory_step.cpp."""
+    engine/runner/csrc/memory_step.cpp."""
 
     q_pre: torch.Tensor
     k_pre: torch.Tensor

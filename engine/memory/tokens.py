@@ -18,7 +18,7 @@ token").
 
 Multi-token chunks: up to `max_queries` rows per KV head (query heads of the group x evenly
 spaced chunk tokens, the last token always in) each fetch their top-k; the hits are merged
-rank by rank with the last token's rows first and the first k distinct kept (fair_union).
+rank by rank with the last token's rows first and the first k distinct kept (ranking.fair_union).
 
 Scoring: queries are rotated by their distance to the retrieved span before the search
 (FrameState.query_at_retrieval_distance), so a key's score is the logit it will get in the
@@ -42,9 +42,10 @@ import torch
 
 from engine.memory.buffers import LayerStore
 from engine.memory.config import TokensConfig, parse_layers
-from engine.memory.frame import FrameState
+from engine.memory.frame_state import FrameState
 from engine.memory.index import VectorIndex
 from engine.memory.key_sketch import KeySketch, search
+from engine.memory.ranking import fair_union, padded_rows, query_rows
 from engine.memory.selector import Selector
 
 
@@ -132,37 +133,3 @@ class TokenSelector(Selector):
     def nbytes(self) -> int:
         held = sum(s.nbytes() for s in self.sketches.values())
         return held + sum(i.nbytes() for per_layer in self.indices.values() for i in per_layer)
-
-
-def query_rows(length: int, n: int) -> torch.Tensor:
-    """n evenly spaced token indices of a chunk of `length`, the last one always included."""
-    if length <= n:
-        return torch.arange(length)
-    return torch.linspace(length - 1, 0, n).round().long().flip(0).unique()
-
-
-def padded_rows(picked: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Each KV head's memory rows, ascending, as one (kv_heads, width) tensor, -1 padded."""
-    width = max(p.numel() for p in picked)
-    out = torch.full((len(picked), width), -1, dtype=torch.long, device=device)
-    for head, ids in enumerate(picked):
-        out[head, : ids.numel()] = ids.sort().values.to(device)
-    return out
-
-
-def fair_union(ids: torch.Tensor, k: int) -> torch.Tensor:
-    """The first k distinct ids of hits (rows, kk) taken rank by rank: every row's best hit,
-    then every row's second best, ...; within a rank, rows in the order given.
-
-    Ranking the union by raw score instead lets the rows that have near-copies in memory (the
-    repeated filler of a long document) fill all k slots, and the row that matters most - the
-    last token, whose logits are returned - loses its hits
-    (docs/decisions/016-tokens-search.md)."""
-    order = ids.T.reshape(-1)
-    order = order[order >= 0]
-    if order.numel() == 0:
-        return order
-    unique, inverse = order.unique(return_inverse=True)
-    first = torch.full((unique.numel(),), order.numel(), dtype=torch.long, device=order.device)
-    first.scatter_reduce_(0, inverse, torch.arange(order.numel(), device=order.device), "amin")
-    return unique[first.argsort()[:k]]

@@ -19,7 +19,7 @@ from server.auth import require_tenant
 from server.documents import Upload, split_content_type
 from server.errors import error_responses, invalid_request, unsupported_media_type
 from server.limits import JSONBodyRoute
-from server.protocol import (
+from server.protocol_sessions import (
     CollectionAttachRequest,
     DocumentCreateRequest,
     SessionCollection,
@@ -33,7 +33,7 @@ from server.protocol import (
 )
 from server.routes.dependencies import Sessions
 from server.serving.sse import STREAM_OK
-from server.sessions import SessionRegistry, list_session_views
+from server.sessions import SessionRegistry
 
 router = APIRouter(
     prefix="/v1",
@@ -73,7 +73,7 @@ async def create_session(
 
 @router.get("/sessions", response_model=SessionList)
 async def list_sessions(registry: Sessions, tenant: str = Depends(require_tenant)) -> SessionList:
-    return SessionList(data=await list_session_views(registry, tenant))
+    return SessionList(data=await registry.list_views(tenant))
 
 
 @router.get("/sessions/{session_id}", response_model=SessionObject)

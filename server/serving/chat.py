@@ -10,8 +10,7 @@ from typing import Any
 from fastapi import Request
 from sse_starlette import EventSourceResponse
 
-from engine.protocol import ChatMessage as EngineChatMessage
-from engine.protocol import TokenLogprob
+from engine.protocol import PromptMessage, TokenLogprob
 from server.errors import invalid_request
 from server.protocol import (
     ChatCompletion,
@@ -97,7 +96,7 @@ def chat_jobs(
     )
     if tools is not None and tools.grammar is not None:
         sampling = dataclasses.replace(sampling, response_format=tools.grammar)
-    messages: list[EngineChatMessage] = list(render_messages(request.messages, tools))
+    messages: list[PromptMessage] = list(render_messages(request.messages, tools))
     return fan_out(chat_id, [messages], n, sampling)
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import json
 
-from engine.protocol import EngineClient, Prompt, SamplingParams
-from engine.protocol import ResponseFormat as EngineResponseFormat
+from engine.protocol import EngineClient, Prompt, SamplingParams, StructuredOutput
 from server.errors import APIError, invalid_request, model_not_found
 from server.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
 from server.serving.context import ServingContext
@@ -96,13 +95,13 @@ def sampling_params(
 
 def response_format(
     settings: ServerSettings, fmt: ResponseFormat | None
-) -> EngineResponseFormat | None:
+) -> StructuredOutput | None:
     """The engine's structured output for a request's response_format (None: free text). The
     engine refuses a schema it cannot enforce; its size is bounded here."""
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        return EngineResponseFormat("json_object")
+        return StructuredOutput("json_object")
     if fmt.json_schema is None or fmt.json_schema.json_schema is None:
         raise invalid_request(
             "response_format json_schema needs json_schema.schema.", param="response_format"
@@ -113,4 +112,4 @@ def response_format(
             f"response_format: the JSON schema is over {settings.max_schema_bytes} bytes.",
             param="response_format",
         )
-    return EngineResponseFormat("json_schema", schema)
+    return StructuredOutput("json_schema", schema)

@@ -28,7 +28,6 @@ from server.auth import tenant_session_id
 from server.protocol import MemoryRequest, PromptTokensDetails, UsageInfo
 from server.serving.context import ServingContext
 from server.sessions.models import Session
-from server.sessions.turns import memory_room, record_turns
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +122,7 @@ class ChoiceStreams:
         store tells the server of it); its turns are counted, stored and budgeted."""
         streams = cls(ctx, jobs, session_id, memory, tenant, session, ctx.sessions.clock())
         started = time.perf_counter()
-        room = memory_room(ctx.sessions, session.tenant) if session is not None else None
+        room = ctx.sessions.memory_room(session.tenant) if session is not None else None
         iterators: list[AsyncIterator[GenerationDelta]] = []
         try:
             for job in jobs:
@@ -160,9 +159,7 @@ class ChoiceStreams:
                     reason = "error"
                     raise EngineError("the engine failed while generating")
                 if delta.turns and self.session is not None:  # stored before the last byte
-                    await record_turns(
-                        self.ctx.sessions, self.session, delta.turns, self.started_at
-                    )
+                    await self.ctx.sessions.record_turns(self.session, delta.turns, self.started_at)
                 self._queue.put_nowait((index, delta))
                 if delta.finish_reason is not None:
                     reason = delta.finish_reason

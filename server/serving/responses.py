@@ -6,7 +6,7 @@ memory for long inputs and prefix reuse). With `store` (the default) its convers
 in this replica's memory, per tenant (an LRU of `max_stored_responses`); a later response
 naming it as `previous_response_id` continues that conversation without the client resending
 it, and a long document in it is not read again: the prompt starts with the same tokens, so
-the prefix cache (engine/prefix_cache.py) starts from the memory that read it. `instructions`
+the prefix cache (engine/caches/prefix_cache.py) starts from the memory that read it. `instructions`
 are the first (system) message of each request and are not carried over, as OpenAI documents.
 """
 

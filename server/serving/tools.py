@@ -5,7 +5,7 @@ The embedded model's chat template has no tool syntax, so longserve renders tool
 the Hermes/Qwen convention small models have seen: a system message lists the functions as
 JSON inside <tools></tools> and asks for `<tool_call>{"name": ..., "arguments": {...}}
 </tool_call>` blocks; an assistant message's calls are sent back as those blocks, and a tool's
-result as a `tool` message. The answer is constrained by a grammar (engine/grammar.py):
+result as a `tool` message. The answer is constrained by a grammar (engine/runner/grammar.py):
 
     tool_choice "required" / a named function    one or more calls (one if parallel_tool_calls
                                                   is false), arguments valid for the function
@@ -24,7 +24,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine.protocol import ResponseFormat as EngineResponseFormat
+from engine.protocol import StructuredOutput
 from server.errors import invalid_request
 from server.protocol import (
     ChatCompletionRequest,
@@ -55,7 +55,7 @@ class ToolPlan:
 
     mode: Mode
     functions: list[dict[str, Any]] = field(default_factory=list)  # name, description, parameters
-    grammar: EngineResponseFormat | None = None
+    grammar: StructuredOutput | None = None
 
 
 def plan_tools(settings: ServerSettings, request: ChatCompletionRequest) -> ToolPlan | None:
@@ -124,7 +124,7 @@ def _function(settings: ServerSettings, index: int, tool: Any) -> dict[str, Any]
     return out
 
 
-def _grammar(functions: list[dict], mode: str, parallel: bool) -> EngineResponseFormat:
+def _grammar(functions: list[dict], mode: str, parallel: bool) -> StructuredOutput:
     """A Lark grammar (llguidance's dialect, with %json for a call's object)."""
     calls = [
         {
@@ -146,7 +146,7 @@ def _grammar(functions: list[dict], mode: str, parallel: bool) -> EngineResponse
         lines = ["start: TEXT | calls", *lines, r"TEXT: /[^<][\s\S]*/"]
     else:
         lines = ["start: calls", *lines]
-    return EngineResponseFormat("lark", "\n".join(lines) + "\n", param="tools")
+    return StructuredOutput("lark", "\n".join(lines) + "\n", param="tools")
 
 
 def render_messages(messages: list[ChatMessage], plan: ToolPlan | None) -> list[dict[str, Any]]:

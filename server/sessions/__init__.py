@@ -17,8 +17,10 @@ is down, held sessions keep serving chat; operations that need the store answer 
 `memory_store_unavailable`.
 
 Rooms: models.py (what is held), registry.py (SessionRegistry), listing.py, ingestion.py
-(documents), attachments.py (collections), restore.py, quotas.py, sweeper.py (TTL), records.py (the
-durable records in the memory store).
+(documents), attachments.py (collections), restore.py, quotas.py, sweeper.py (TTL), turns.py,
+records.py (the durable records in the memory store). The registry hands its helpers what
+they use (context.py: the services, the table of held sessions, and lookup/touch/remove as
+callables), never itself, so no helper imports registry.py.
 """
 
 from server.sessions.listing import list_session_views

@@ -6,17 +6,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from typing import TYPE_CHECKING
 
 from engine.protocol import CollectionIncompatible, CollectionNotFound
 from memory_store.errors import StoreError
 from server.errors import invalid_request, session_busy
+from server.sessions.context import Lookup, SessionServices, Touch
 from server.sessions.models import AttachedCollection, Session
 from server.sessions.quotas import check_collection_count
 from server.sessions.records import CollectionRecord
-
-if TYPE_CHECKING:
-    from server.sessions.registry import SessionRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -25,10 +22,13 @@ _COLLECTION_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 class CollectionAttachments:
-    """The registry's collections: one per app, beside the registry it reads sessions from."""
+    """The registry's collections: one per app. `lookup` finds (or restores) a session,
+    `touch` marks it used."""
 
-    def __init__(self, registry: SessionRegistry) -> None:
-        self.registry = registry
+    def __init__(self, services: SessionServices, lookup: Lookup, touch: Touch) -> None:
+        self.services = services
+        self._lookup = lookup
+        self._touch = touch
 
     def check_names(self, names: list[str], param: str) -> list[str]:
         """Valid, distinct names (in order), at most max_collections_per_session; 400 else."""
@@ -40,7 +40,7 @@ class CollectionAttachments:
                     param=param.format(i=i),
                 )
         unique = list(dict.fromkeys(names))
-        limit = self.registry.settings.max_collections_per_session
+        limit = self.services.settings.max_collections_per_session
         if len(unique) > limit:
             raise invalid_request(
                 f"A session can attach at most {limit} collections.", param=param.format(i=limit)
@@ -51,29 +51,29 @@ class CollectionAttachments:
         """Attach a collection (idempotent). The record is stored first, then the engine loads
         it; when the engine refuses (unknown collection 404, other fingerprint 409) the record
         goes again and the session is as it was."""
-        registry = self.registry
+        services = self.services
         self.check_names([name], "name")
-        session = await registry.lookup(tenant, session_id)
+        session = await self._lookup(tenant, session_id)
         if name in session.collections:
             return session.collections[name]
-        check_collection_count(registry.settings, session)
+        check_collection_count(services.settings, session)
         # A whole collection joins the memory where it stands: not in the middle of a document.
         if session.ingesting() and not await session.wait_idle(
-            registry.settings.session_wait_timeout_seconds
+            services.settings.session_wait_timeout_seconds
         ):
             raise session_busy(f"Session '{session_id}' is still reading documents.")
-        attached = AttachedCollection(name, registry.clock())
-        if registry.store is not None:
-            await registry.store.save_collection(tenant, session.id, attached.record())
+        attached = AttachedCollection(name, services.clock())
+        if services.store is not None:
+            await services.store.save_collection(tenant, session.id, attached.record())
         try:
-            attached.attachment = await registry.engine.attach_collection(session.engine_id, name)
+            attached.attachment = await services.engine.attach_collection(session.engine_id, name)
         except BaseException:
-            if registry.store is not None:
+            if services.store is not None:
                 with contextlib.suppress(StoreError):
-                    await registry.store.delete_collection(tenant, session.id, name)
+                    await services.store.delete_collection(tenant, session.id, name)
             raise
         session.collections[name] = attached
-        registry.touch(session)
+        self._touch(session)
         return attached
 
     async def reattach(self, session: Session, record: CollectionRecord) -> None:
@@ -81,7 +81,7 @@ class CollectionAttachments:
         since is left out (logged): the rest of the session still serves."""
         attached = AttachedCollection(record.name, record.attached_at)
         try:
-            attached.attachment = await self.registry.engine.attach_collection(
+            attached.attachment = await self.services.engine.attach_collection(
                 session.engine_id, record.name
             )
         except (CollectionNotFound, CollectionIncompatible) as exc:

@@ -13,18 +13,16 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 from engine.protocol import EngineError, IngestProgress, StoreUnavailableError
 from memory_store.errors import StoreError
-from server.documents import Upload
+from server.documents import DocumentReader, Upload
 from server.errors import document_not_found, from_exception
-from server.protocol import SessionDocument
+from server.metrics import Metrics
+from server.protocol_sessions import SessionDocument
+from server.sessions.context import HeldSessions, Lookup, SessionServices, Touch
 from server.sessions.models import Document, Session, new_document_id
 from server.sessions.quotas import check_document_room, check_memory_budget
-
-if TYPE_CHECKING:
-    from server.sessions.registry import SessionRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -34,13 +32,27 @@ READY_SAVE_BACKOFF_SECONDS = (0.25, 0.5, 1.0, 2.0, 4.0)
 
 
 class DocumentIngestion:
-    """The registry's documents: one per app, beside the registry it reads sessions from."""
+    """The registry's documents: one per app. `held` is the registry's table of sessions,
+    `lookup` finds (or restores) a session, `touch` marks it used."""
 
-    def __init__(self, registry: SessionRegistry) -> None:
-        self.registry = registry
+    def __init__(
+        self,
+        services: SessionServices,
+        held: HeldSessions,
+        metrics: Metrics,
+        reader: DocumentReader,
+        lookup: Lookup,
+        touch: Touch,
+    ) -> None:
+        self.services = services
+        self._held = held
+        self._metrics = metrics
+        self._reader = reader
+        self._lookup = lookup
+        self._touch = touch
 
     async def get(self, tenant: str, session_id: str, document_id: str) -> Document:
-        doc = (await self.registry.lookup(tenant, session_id)).documents.get(document_id)
+        doc = (await self._lookup(tenant, session_id)).documents.get(document_id)
         if doc is None:
             raise document_not_found(document_id)
         return doc
@@ -48,13 +60,13 @@ class DocumentIngestion:
     async def add(self, tenant: str, session_id: str, upload: Upload) -> Document:
         """Check, extract, save (with a store), queue. Any failure leaves the session exactly
         as it was."""
-        registry = self.registry
-        self._check_room(await registry.lookup(tenant, session_id), 0)
-        extracted = await registry.reader.read(upload)
-        session = registry.get(tenant, session_id)  # it may have gone while we read
+        services = self.services
+        self._check_room(await self._lookup(tenant, session_id), 0)
+        extracted = await self._reader.read(upload)
+        session = self._held.get(tenant, session_id)  # it may have gone while we read
         size = len(extracted.text.encode("utf-8", "surrogatepass"))
         self._check_room(session, size)
-        now = registry.clock()
+        now = services.clock()
         doc = Document(
             id=new_document_id(),
             session_id=session.id,
@@ -64,11 +76,11 @@ class DocumentIngestion:
             size_bytes=size,
             text=extracted.text,
         )
-        if registry.store is not None:
+        if services.store is not None:
             # The text first: a document record always has its text to be read again from.
-            await registry.store.save_text(tenant, session.id, doc.id, extracted.text)
-            await registry.store.save_document(tenant, session.id, doc.record())
-            session = registry.get(tenant, session_id)  # it may have gone while we saved
+            await services.store.save_text(tenant, session.id, doc.id, extracted.text)
+            await services.store.save_document(tenant, session.id, doc.record())
+            session = self._held.get(tenant, session_id)  # it may have gone while we saved
             self._check_room(session, size)
         previous = [d.task for d in session.documents.values() if d.task is not None]
         session.documents[doc.id] = doc
@@ -76,32 +88,32 @@ class DocumentIngestion:
             self.ingest(session, doc, previous[-1] if previous else None),
             name=f"ingest-{doc.id}",
         )
-        registry.touch(session)
+        self._touch(session)
         return doc
 
     def _check_room(self, session: Session, size_bytes: int) -> None:
-        tenant_sessions = self.registry.sessions(session.tenant)
-        check_document_room(self.registry.settings, session, tenant_sessions, size_bytes)
+        tenant_sessions = self._held.of(session.tenant)
+        check_document_room(self.services.settings, session, tenant_sessions, size_bytes)
 
     async def ingest(
         self, session: Session, doc: Document, previous: asyncio.Task[None] | None
     ) -> None:
         """Read `doc` into the session's memory once `previous` (its predecessor) is done."""
-        registry = self.registry
+        services = self.services
         iterator = None
         try:
             if previous is not None:
                 await asyncio.wait([previous])  # in order; its failure is not ours
             doc.update(status="ingesting")
             assert doc.text is not None
-            iterator = registry.engine.ingest(f"ingest-{doc.id}", session.engine_id, doc.text)
+            iterator = services.engine.ingest(f"ingest-{doc.id}", session.engine_id, doc.text)
             last = None
             durable = True
             try:
                 async for progress in iterator:
                     last = progress
                     doc.update(tokens_total=progress.tokens_total, tokens_done=progress.tokens_done)
-                    check_memory_budget(registry.settings, doc, registry.sessions(session.tenant))
+                    check_memory_budget(services.settings, doc, self._held.of(session.tenant))
                     if progress.done:
                         break
             except StoreUnavailableError as exc:
@@ -118,7 +130,7 @@ class DocumentIngestion:
                 durable = await self._save_ready(session, doc)
             doc.saved = durable
             doc.update(status="ready", text=None)
-            registry.touch(session)
+            self._touch(session)
         except asyncio.CancelledError:
             doc.update(status="failed", error=doc.error or "Ingestion was cancelled.", text=None)
             raise
@@ -136,13 +148,13 @@ class DocumentIngestion:
     def count_ingest(self, progress: IngestProgress) -> None:
         """ingest_tokens_total counts what the model ran over, not what the store gave back."""
         ran = max(0, progress.tokens_done - progress.tokens_from_store)
-        self.registry.metrics.ingest_finished(ran, progress.seconds)
+        self._metrics.ingest_finished(ran, progress.seconds)
 
     async def _save_ready(self, session: Session, doc: Document) -> bool:
         """Make the document's `ready` durable, trying a while if the store is down. False if
         it stayed down: the document is ready here all the same (the memory holds it), and the
         session's next background save tries again."""
-        store = self.registry.store
+        store = self.services.store
         if store is None:
             return True
         record = dataclasses.replace(doc.record(), status="ready", error=None)
@@ -160,7 +172,7 @@ class DocumentIngestion:
 
     async def _save_failed(self, session: Session, doc: Document) -> None:
         """Best effort: a replica restoring the session then does not read it again."""
-        store = self.registry.store
+        store = self.services.store
         if store is None or session.removed:
             return
         try:

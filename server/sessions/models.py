@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from engine.protocol import CollectionAttachment, MemorySpec, SessionMemoryInfo, SessionTurn
 from server.auth import tenant_session_id
-from server.protocol import (
+from server.protocol_sessions import (
     DocumentStatus,
     SessionCollection,
     SessionDocument,

@@ -10,25 +10,27 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from fastapi import Request
 
-from engine.protocol import EngineClient, EngineError, MemorySpec
+from engine.protocol import EngineClient, EngineError, MemorySpec, SessionTurn
 from memory_store.errors import StoreError
 from server.disconnect import until_disconnected
 from server.documents import DocumentLimits, DocumentReader
 from server.errors import invalid_request, session_busy, session_not_found
 from server.metrics import Metrics
-from server.protocol import SessionCreateRequest, SessionObject
+from server.protocol_sessions import SessionCreateRequest, SessionObject
 from server.sessions.attachments import CollectionAttachments
+from server.sessions.context import HeldSessions, SessionServices
 from server.sessions.ingestion import DocumentIngestion
+from server.sessions.listing import gone_from_store, list_session_views
 from server.sessions.models import Document, Session, new_session_id
 from server.sessions.quotas import check_session_count
 from server.sessions.records import SessionStore
 from server.sessions.restore import SessionRestorer
 from server.sessions.sweeper import SessionSweeper
-from server.sessions.turns import stale
+from server.sessions.turns import memory_room, record_turns, stale
 from server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -61,38 +63,53 @@ class SessionRegistry:
                 timeout_seconds=settings.document_extract_timeout_seconds,
             )
         )
-        self.documents = DocumentIngestion(self)
-        self.collections = CollectionAttachments(self)
-        self.restorer = SessionRestorer(self)
-        self.sweeper = SessionSweeper(self)
-        self._by_tenant: dict[str, dict[str, Session]] = {}
+        # the helpers get the services and the table, never the registry; the clock is read
+        # through it at each call (a test may replace it)
+        services = SessionServices(engine, settings, store, lambda: self.clock())
+        self._held = HeldSessions()
+        self.documents = DocumentIngestion(
+            services, self._held, metrics, self.reader, self.lookup, self.touch
+        )
+        self.collections = CollectionAttachments(services, self.lookup, self.touch)
+        self.restorer = SessionRestorer(services, self._held, self.documents, self.collections)
+        self.sweeper = SessionSweeper(services, self._held, self.remove)
         self._creating: Counter[str] = Counter()
 
     # --- held sessions ------------------------------------------------------------------------
 
     def sessions(self, tenant: str) -> list[Session]:
-        return list(self._by_tenant.get(tenant, {}).values())
+        return self._held.of(tenant)
 
     def all_sessions(self) -> list[Session]:
-        return [s for sessions in self._by_tenant.values() for s in sessions.values()]
+        return self._held.all()
 
     def held(self, tenant: str, session_id: str) -> Session | None:
-        return self._by_tenant.get(tenant, {}).get(session_id)
+        return self._held.find(tenant, session_id)
 
     def hold(self, session: Session) -> Session:
         """Register `session`; a session already held under its id stays (never hold two)."""
-        held = self._by_tenant.setdefault(session.tenant, {})
-        return held.setdefault(session.id, session)
+        return self._held.hold(session)
 
     def view(self, session: Session) -> SessionObject:
         return session.view(self.engine.session_memory_info(session.engine_id))
 
     def get(self, tenant: str, session_id: str) -> Session:
         """A session this registry holds (no restore: see `lookup`)."""
-        session = self.held(tenant, session_id)
-        if session is None:
-            raise session_not_found(session_id)
-        return session
+        return self._held.get(tenant, session_id)
+
+    async def list_views(self, tenant: str) -> list[SessionObject]:
+        """The tenant's sessions, oldest first (listing.py)."""
+        return await list_session_views(
+            self.store, self._held, tenant, self.view, self.remove, self.clock
+        )
+
+    def memory_room(self, tenant: str) -> int:
+        """How many tokens the tenant's sessions may still add to their memories."""
+        return memory_room(self.settings.max_memory_tokens_per_tenant, self.sessions(tenant))
+
+    async def record_turns(self, session: Session, turns: Sequence[SessionTurn], at: float) -> None:
+        """Count and store the turns a finished request carried out (turns.py)."""
+        await record_turns(self.store, self.remove, session, turns, at)
 
     # --- finding ------------------------------------------------------------------
 
@@ -104,7 +121,7 @@ class SessionRegistry:
             if await self.gone_from_store(session):
                 await self.remove(session, "The session was deleted.")
                 raise session_not_found(session_id)
-            if not await stale(self, session):
+            if not await stale(self.store, session):
                 return session
             # another replica took turns on it meanwhile: this copy is behind, restore
             await self.remove(session, "another replica took turns on it")
@@ -115,13 +132,7 @@ class SessionRegistry:
     async def gone_from_store(self, session: Session) -> bool:
         """True only when the store answers that the session's record is gone (deleted through
         another replica); a store that cannot answer keeps held sessions serving."""
-        if self.store is None:
-            return False
-        try:
-            return not await self.store.exists(session.tenant, session.id)
-        except StoreError as exc:
-            logger.debug("could not check session %s in the memory store: %s", session.id, exc)
-            return False
+        return await gone_from_store(self.store, session)
 
     # --- creating and removing ----------------------------------------------------------------
 
@@ -209,13 +220,9 @@ class SessionRegistry:
 
     async def remove(self, session: Session, reason: str) -> None:
         """Forget the session, cancel its ingestion, free its engine memory at once."""
-        tenant_sessions = self._by_tenant.get(session.tenant, {})
-        if tenant_sessions.get(session.id) is not session:
+        if not self._held.release(session):
             return
         session.removed = True
-        del tenant_sessions[session.id]
-        if not tenant_sessions:
-            self._by_tenant.pop(session.tenant, None)
         tasks = _cancel_ingestion(session.documents.values(), reason)
         try:
             await self.engine.drop_session(session.engine_id)

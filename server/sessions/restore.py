@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
 
 from engine.protocol import (
     EngineError,
@@ -23,11 +22,11 @@ from engine.protocol import (
 )
 from memory_store.errors import NotFound, StoreError
 from server.errors import session_not_found
+from server.sessions.attachments import CollectionAttachments
+from server.sessions.context import HeldSessions, SessionServices
+from server.sessions.ingestion import DocumentIngestion
 from server.sessions.models import Document, Session
 from server.sessions.records import CollectionRecord, DocumentRecord, TurnRecord
-
-if TYPE_CHECKING:
-    from server.sessions.registry import SessionRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +34,17 @@ logger = logging.getLogger(__name__)
 class SessionRestorer:
     """The registry's restores in flight, one per (tenant, session id)."""
 
-    def __init__(self, registry: SessionRegistry) -> None:
-        self.registry = registry
+    def __init__(
+        self,
+        services: SessionServices,
+        held: HeldSessions,
+        documents: DocumentIngestion,
+        collections: CollectionAttachments,
+    ) -> None:
+        self.services = services
+        self._held = held
+        self._documents = documents  # reads a restored session's documents again
+        self._collections = collections  # attaches its collections again
         self._restoring: dict[tuple[str, str], asyncio.Task[Session]] = {}
 
     async def restore(self, tenant: str, session_id: str) -> Session:
@@ -60,11 +68,11 @@ class SessionRestorer:
             task.exception()  # retrieved here: every waiter may have gone
 
     async def _restore(self, tenant: str, session_id: str) -> Session:
-        registry = self.registry
-        store = registry.store
+        services = self.services
+        store = services.store
         assert store is not None
         record = await store.load(tenant, session_id)
-        now = registry.clock()
+        now = services.clock()
         if record is None:
             raise session_not_found(session_id)
         if record.expired(now):
@@ -107,7 +115,7 @@ class SessionRestorer:
                 texts[doc.id] = await store.load_text(tenant, session_id, doc.id)
             except NotFound:
                 doc.update(status="failed", error="The document's text is no longer stored.")
-        await registry.engine.create_session(session.engine_id, memory)
+        await services.engine.create_session(session.engine_id, memory)
         # Ready documents, attached collections and turns, in the order they filled the memory.
         events: list[tuple[float, DocumentRecord | CollectionRecord | TurnRecord]] = [
             (d.created_at, d) for d in record.documents
@@ -118,7 +126,7 @@ class SessionRestorer:
         try:
             for _, event in events:
                 if isinstance(event, CollectionRecord):
-                    await registry.collections.reattach(session, event)
+                    await self._collections.reattach(session, event)
                     continue
                 if isinstance(event, TurnRecord):
                     await self._replay_turn(session, event)
@@ -128,9 +136,9 @@ class SessionRestorer:
                     await self._reingest(session, doc, texts.pop(doc.id))
         except BaseException:
             with contextlib.suppress(Exception):
-                await registry.engine.drop_session(session.engine_id)
+                await services.engine.drop_session(session.engine_id)
             raise
-        held = registry.hold(session)
+        held = self._held.hold(session)
         if held is not session:  # cannot happen on one loop, but never hold two
             return held
         # Documents the store holds but no replica finished reading (it crashed, or is still
@@ -141,7 +149,7 @@ class SessionRestorer:
                 doc.text = texts[doc.id]
                 doc.size_bytes = len(doc.text.encode("utf-8", "surrogatepass"))
                 doc.task = asyncio.create_task(
-                    registry.documents.ingest(session, doc, previous), name=f"ingest-{doc.id}"
+                    self._documents.ingest(session, doc, previous), name=f"ingest-{doc.id}"
                 )
                 previous = doc.task
         logger.info(
@@ -156,14 +164,14 @@ class SessionRestorer:
         model forward), else by reading its tokens again. A turn that does not follow what
         the memory holds (one before it was lost) is skipped; a later new chat starts from
         the documents again."""
-        store = self.registry.store
+        store = self.services.store
         assert store is not None
         encoding = None
         if record.encoded:
             encoding = await store.load_turn_encoding(session.tenant, session.id, record.seq)
         turn = dataclasses.replace(record.turn, encoding=encoding)
         try:
-            await self.registry.engine.import_turn(session.engine_id, turn)
+            await self.services.engine.import_turn(session.engine_id, turn)
         except InvalidRequest as exc:
             logger.warning("turn %d of session %s not restored: %s", turn.seq, session.id, exc)
             return
@@ -172,7 +180,7 @@ class SessionRestorer:
     async def _reingest(self, session: Session, doc: Document, text: str) -> None:
         """Read a ready document into a restored session's memory, before anyone sees it."""
         # The upload's own request id: the engine names the document's manifest after it.
-        iterator = self.registry.engine.ingest(f"ingest-{doc.id}", session.engine_id, text)
+        iterator = self.services.engine.ingest(f"ingest-{doc.id}", session.engine_id, text)
         last: IngestProgress | None = None
         try:
             async for progress in iterator:
@@ -190,5 +198,5 @@ class SessionRestorer:
                     await aclose()
         if last is None or not last.done:
             raise EngineError("the engine stopped before reading the whole document")
-        self.registry.documents.count_ingest(last)
+        self._documents.count_ingest(last)
         doc.update(status="ready", tokens_total=last.tokens_total, tokens_done=last.tokens_done)

@@ -6,49 +6,49 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
 
 from memory_store.errors import StoreError
+from server.sessions.context import HeldSessions, Remove, SessionServices
 from server.sessions.models import Session
-
-if TYPE_CHECKING:
-    from server.sessions.registry import SessionRegistry
 
 logger = logging.getLogger(__name__)
 
 
 class SessionSweeper:
-    """Sweeps the registry every session_sweep_interval_seconds, between start() and stop()."""
+    """Sweeps the held sessions every session_sweep_interval_seconds, between start() and
+    stop(); `remove` is the registry's (forget here, cancel ingestion, free the memory)."""
 
-    def __init__(self, registry: SessionRegistry) -> None:
-        self.registry = registry
+    def __init__(self, services: SessionServices, held: HeldSessions, remove: Remove) -> None:
+        self.services = services
+        self._held = held
+        self._remove = remove
         self._task: asyncio.Task[None] | None = None
 
     async def sweep(self) -> list[str]:
         """Evict sessions idle past their TTL (a session still reading documents is busy, not
         idle). Returns the evicted ids."""
-        now = self.registry.clock()
+        now = self.services.clock()
         expired = [
             session
-            for session in self.registry.all_sessions()
+            for session in self._held.all()
             if not session.ingesting() and now - session.last_used >= session.ttl_seconds
         ]
         for session in expired:
-            await self.registry.remove(session, "The session expired.")
+            await self._remove(session, "The session expired.")
             await self._forget_if_expired(session)
         return [session.id for session in expired]
 
     async def _forget_if_expired(self, session: Session) -> None:
         """Delete an evicted session from the store too, unless another replica has used it
         since (its stored last_used says so)."""
-        store = self.registry.store
+        store = self.services.store
         if store is None:
             return
         try:
             if session.saving is not None:
                 await asyncio.wait([session.saving])
             record = await store.load(session.tenant, session.id)
-            if record is None or record.expired(self.registry.clock()):
+            if record is None or record.expired(self.services.clock()):
                 await store.delete(session.tenant, session.id)
         except StoreError as exc:
             logger.info("forgetting expired session %s failed: %s", session.id, exc)
@@ -58,7 +58,7 @@ class SessionSweeper:
             self._task = asyncio.create_task(self._sweep_forever(), name="session-sweeper")
 
     async def _sweep_forever(self) -> None:
-        interval = self.registry.settings.session_sweep_interval_seconds
+        interval = self.services.settings.session_sweep_interval_seconds
         while True:
             await asyncio.sleep(interval)
             try:

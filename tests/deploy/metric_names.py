@@ -1,11 +1,11 @@
-"""The metric names a deployment may query (ARCHITECTURE.md section 7, and what server/metrics.py
+"""The metric names a deployment may query (docs/architecture.md section 7, and what server/metrics.py
 exports beyond it), and the check that a query reads only those."""
 
 from __future__ import annotations
 
 import re
 
-# ARCHITECTURE.md section 7, as exposed by prometheus_client (counters end in _total).
+# docs/architecture.md section 7, as exposed by prometheus_client (counters end in _total).
 HISTOGRAMS = {
     "longserve:time_to_first_token_seconds",
     "longserve:inter_token_latency_seconds",

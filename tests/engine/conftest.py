@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.loader import LoadedModel, embedded_model_path, load_model
+from engine.runner.loader import LoadedModel, embedded_model_path, load_model
 
 
 @pytest.fixture(scope="session")

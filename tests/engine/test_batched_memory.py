@@ -1,4 +1,4 @@
-"""Batched decode on memory (engine/rows.py): plain KV rows and memory-frame rows of every
+"""Batched decode on memory (engine/runner/rows.py): plain KV rows and memory-frame rows of every
 strategy share one forward, each row attending to its own context, and decode the same greedy
 tokens as each request alone (logprobs within 1e-4: rows of a batched matmul are reduced in
 another order, so bit equality is not expected). On the tiny random Llama."""
@@ -11,19 +11,13 @@ import random
 import pytest
 import torch
 
-from engine.generate import Generation, KVCacheState, decode_batch, step_batch
 from engine.memory.session import SessionMemory
-from engine.memory_state import MemoryState
 from engine.protocol import MemorySpec, SamplingParams
+from engine.runner.decode_state import KVCacheState, decode_batch
+from engine.runner.generate import Generation, step_batch
+from engine.sessions.memory_state import MemoryState
+from tests.engine.helpers import FRAME, SPECS, record_batches
 
-FRAME = {"sinks": 8, "local_window": 32, "chunk_size": 32, "block": 16}
-SPECS = {
-    "segments": MemorySpec("segments", {**FRAME, "k": 2, "u": 1}),
-    "tokens": MemorySpec("tokens", {**FRAME, "k": 16, "index": "torch"}),
-    "neurocache": MemorySpec(
-        "neurocache", {**FRAME, "k": 4, "w": 2, "c": 2, "r": 0, "fit_tokens": 32, "d": 8}
-    ),
-}
 ROWS = ["plain", *SPECS]  # one row of every path
 LOGPROB_ATOL = 1e-4
 
@@ -104,7 +98,7 @@ def test_a_mixed_batch_decodes_as_each_request_alone(tiny_loaded):
 def test_batch_invariant_steps_decode_bit_for_bit_as_alone(tiny_loaded):
     """EngineConfig.batch_invariant: forwards of `invariant_rows` rows (1 here: the tiny fp32
     model multiplies with torch's GEMM) give every row exactly its lone logprobs."""
-    from engine.decode_step import decoder_of
+    from engine.runner.decode_step import decoder_of
 
     rows = decoder_of(tiny_loaded.model).invariant_rows
     assert rows == 1
@@ -201,26 +195,19 @@ async def test_sessions_and_plain_requests_decode_in_one_batch(make_engine):
 
     # alone, one at a time; the same new chat again later starts again after the documents
     alone = [token_ids(await collect(request("alone", kind))) for kind in ROWS]
-    sizes = []
-    run = engine._worker._run_batch
-
-    def recording(steps):
-        sizes.append(len(steps))
-        return run(steps)
-
-    engine._worker._run_batch = recording
+    sizes = record_batches(engine)
     together = await asyncio.gather(*(collect(request("together", kind)) for kind in ROWS))
     assert [token_ids(d) for d in together] == alone
     assert max(sizes) == len(ROWS)
     for kind in SPECS:  # the answer joined each session's turns as when decoded alone
-        session = engine._memory_sessions.sessions[kind]
+        session = engine._frame_backend.conversations[kind]
         assert session.turns[-1][1] == "".join(d.text for d in together[ROWS.index(kind)])
 
 
 @pytest.fixture(scope="module")
 def bf16_loaded(tiny_model_dir):
     from engine.config import EngineConfig
-    from engine.loader import load_model
+    from engine.runner.loader import load_model
 
     return load_model(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="bfloat16"))
 

@@ -11,9 +11,11 @@ import time
 import pytest
 import torch
 
-from engine.generate import Generation, KVCacheState, decode_batch, step_batch
 from engine.protocol import EngineError, SamplingParams
-from engine.worker import Collector, Job, Worker
+from engine.runner.decode_state import KVCacheState, decode_batch
+from engine.runner.generate import Generation, step_batch
+from engine.scheduler.worker import Collector, Job, Worker
+from tests.engine.helpers import record_batches
 
 LOGITS_ATOL = 1e-4
 TEXTS = [
@@ -144,18 +146,6 @@ async def collect(stream):
 
 def token_ids(deltas):
     return [t for d in deltas for t in d.token_ids]
-
-
-def record_batches(engine):
-    sizes = []
-    run = engine._worker._run_batch
-
-    def recording(steps):
-        sizes.append(len(steps))
-        return run(steps)
-
-    engine._worker._run_batch = recording
-    return sizes
 
 
 async def test_concurrent_requests_decode_in_batches(make_engine):

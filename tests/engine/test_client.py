@@ -3,10 +3,8 @@ import asyncio
 import pytest
 import torch
 
-from engine.chat_template import encode_chat
 from engine.client import LocalEngine
 from engine.config import EngineConfig
-from engine.loader import ModelLoadError, embedded_model_path, load_model
 from engine.protocol import (
     EngineClient,
     EngineDead,
@@ -17,7 +15,9 @@ from engine.protocol import (
     SamplingParams,
     SessionNotFound,
 )
-from engine.worker import Collector, Job, Worker
+from engine.runner.chat_template import encode_chat
+from engine.runner.loader import ModelLoadError, embedded_model_path, load_model
+from engine.scheduler.worker import Collector, Job, Worker
 from tests.helpers import protocol_mismatches
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -353,7 +353,7 @@ async def test_session_memories_hold_their_window_in_the_engines_kv_dtype(
     engine = make_engine(loaded=dataclasses.replace(tiny_loaded, kv_dtype="float16"))
     await engine.create_session("s", small_memory_spec)
     await collect(engine.ingest("i", "s", "The access code is 4721. " * 20))
-    memory = engine._memory_sessions.sessions["s"].memory
+    memory = engine._frame_backend.conversations["s"].memory
     assert memory.window_dtype == torch.float16
     assert memory._frame.layers[0].window_k.data.dtype == torch.float16
     deltas = await collect(engine.generate("g", "What is the code?", GREEDY, session_id="s"))

@@ -6,19 +6,15 @@ of the session's memory."""
 from __future__ import annotations
 
 import argparse
-import json
 
 import pytest
 import torch
 
 import memory_store.embedder
-from engine import ingest_cli
-from engine.chat_template import assistant_turn_end
+from engine.caches import ingest_cli
 from engine.client import LocalEngine
 from engine.config import EngineConfig
-from engine.loader import load_model
 from engine.memory.session import STRATEGIES, SessionMemory
-from engine.prior_query import prior_query
 from engine.protocol import (
     CollectionIncompatible,
     CollectionNotFound,
@@ -26,6 +22,10 @@ from engine.protocol import (
     MemorySpec,
     SamplingParams,
 )
+from engine.runner.chat_template import assistant_turn_end
+from engine.runner.loader import load_model
+from engine.sessions.prior_query import prior_query
+from tests.engine.helpers import ingest_args
 from tests.memory_store.conftest import minilm  # noqa: F401 - a fixture
 
 from .test_memory_frame import tiny
@@ -52,21 +52,7 @@ async def collection(tiny_model_dir, tmp_path, monkeypatch, minilm):  # noqa: F8
         files.append(str(path))
     parser = argparse.ArgumentParser()
     ingest_cli.add_arguments(parser)
-    args = parser.parse_args(
-        [
-            *files,
-            "--collection",
-            "manuals",
-            "--data-dir",
-            str(tmp_path / "data"),
-            "--model",
-            str(tiny_model_dir),
-            "--device",
-            "cpu",
-            "--memory",
-            json.dumps(SPEC.params),
-        ]
-    )
+    args = parser.parse_args(ingest_args(files, tmp_path / "data", tiny_model_dir, SPEC, "manuals"))
     return await ingest_cli.ingest_files(args)
 
 
@@ -79,7 +65,7 @@ async def engines(tiny_model_dir, tmp_path, minilm):  # noqa: F811
             model=str(tiny_model_dir), device="cpu", data_dir=str(tmp_path / "data"), **config
         )
         engine = LocalEngine(cfg, loaded=load_model(cfg))
-        engine._memory_sessions.collections.query_encoder = minilm
+        engine._frame_backend.collections.query_encoder = minilm
         made.append(engine)
         return engine
 
@@ -130,7 +116,7 @@ async def test_large_collection_loads_the_chunks_the_query_selects(collection, e
     assert engine.stats().memory_tokens == 0
 
     selections: list[list[str]] = []
-    collections = engine._memory_sessions.collections
+    collections = engine._frame_backend.collections
     select = collections._select
 
     async def spy(session, prompt):
@@ -178,7 +164,7 @@ async def test_attach_errors_change_nothing(collection, engines):
     with pytest.raises(CollectionIncompatible, match="another model or memory configuration"):
         await engine.attach_collection("other", "manuals")
     assert engine.stats().memory_tokens == 0
-    assert engine._memory_sessions.sessions["other"].collections == {}
+    assert engine._frame_backend.conversations["other"].collections == {}
 
 
 def test_the_collection_query_is_the_last_question_then_the_answer_before_it():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from engine.cpu_extensions import STALE_LOCK_SECONDS, clear_stale_lock
+from engine.runner.cpu_extensions import STALE_LOCK_SECONDS, clear_stale_lock
 
 
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):

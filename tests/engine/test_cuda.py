@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.loader import load_model
 from engine.memory.session import STRATEGIES, SessionMemory
 from engine.protocol import MemorySpec, SamplingParams
+from engine.runner.loader import load_model
 
 from .test_batched_memory import ROWS, generations, run_alone, run_batched
 from .test_memory_session import SMALL

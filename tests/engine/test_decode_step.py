@@ -1,6 +1,6 @@
-"""The lean decode step (engine/decode_step.py) computes transformers' forward: the same logits
+"""The lean decode step (engine/runner/decode_step.py) computes transformers' forward: the same logits
 for one row and for rows of different lengths, through fused linears that share the model's
-weights, with the CPU attention kernel (engine/cpu_attention.py) equal to SDPA; a failed step
+weights, with the CPU attention kernel (engine/runner/cpu_attention.py) equal to SDPA; a failed step
 changes no cache. On tiny random models."""
 
 from __future__ import annotations
@@ -10,14 +10,20 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from engine import weights
-from engine.attention import use_longserve_attention
-from engine.cpu_attention import decode_attention, load_kernel
-from engine.decode_step import DECODER_ATTR, attach_decoder, decoder_of, unsupported
-from engine.generate import KVCacheState, forward_kv
-from engine.kv_cache import KVCache
-from engine.rows import KVRow, decode_rows
-from engine.weights import Int4Linear, _Concat, fuse_linears, lower_linear_weights
+from engine.runner import weights
+from engine.runner.attention import use_longserve_attention
+from engine.runner.cpu_attention import decode_attention, load_kernel
+from engine.runner.decode_state import KVCacheState, forward_kv
+from engine.runner.decode_step import (
+    DECODER_ATTR,
+    attach_decoder,
+    decode_rows,
+    decoder_of,
+    unsupported,
+)
+from engine.runner.kv_cache import KVCache
+from engine.runner.rows import KVRow
+from engine.runner.weights import Int4Linear, _Concat, fuse_linears, lower_linear_weights
 
 SMALL = dict(
     vocab_size=300,
@@ -106,7 +112,7 @@ def test_fused_linears_share_the_models_weights():
 
 @pytest.mark.parametrize("ours", [True, False])
 def test_int4_parts_fuse_where_their_codes_concatenate(monkeypatch, ours):
-    """With engine/csrc/quant_matmul.cpp, any int4 parts fuse (its codes are plain rows);
+    """With engine/runner/csrc/quant_matmul.cpp, any int4 parts fuse (its codes are plain rows);
     with torch's int4 kernel only parts whose packed rows concatenate do."""
     if ours and weights.quant_kernels() is None:
         pytest.skip("no C++ compiler or ninja to build the kernel")
@@ -261,7 +267,7 @@ def test_decode_agreement_bench_finds_the_lean_step_equal_in_fp32(tiny_model_dir
 
 @pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler or ninja to build the kernel")
 def test_the_pieces_kernel_is_one_softmax_over_the_concatenated_keys():
-    from engine.cpu_attention import attend_pieces
+    from engine.runner.cpu_attention import attend_pieces
 
     torch.manual_seed(0)
     kvh, group, d, block = 2, 3, 64, 16
@@ -302,7 +308,7 @@ def test_the_pieces_kernel_is_one_softmax_over_the_concatenated_keys():
 
 @pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler or ninja to build the kernel")
 def test_the_pieces_kernel_reads_memory_rows_in_place():
-    from engine.cpu_attention import attend_pieces
+    from engine.runner.cpu_attention import attend_pieces
 
     torch.manual_seed(1)
     kvh, group, d = 2, 3, 64

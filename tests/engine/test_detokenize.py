@@ -1,4 +1,4 @@
-from engine.detokenize import (
+from engine.runner.detokenize import (
     REPLACEMENT,
     Detokenizer,
     IncrementalDecoder,

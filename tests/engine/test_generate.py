@@ -1,10 +1,11 @@
 import pytest
 import torch
 
-from engine.generate import Generation, KVCacheState
 from engine.memory.session import SessionMemory
-from engine.memory_state import MemoryState
 from engine.protocol import SamplingParams
+from engine.runner.decode_state import KVCacheState
+from engine.runner.generate import Generation
+from engine.sessions.memory_state import MemoryState
 
 
 def run(loaded, prompt_ids, sampling, **kwargs):

@@ -1,4 +1,4 @@
-"""Structured outputs (engine/grammar.py): whatever the model's logits, a constrained request's
+"""Structured outputs (engine/runner/grammar.py): whatever the model's logits, a constrained request's
 text parses and matches its schema, on every path (plain, batched, a session through memory);
 schemas llguidance cannot enforce are refused naming the feature. The tiny random Llama with
 the real tokenizer: its logits are noise, so only the grammar makes the JSON."""
@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from engine.protocol import InvalidRequest, ResponseFormat, SamplingParams
+from engine.protocol import InvalidRequest, SamplingParams, StructuredOutput
+from tests.engine.helpers import record_batches
 
 SCHEMA = {
     "type": "object",
@@ -23,7 +24,7 @@ SCHEMA = {
     "required": ["name", "age", "kind"],
     "additionalProperties": False,
 }
-FORMAT = ResponseFormat("json_schema", json.dumps(SCHEMA))
+FORMAT = StructuredOutput("json_schema", json.dumps(SCHEMA))
 
 
 def check(text: str) -> dict:
@@ -52,7 +53,7 @@ async def test_sampled_output_matches_the_schema(make_engine, seed):
 
 async def test_json_object_is_an_object(make_engine):
     engine = make_engine()
-    fmt = ResponseFormat("json_object")
+    fmt = StructuredOutput("json_object")
     sampling = SamplingParams(max_tokens=200, temperature=0.0, response_format=fmt)
     text, finish = await answer(engine, "o", "Give me JSON.", sampling)
     if finish == "stop":  # greedy noise may wander in a string until max_tokens
@@ -67,14 +68,7 @@ async def test_a_batch_mixes_constrained_and_free_rows(make_engine):
     constrained = SamplingParams(max_tokens=120, temperature=0.0, response_format=FORMAT)
     alone_free = await answer(engine, "f0", "Once upon a time,", free)
     alone_json = await answer(engine, "j0", "Describe someone.", constrained)
-    sizes = []
-    run = engine._worker._run_batch
-
-    def recording(steps):
-        sizes.append(len(steps))
-        return run(steps)
-
-    engine._worker._run_batch = recording
+    sizes = record_batches(engine)
     together = await asyncio.gather(
         answer(engine, "f1", "Once upon a time,", free),
         answer(engine, "j1", "Describe someone.", constrained),
@@ -96,7 +90,7 @@ async def test_a_session_answers_in_json_through_memory(make_engine):
     text, finish = await answer(engine, "q", question, sampling, session_id="s")
     assert finish == "stop"
     check(text)
-    assert engine._memory_sessions.sessions["s"].memory.memory_tokens > 0  # read via memory
+    assert engine._frame_backend.conversations["s"].memory.memory_tokens > 0  # read via memory
 
 
 @pytest.mark.parametrize(
@@ -105,18 +99,18 @@ async def test_a_session_answers_in_json_through_memory(make_engine):
 )
 async def test_a_schema_it_cannot_enforce_is_refused_naming_why(make_engine, schema, feature):
     engine = make_engine()
-    fmt = ResponseFormat("json_schema", json.dumps(schema))
+    fmt = StructuredOutput("json_schema", json.dumps(schema))
     with pytest.raises(InvalidRequest, match=feature.replace("$", r"\$")) as refused:
         engine.generate("bad", "x", SamplingParams(response_format=fmt))
     assert refused.value.param == "response_format"
 
 
 def test_compiled_grammars_are_cached(make_engine):
-    from engine.grammar import Grammars
+    from engine.runner.grammar import Grammars
 
     grammars = Grammars(make_engine()._tokenizer, 2, cache_size=1)
     first = grammars.compile(FORMAT)
     assert grammars.compile(FORMAT) is first and grammars.cache_hits == 1
-    grammars.compile(ResponseFormat("json_object"))  # evicts FORMAT (cache_size 1)
+    grammars.compile(StructuredOutput("json_object"))  # evicts FORMAT (cache_size 1)
     grammars.compile(FORMAT)
     assert grammars.compiled == 3

@@ -13,7 +13,7 @@ import pytest
 
 from engine.memory.session import STRATEGIES
 from engine.protocol import MemorySpec, SamplingParams, StoreUnavailableError
-from engine.stream import on_device
+from engine.scheduler.stream import on_device
 from memory_store.errors import StoreUnavailableError as StoreDown
 
 from .test_memory_session import SMALL
@@ -25,7 +25,7 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 def ingest_closed_at_done(engine, session_id: str) -> list:
     """Run the session's ingestion on the device thread and close it at its last progress
     (or its outage error): what the worker does when the consumer's abort comes first."""
-    sessions = engine._memory_sessions
+    sessions = engine._frame_backend
 
     def run() -> list:
         seen = []
@@ -75,7 +75,7 @@ async def test_a_document_is_read_when_done_is_out(engines, monkeypatch, strateg
     else:
         assert last.done and last.tokens_done == last.tokens_total > 0
 
-    session = engine._memory_sessions.sessions["s"]
+    session = engine._frame_backend.conversations["s"]
     assert session.documents_end.state_hash == session.memory.state_hash
     assert session.documents_rendered == [("user", DOC)]
     # two different new chats: each restarts after the document, so each holds one turn

@@ -1,4 +1,4 @@
-"""tokens' sketch search (engine/memory/key_sketch.py, engine/csrc/token_search.cpp) against an
+"""tokens' sketch search (engine/memory/key_sketch.py, engine/runner/csrc/token_search.cpp) against an
 exact scan of every key."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.cpu_extensions import load_extension
 from engine.memory import key_sketch
 from engine.memory.key_sketch import KeySketch, search, search_torch
+from engine.memory.ranking import fair_union
 from engine.memory.rotary import RotaryTable
-from engine.memory.tokens import fair_union
+from engine.runner.cpu_extensions import load_extension
 
 D = 32
 needs_kernel = pytest.mark.skipif(

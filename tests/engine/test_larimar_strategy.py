@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from engine.larimar import (
+from engine.protocol import InvalidRequest, MemorySpec
+from engine.sessions.larimar import (
     LarimarParams,
     LarimarReader,
     conditioned,
@@ -17,10 +18,10 @@ from engine.larimar import (
     retrieved_sentences,
     split_context,
 )
-from engine.protocol import InvalidRequest, MemorySpec
 from memory_store.backends import EmbeddedBackend
-from memory_store.client import MemoryStoreClient
+from memory_store.client import in_process_client
 from memory_store.larimar import LarimarConfig, LarimarHit
+from tests.helpers import HAYSTACK_OBJECTS, HAYSTACK_VERBS
 from tests.memory_store.conftest import HashingEncoder, minilm  # noqa: F401 (fixture)
 
 FILLER = (
@@ -42,28 +43,7 @@ def haystack(n: int, seed: int = 3) -> list[str]:
         "The committee",
         "The road",
     ]
-    verbs = [
-        "waited for",
-        "talked about",
-        "remembered",
-        "painted",
-        "argued over",
-        "discovered",
-        "ignored",
-        "celebrated",
-        "measured",
-        "described",
-    ]
-    objects = [
-        "the long summer",
-        "a broken bridge",
-        "the first snow",
-        "an empty harbour",
-        "the evening news",
-        "a forgotten song",
-        "the harvest",
-        "a red kite",
-    ]
+    verbs, objects = HAYSTACK_VERBS, HAYSTACK_OBJECTS
     return [f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}." for _ in range(n)]
 
 
@@ -114,7 +94,7 @@ def test_retrieved_sentences_are_distinct_in_document_order() -> None:
 
 
 async def test_prefix_length_must_match_the_store(tmp_path) -> None:
-    client = MemoryStoreClient.in_process(
+    client = in_process_client(
         EmbeddedBackend(tmp_path), encoder=HashingEncoder(), larimar=LarimarConfig(prefix_length=4)
     )
     reader = LarimarReader(client)
@@ -151,7 +131,7 @@ async def test_reader_finds_the_needle_in_a_haystack(minilm, tmp_path) -> None:
 @pytest.mark.real_model
 async def test_embedded_model_answers_the_pass_key_at_100k_tokens(minilm, tmp_path) -> None:
     from engine.config import EngineConfig
-    from engine.loader import load_model
+    from engine.runner.loader import load_model
 
     loaded = load_model(EngineConfig(device="cpu"))
     tokenizer, model = loaded.tokenizer, loaded.model

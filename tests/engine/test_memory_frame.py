@@ -13,10 +13,10 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from engine.attention import use_longserve_attention
 from engine.memory.chunk import chunk_mask
 from engine.memory.session import SessionMemory
 from engine.protocol import InvalidRequest, MemorySpec
+from engine.runner.attention import use_longserve_attention
 
 ATOL = 1e-4  # fp32 logits; un-rotating and re-rotating keys costs ~1e-6
 
@@ -368,8 +368,8 @@ def test_growing_buffer_take_returns_each_heads_rows():
 def test_a_float16_window_steps_alike_with_and_without_the_cpu_kernels(monkeypatch, strategy):
     """Sinks and window in float16 (kv_dtype "float16"): the torch path of a decode step (no
     compiler, or a GPU) widens them as the kernels do, so both give the same logits."""
-    import engine.cpu_attention as cpu_attention
     import engine.memory.retrieval as retrieval_module
+    import engine.runner.cpu_attention as cpu_attention
 
     if cpu_attention.load_kernel() is None:
         pytest.skip("no C++ compiler or ninja to build the kernels")

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention import use_longserve_attention
 from engine.memory.session import SessionMemory
 from engine.protocol import MemorySpec
+from engine.runner.attention import use_longserve_attention
 
 pytestmark = pytest.mark.real_model
 

@@ -238,7 +238,7 @@ def test_a_bfloat16_model_keeps_its_memory_in_bfloat16():
 def test_stored_encodings_are_kept_apart_by_window_precision():
     """A chunk's keys depend on the window it attended: a float16 window's encodings get a
     session fingerprint of their own; the model's dtype keeps the one it had."""
-    from engine.store import session_fingerprint
+    from engine.caches.store import session_fingerprint
 
     model = tiny("llama")
     spec = MemorySpec("segments", SMALL["segments"])

@@ -1,4 +1,4 @@
-"""engine/csrc/memory_step.cpp against the torch ops it replaces in a memory decode step."""
+"""engine/runner/csrc/memory_step.cpp against the torch ops it replaces in a memory decode step."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.cpu_extensions import load_extension
 from engine.memory.rotary import RotaryTable
+from engine.runner.cpu_extensions import load_extension
 
 pytestmark = pytest.mark.skipif(
     load_extension("memory_step") is None, reason="no C++ compiler or ninja to build the kernel"
@@ -108,12 +108,12 @@ def test_block_scores_are_the_softmax_mean_over_the_group(score, blocks):
 )
 def test_whole_blocks_agrees_with_the_frames_torch_check(rows, whole, padded):
     from engine.memory.config import FrameConfig
-    from engine.memory.frame import FrameState
+    from engine.memory.frame import Frame
     from engine.memory.selector import Selector
 
     idx = torch.tensor(rows)
     assert load_extension("memory_step").whole_blocks(idx, 4) == (whole, padded)
-    frame = FrameState(
+    frame = Frame(
         FrameConfig(block=4),
         Selector(),
         table(),

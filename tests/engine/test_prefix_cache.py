@@ -1,4 +1,4 @@
-"""Prefix reuse for long prompts (engine/prefix_cache.py), through LocalEngine on the tiny random
+"""Prefix reuse for long prompts (engine/caches/prefix_cache.py), through LocalEngine on the tiny random
 Llama: a prompt that starts with an earlier one's chunks answers exactly as read from scratch
 (same greedy tokens, logprobs within 1e-4: the kept memory is a copy and the rest is read in the
 same chunks, but the copy's buffers are compacted, so float32 reductions over them may run in
@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from engine.chat_template import encode_chat
 from engine.protocol import MemorySpec, SamplingParams
+from engine.runner.chat_template import encode_chat
 
 # chunks longer than the question's tail: reading a document does not retrieve
 FRAME = {"sinks": 8, "local_window": 32, "chunk_size": 64, "block": 16, "prior_k": 2, "prior_u": 0}

@@ -1,4 +1,4 @@
-"""Long prompts' prefix memories through the memory store (engine/prefix_store.py): two
+"""Long prompts' prefix memories through the memory store (engine/caches/prefix_store.py): two
 LocalEngines on one embedded store stand for two replicas, their own prefix caches off. A
 prompt on the second replica imports the chunks the first one wrote and answers as a third
 engine (its own store) that reads the same prompt from scratch with write-through: the same
@@ -12,7 +12,7 @@ import socket
 
 import pytest
 
-from engine.chat_template import encode_chat
+from engine.runner.chat_template import encode_chat
 
 from .test_prefix_cache import FRAME, SPECS, ask, assert_same_answer, chat, document
 

@@ -1,11 +1,11 @@
-"""engine/csrc/quant_matmul.cpp: 4-bit block codes and int8 rows times a few float rows."""
+"""engine/runner/csrc/quant_matmul.cpp: 4-bit block codes and int8 rows times a few float rows."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.weights import Int4Linear, Int8Linear, fuse_linears, quant_kernels, small_matmul
+from engine.runner.weights import Int4Linear, Int8Linear, fuse_linears, quant_kernels, small_matmul
 
 pytestmark = pytest.mark.skipif(
     quant_kernels() is None, reason="no C++ compiler or ninja to build the kernel"

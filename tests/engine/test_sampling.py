@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine.protocol import SamplingParams
-from engine.sampling import (
+from engine.runner.sampling import (
     apply_penalties,
     apply_top_k,
     apply_top_p,

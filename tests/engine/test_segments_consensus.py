@@ -121,7 +121,7 @@ def test_the_decode_carry_follows_its_blocks_when_fifo_drops_the_oldest():
     carried = s0 + s1
     chooser.on_commit(5, 0)
     dropped = 3
-    for layer, store in enumerate(stores):  # what FrameState.commit does past m
+    for layer, store in enumerate(stores):  # what Frame.commit does past m
         store.mem_k.drop_front(dropped * BLOCK)
         chooser.on_memory_dropped(layer, dropped * BLOCK)
     step = queries(22, tokens=1)

@@ -49,6 +49,6 @@ async def test_turns_do_not_depend_on_arrival_order(
     )
     assert results["c"][1] == 2  # its earlier answer and its own, either way
     assert results["n"][1] == 1
-    held = engine._memory_sessions.sessions["s"].turns
+    held = engine._frame_backend.conversations["s"].turns
     last = pair[-1][1]
     assert [t for t, _ in held[: len(last)]] == [m["role"] for m in last]

@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from engine.chat_template import assistant_turn_end, encode_chat
 from engine.protocol import SamplingParams
+from engine.runner.chat_template import assistant_turn_end, encode_chat
 
 ANSWER = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM"
@@ -53,7 +53,7 @@ async def ask(engine, request_id, messages, session_id="s"):
     """One chat request on the session; (answer text, last delta, memory tokens it added). The
     last delta comes back holding every token id of the answer (a session's last delta itself
     carries none: it goes out once the turn is closed)."""
-    memory = engine._memory_sessions.sessions[session_id].memory
+    memory = engine._frame_backend.conversations[session_id].memory
     before = memory.num_tokens
     deltas = await collect(engine.generate(request_id, messages, ANSWER, session_id=session_id))
     ids = [i for d in deltas for i in d.token_ids]
@@ -83,7 +83,7 @@ async def test_a_conversation_resent_in_full_is_appended_once(engine, small_memo
         assert added == last.prompt_tokens + last.completion_tokens + closing_tokens(engine, last)
         messages.append({"role": "assistant", "content": answer})
         history = [(m["role"], m["content"]) for m in messages]
-        assert engine._memory_sessions.sessions["s"].turns == history
+        assert engine._frame_backend.conversations["s"].turns == history
 
 
 async def test_a_new_chat_starts_again_after_the_documents(engine, small_memory_spec):
@@ -91,7 +91,7 @@ async def test_a_new_chat_starts_again_after_the_documents(engine, small_memory_
     continue the one held forgets it (the memory goes back to the end of its documents)."""
     await engine.create_session("s", small_memory_spec)
     tokenizer = engine._tokenizer
-    session = engine._memory_sessions.sessions["s"]
+    session = engine._frame_backend.conversations["s"]
     doc = "The access code is 4721. " * 20
     await collect(engine.ingest("i", "s", doc))
     read = session.memory.num_tokens
@@ -118,7 +118,7 @@ async def test_a_new_chat_starts_again_after_the_documents(engine, small_memory_
 
 async def test_an_edited_history_is_read_after_the_documents(engine, small_memory_spec):
     await engine.create_session("s", small_memory_spec)
-    session = engine._memory_sessions.sessions["s"]
+    session = engine._frame_backend.conversations["s"]
     await ask(engine, "a", [{"role": "user", "content": "Hello?"}])
     edited = [
         {"role": "user", "content": "Hello?"},
@@ -136,7 +136,7 @@ async def test_a_conversation_that_reached_memory_is_kept(engine, small_memory_s
     """A new chat cannot forget a conversation whose oldest tokens have reached memory: it
     follows it, as every chat did before rewinds existed."""
     await engine.create_session("s", small_memory_spec)
-    session = engine._memory_sessions.sessions["s"]
+    session = engine._frame_backend.conversations["s"]
     long_question = [{"role": "user", "content": "Tell me everything about " + "x " * 60}]
     first, _, _ = await ask(engine, "a", long_question)
     assert session.memory.memory_tokens > 0
@@ -154,7 +154,7 @@ async def test_a_conversation_that_reached_memory_is_kept(engine, small_memory_s
 
 async def test_an_aborted_answer_leaves_no_half_turn(engine, small_memory_spec):
     await engine.create_session("s", small_memory_spec)
-    session = engine._memory_sessions.sessions["s"]
+    session = engine._frame_backend.conversations["s"]
     before, hash_before = session.memory.num_tokens, session.memory.state_hash
     stream = engine.generate(
         "long",
@@ -177,7 +177,7 @@ async def test_an_aborted_turn_that_reached_memory_is_kept_whole(engine, small_m
     """Its tokens cannot be forgotten: the memory reads the rest of the turn (the last token,
     the end of turn) and the next finished request carries it out first."""
     await engine.create_session("s", small_memory_spec)
-    session = engine._memory_sessions.sessions["s"]
+    session = engine._frame_backend.conversations["s"]
     question = [{"role": "user", "content": "Tell me everything about " + "x " * 150}]
     stream = engine.generate(
         "long", question, SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True),
@@ -205,18 +205,21 @@ async def test_an_aborted_turn_that_reached_memory_is_kept_whole(engine, small_m
 async def test_completions_leave_the_turns_alone(engine, small_memory_spec):
     await engine.create_session("s", small_memory_spec)
     first, _, _ = await ask(engine, "a", [{"role": "user", "content": "Hello?"}])
-    memory = engine._memory_sessions.sessions["s"].memory
+    memory = engine._frame_backend.conversations["s"].memory
     before = memory.num_tokens
     deltas = await collect(engine.generate("c", "Some raw text", ANSWER, session_id="s"))
     assert memory.num_tokens == before + deltas[-1].prompt_tokens + deltas[-1].completion_tokens
-    assert engine._memory_sessions.sessions["s"].turns == [("user", "Hello?"), ("assistant", first)]
+    assert engine._frame_backend.conversations["s"].turns == [
+        ("user", "Hello?"),
+        ("assistant", first),
+    ]
 
 
 async def test_a_session_between_requests_holds_no_decode_caches(engine, small_memory_spec):
     """Decode steps keep the window's rotated keys and their last retrieval; the request's end
     drops them, and the next request's steps rebuild them."""
     await engine.create_session("s", small_memory_spec)
-    memory = engine._memory_sessions.sessions["s"].memory
+    memory = engine._frame_backend.conversations["s"].memory
     long_question = " ".join(f"word{i}" for i in range(150)) + "?"
     for request_id in ("a", "b"):
         await ask(engine, request_id, [{"role": "user", "content": long_question}])
@@ -249,7 +252,7 @@ async def test_an_idle_session_moves_to_host_memory_and_answers_the_same(
         await collect(engine.ingest("i", "s", "The access code is 4721. " * 20))
         await ask(engine, "a", [{"role": "user", "content": "What is the code?"}])
     await wait_for_tier(idle, "s", "host")
-    assert idle._memory_sessions.sessions["s"].memory.offloaded
+    assert idle._frame_backend.conversations["s"].memory.offloaded
     assert idle.stats().sessions_offloaded == 1 and never.stats().sessions_offloaded == 0
     await asyncio.sleep(0.3)
     assert never.session_memory_info("s").tier == "device"

@@ -1,6 +1,6 @@
 """Document encodings written once to the memory store, sessions rebuilt from them without the
 model: SessionMemory export/import per strategy, and LocalEngine ingest through an embedded
-store (engine/store.py)."""
+store (engine/caches/store.py)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 import torch
 
+from engine.caches.store import StoreBridge
 from engine.client import LocalEngine
 from engine.config import EngineConfig
-from engine.loader import load_model
 from engine.memory.session import STRATEGIES, SessionMemory
 from engine.protocol import MemorySpec, SamplingParams, StoreUnavailableError
-from engine.store import StoreBridge
+from engine.runner.loader import load_model
 from memory_store.encodings import decode_chunk, encode_chunk
 from memory_store.errors import StoreUnavailableError
+from tests.engine.helpers import ingest_args
 
 from .test_memory_frame import tiny
 from .test_memory_session import SMALL
@@ -254,16 +255,16 @@ async def test_store_outage_reads_into_memory_and_raises(engines, monkeypatch):
 
 
 async def test_one_store_client_serves_encodings_and_larimar(engines, tmp_path):
-    from memory_store.client import MemoryStoreClient
+    from memory_store.client import embedded_client
 
-    client = MemoryStoreClient.embedded(tmp_path / "shared")
+    client = embedded_client(tmp_path / "shared")
     engine = engines(data_dir=None, store=client)
     assert engine._store is not None and engine._store.client is client
     await engine.create_session("s", SPEC)
     progress = await _collect(engine.ingest("d", "s", DOC))
     assert progress[-1].done and progress[-1].tokens_from_store == 0
     assert await client.list_documents("s")  # the manifest went through the given client
-    assert engine._larimar_sessions._larimar().client is client
+    assert engine._larimar_backend._larimar().client is client
     await engine.shutdown()
     await client.ping()  # the engine leaves the shared client open for its owner
 
@@ -290,7 +291,7 @@ def test_ingest_cli_encodes_files_into_a_collection(tiny_model_dir, tmp_path, mo
     import json
 
     import memory_store.embedder
-    from engine import ingest_cli
+    from engine.caches import ingest_cli
 
     class FakeEmbedder:
         def embed(self, texts):
@@ -302,19 +303,7 @@ def test_ingest_cli_encodes_files_into_a_collection(tiny_model_dir, tmp_path, mo
     parser = argparse.ArgumentParser()
     ingest_cli.add_arguments(parser)
     args = parser.parse_args(
-        [
-            str(doc),
-            "--collection",
-            "manuals",
-            "--data-dir",
-            str(tmp_path / "data"),
-            "--model",
-            str(tiny_model_dir),
-            "--device",
-            "cpu",
-            "--memory",
-            json.dumps(SPEC.params),
-        ]
+        ingest_args([str(doc)], tmp_path / "data", tiny_model_dir, SPEC, "manuals")
     )
     assert ingest_cli.run(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -337,7 +326,7 @@ async def test_rebuild_through_the_http_memory_service(engines, tmp_path):
 
     from memory_store.app import build_app
     from memory_store.backends import EmbeddedBackend
-    from memory_store.client import MemoryStoreClient
+    from memory_store.client import http_client
     from memory_store.settings import MemoryStoreSettings
 
     app = build_app(
@@ -348,9 +337,7 @@ async def test_rebuild_through_the_http_memory_service(engines, tmp_path):
 
     def over_http() -> LocalEngine:
         # The engine runs its store calls on its own loop only (no larimar session here).
-        client = MemoryStoreClient.http(
-            "http://memory-store", transport=httpx.ASGITransport(app=app)
-        )
+        client = http_client("http://memory-store", transport=httpx.ASGITransport(app=app))
         return engines(data_dir=None, store=client)
 
     results = []

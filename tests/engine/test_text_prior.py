@@ -1,4 +1,4 @@
-"""The text prior (engine/memory/prior.py) and documents read as chat turns (engine/sessions.py).
+"""The text prior (engine/memory/prior.py) and documents read as chat turns (engine/sessions/frame_backend.py).
 
 The prior is checked with a bag-of-words encoder, whose nearest block is known in advance, on
 the tiny random model; which blocks a question brings in is read from the frame. How much
@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.chat_template import encode_chat
 from engine.memory.prior import TextPrior, merge_rows
 from engine.memory.session import SessionMemory
-from engine.prior_query import prior_query
 from engine.protocol import MemorySpec, SamplingParams
+from engine.runner.chat_template import encode_chat
+from engine.sessions.prior_query import prior_query
 
 BLOCK = 16
 SPEC = {"sinks": 8, "local_window": 64, "chunk_size": 32, "block": BLOCK, "k": 1, "u": 0}
@@ -187,7 +187,7 @@ async def test_a_document_is_read_as_a_user_turn_the_question_continues(engine, 
     history = [("user", doc)]
     assert deltas[-1].prompt_tokens == len(encode_chat(tokenizer, question, history))
     second = [p async for p in engine.ingest("d2", "s", "More letters.")]
-    held = engine._memory_sessions.sessions["s"]
+    held = engine._frame_backend.conversations["s"]
     assert [role for role, _ in held.rendered] == ["user", "user", "assistant", "user"]
     assert held.turns == []  # a document closes the conversation held: nothing to match
     assert tokenizer.decode(

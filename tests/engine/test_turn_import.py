@@ -10,16 +10,9 @@ import dataclasses
 import pytest
 import torch
 
-from engine.protocol import InvalidRequest, MemoryBudgetExceeded, MemorySpec, SamplingParams
+from engine.protocol import InvalidRequest, MemoryBudgetExceeded, SamplingParams
+from tests.engine.helpers import SPECS
 
-FRAME = {"sinks": 8, "local_window": 32, "chunk_size": 32, "block": 16}
-SPECS = {
-    "segments": MemorySpec("segments", {**FRAME, "k": 2, "u": 1}),
-    "tokens": MemorySpec("tokens", {**FRAME, "k": 16, "index": "torch"}),
-    "neurocache": MemorySpec(
-        "neurocache", {**FRAME, "k": 4, "w": 2, "c": 2, "r": 0, "fit_tokens": 32, "d": 8}
-    ),
-}
 ANSWER = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 DOCUMENT = " ".join(f"Fact {i}: the code of room {i} is {1000 + 37 * i}." for i in range(30))
 
@@ -36,7 +29,7 @@ async def read(engine, session, text):
 
 
 def frame_tensors(engine, session):
-    memory = engine._memory_sessions.sessions[session].memory
+    memory = engine._frame_backend.conversations[session].memory
     out = []
     for store in memory._frame.layers:
         out += [store.sink_k, store.sink_v, store.local_k, store.local_v]
@@ -66,7 +59,7 @@ async def test_imported_turns_rebuild_the_memory_bit_for_bit(make_engine, strate
     messages, turns = await conversation(a, "s", questions)
     assert [t.seq for t in turns] == [1, 2, 3]
     assert all(t.encoding is not None for t in turns)
-    held = a._memory_sessions.sessions["s"]
+    held = a._frame_backend.conversations["s"]
     assert turns[-1].turns == 3 and turns[-1].turn_tokens == sum(t.tokens for t in turns)
     assert held.memory.memory_tokens > 0  # the turns pushed blocks into memory
 
@@ -83,7 +76,7 @@ async def test_imported_turns_rebuild_the_memory_bit_for_bit(make_engine, strate
     finally:
         hook.remove()
     assert forwards == 0
-    rebuilt = b._memory_sessions.sessions["s"]
+    rebuilt = b._frame_backend.conversations["s"]
     assert rebuilt.memory.state_hash == held.memory.state_hash
     assert rebuilt.turns == held.turns and rebuilt.seq == 3 and rebuilt.held == held.held
     for x, y in zip(frame_tensors(a, "s"), frame_tensors(b, "s"), strict=True):
@@ -104,7 +97,7 @@ async def test_a_turn_without_encodings_is_read_again(make_engine):
     messages, turns = await conversation(a, "s", ["Room 3?", "Room 4?"])
     for turn in turns:
         await b.import_turn("s", dataclasses.replace(turn, encoding=None))
-    assert b._memory_sessions.sessions["s"].memory.state_hash == turns[-1].hash_after
+    assert b._frame_backend.conversations["s"].memory.state_hash == turns[-1].hash_after
     follow = [*messages, {"role": "user", "content": "Room 5?"}]
     assert (await ask(a, "a-next", follow))[0] == (await ask(b, "b-next", follow))[0]
 
@@ -129,17 +122,17 @@ async def test_a_turn_that_does_not_follow_is_refused_and_changes_nothing(make_e
         await engine.create_session("s", SPECS["segments"])
     await read(a, "s", DOCUMENT)  # b never read it
     _, turns = await conversation(a, "s", ["Room 3?"])
-    before = b._memory_sessions.sessions["s"].memory.state_hash
+    before = b._frame_backend.conversations["s"].memory.state_hash
     with pytest.raises(InvalidRequest):
         await b.import_turn("s", turns[0])
-    rebuilt = b._memory_sessions.sessions["s"]
+    rebuilt = b._frame_backend.conversations["s"]
     assert rebuilt.memory.state_hash == before and rebuilt.seq == 0 and rebuilt.turns == []
 
 
 async def test_a_request_past_the_memory_room_is_refused_and_changes_nothing(make_engine):
     engine = make_engine()
     await engine.create_session("s", SPECS["segments"])
-    session = engine._memory_sessions.sessions["s"]
+    session = engine._frame_backend.conversations["s"]
     before = session.memory.num_tokens
     question = [{"role": "user", "content": "Hello?"}]
     with pytest.raises(MemoryBudgetExceeded):

@@ -1,4 +1,4 @@
-"""Linear weights in bfloat16 on a float32 model (engine/weights.py): every linear layer is
+"""Linear weights in bfloat16 on a float32 model (engine/runner/weights.py): every linear layer is
 swapped, the rest stays float32, logits stay within bf16 rounding of the float32 ones, and the
 engine serves with it. On the tiny random Llama."""
 
@@ -7,16 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.caches.store import model_fingerprint
 from engine.config import EngineConfig
-from engine.loader import (
+from engine.protocol import SamplingParams
+from engine.runner.loader import (
     embedded_model_path,
     gguf_linears_are_q4_1,
     load_model,
     resolve_precision,
 )
-from engine.protocol import SamplingParams
-from engine.store import model_fingerprint
-from engine.weights import (
+from engine.runner.weights import (
     SMALL_M,
     Int4Linear,
     Int8Linear,
@@ -64,7 +64,7 @@ async def test_start_engine_builds_off_thread_and_raises_its_errors(tiny_model_d
     import pytest
 
     from engine.client import start_engine
-    from engine.loader import ModelLoadError
+    from engine.runner.loader import ModelLoadError
 
     engine = start_engine(EngineConfig(model=str(tiny_model_dir), device="cpu"))
     try:

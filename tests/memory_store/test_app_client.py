@@ -15,7 +15,13 @@ from pydantic import ValidationError
 from memory_store.app import build_app
 from memory_store.backends import Backend, EmbeddedBackend, RedisBackend
 from memory_store.cli import add_arguments, settings_from_args
-from memory_store.client import MemoryStoreClient, wait_until_ready
+from memory_store.client import (
+    MemoryStoreClient,
+    embedded_client,
+    http_client,
+    in_process_client,
+    wait_until_ready,
+)
 from memory_store.encodings import DocumentManifest, chain_hashes
 from memory_store.errors import InvalidStoreRequest, NotFound, StoreUnavailableError
 from memory_store.keys import KeySpace
@@ -39,7 +45,7 @@ def asgi_client(app, calls: list[tuple[str, str, str]] | None = None) -> MemoryS
         if calls is not None:
             calls.append((op, backend, status))
 
-    return MemoryStoreClient.http(
+    return http_client(
         "http://memory-store",
         transport=httpx.ASGITransport(app=app),
         retry=FAST_HTTP_RETRY,
@@ -53,7 +59,7 @@ async def client(
 ) -> AsyncIterator[tuple[MemoryStoreClient, list[tuple[str, str, str]]]]:
     calls: list[tuple[str, str, str]] = []
     if request.param == "in_process":
-        c = MemoryStoreClient.in_process(
+        c = in_process_client(
             backend,
             encoder=HashingEncoder(),
             on_request=lambda op, b, s, t: calls.append((op, b, s)),
@@ -174,7 +180,7 @@ async def test_http_client_reconnects_after_service_restart(tmp_path: Path) -> N
     )
     server = ThreadedServer.of(app, port, lifespan="off")
     server.start()
-    c = MemoryStoreClient.http(f"http://127.0.0.1:{port}", retry=FAST_HTTP_RETRY, timeout_s=5)
+    c = http_client(f"http://127.0.0.1:{port}", retry=FAST_HTTP_RETRY, timeout_s=5)
     try:
         manifest = DocumentManifest("d", FP, ("h1",))
         await c.put_manifest("s", "d", manifest)
@@ -243,7 +249,7 @@ async def test_records_and_blobs_round_trip(client: tuple[MemoryStoreClient, lis
 
 
 async def test_records_live_under_the_session_hash_tag(redis_backend: RedisBackend) -> None:
-    c = MemoryStoreClient.in_process(redis_backend, encoder=HashingEncoder())
+    c = in_process_client(redis_backend, encoder=HashingEncoder())
     await c.put_record("sess:t.s1", "session", {"id": "s1"})
     await c.put_blob("sess:t.s1", "text.d", b"abc")
     await c.put_manifest("t.s1", "doc", DocumentManifest("doc", FP, ("h1",)))
@@ -263,10 +269,10 @@ async def test_collection_chunks_in_document_order(client: tuple[MemoryStoreClie
 
 
 async def test_embedded_client_stores_under_its_data_dir(tmp_path: Path) -> None:
-    c = MemoryStoreClient.embedded(tmp_path / "store", encoder=HashingEncoder())
+    c = embedded_client(tmp_path / "store", encoder=HashingEncoder())
     assert c.backend_name == "embedded" and (tmp_path / "store").is_dir()
     await c.put_record("sess:s1", "session", {"id": "s1"})
-    again = MemoryStoreClient.embedded(tmp_path / "store", encoder=HashingEncoder())
+    again = embedded_client(tmp_path / "store", encoder=HashingEncoder())
     assert await again.get_record("sess:s1", "session") == {"id": "s1"}
     await c.close()
     await again.close()

@@ -17,6 +17,7 @@ from memory_store.larimar import (
     write_lstsq,
     write_one_hot,
 )
+from tests.helpers import HAYSTACK_OBJECTS, HAYSTACK_VERBS
 
 from .conftest import HashingEncoder
 
@@ -125,30 +126,8 @@ async def test_needle_in_a_haystack(minilm, embedded_backend) -> None:
         "The mountain road",
         "The orchestra",
     ]
-    verbs = [
-        "waited for",
-        "talked about",
-        "remembered",
-        "painted",
-        "argued over",
-        "discovered",
-        "ignored",
-        "celebrated",
-        "measured",
-        "described",
-    ]
-    objects = [
-        "the long summer",
-        "a broken bridge",
-        "the first snow",
-        "an empty harbour",
-        "the evening news",
-        "a forgotten song",
-        "the harvest",
-        "a red kite",
-        "the morning train",
-        "the city walls",
-    ]
+    verbs = HAYSTACK_VERBS
+    objects = [*HAYSTACK_OBJECTS, "the morning train", "the city walls"]
     tails = [
         "before dawn.",
         "for many years.",

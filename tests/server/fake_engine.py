@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engine.protocol import (
+    AlternativeLogprob,
     CollectionAttachment,
     CollectionIncompatible,
     CollectionNotFound,
@@ -52,7 +53,6 @@ from engine.protocol import (
     SessionTurn,
     StoreUnavailableError,
     TokenLogprob,
-    TopLogprob,
 )
 
 VOCAB = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
@@ -281,9 +281,9 @@ class FakeEngine:
 
     @staticmethod
     def _logprob(word: str, sampling: SamplingParams) -> TokenLogprob:
-        tops = [TopLogprob(word, -0.25, list(word.encode()))]
+        tops = [AlternativeLogprob(word, -0.25, list(word.encode()))]
         tops += [
-            TopLogprob(f"alt{j}", -2.0 - j, list(f"alt{j}".encode()))
+            AlternativeLogprob(f"alt{j}", -2.0 - j, list(f"alt{j}".encode()))
             for j in range(max(0, sampling.top_logprobs - 1))
         ]
         return TokenLogprob(word, -0.25, list(word.encode()), tops[: sampling.top_logprobs])

@@ -18,7 +18,7 @@ from fastapi import FastAPI
 
 from memory_store.app import build_app as build_memory_service
 from memory_store.backends import EmbeddedBackend, RedisBackend, RetryPolicy
-from memory_store.client import MemoryStoreClient
+from memory_store.client import MemoryStoreClient, http_client, in_process_client
 from memory_store.settings import MemoryStoreSettings
 from server.app import build_app
 from server.auth import tenant_session_id
@@ -115,7 +115,7 @@ def error_code(response: httpx.Response, status: int) -> str:
 
 
 def embedded_client(directory: Path) -> MemoryStoreClient:
-    return MemoryStoreClient.in_process(EmbeddedBackend(directory), encoder=HashingEncoder())
+    return in_process_client(EmbeddedBackend(directory), encoder=HashingEncoder())
 
 
 def memory_service_app(redis: RedisProcess) -> FastAPI:
@@ -138,7 +138,7 @@ class MemoryService:
         return f"http://127.0.0.1:{self.server.port}"
 
     def client(self) -> MemoryStoreClient:
-        return MemoryStoreClient.http(self.url, retry=FAST_HTTP_RETRY, timeout_s=5)
+        return http_client(self.url, retry=FAST_HTTP_RETRY, timeout_s=5)
 
     def stop(self) -> None:
         self.server.stop()

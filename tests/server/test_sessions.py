@@ -561,8 +561,7 @@ async def test_deleting_a_session_cancels_its_ingestion(engine: FakeEngine) -> N
         events = await asyncio.wait_for(watcher, 5)
         assert events[-1]["status"] == "failed"
         assert events[-1]["error"] == "The session was deleted."
-        session = registry(app)._by_tenant.get(tenant_of(API_KEY), {})
-        assert sid not in session
+        assert registry(app).held(tenant_of(API_KEY), sid) is None
     assert engine_id(sid) not in engine.ingested
     assert queued["status"] == "queued"
 

@@ -75,7 +75,7 @@ _GGUF_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_u
 
 def gguf_linears_are_q4_1(path: Path) -> bool:
     """Whether every decoder linear of the GGUF at `path` is stored as Q4_1 (the grid
-    engine/weights.py's int4 codes hold exactly)."""
+    engine/runner/weights.py's int4 codes hold exactly)."""
     try:
         from gguf import GGUFReader
 
@@ -140,12 +140,12 @@ def _from_pretrained(cls: Any, source: str, kwargs: dict[str, Any], what: str) -
 
 def load_model(config: EngineConfig) -> LoadedModel:
     """Load the tokenizer and causal LM named by `config`, in eval mode on its device, with
-    longserve's attention function selected (engine/attention.py)."""
+    longserve's attention function selected (engine/runner/attention.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.attention import use_longserve_attention
-    from engine.decode_step import attach_decoder
-    from engine.weights import lower_linear_weights
+    from engine.runner.attention import use_longserve_attention
+    from engine.runner.decode_step import attach_decoder
+    from engine.runner.weights import lower_linear_weights
 
     source, kwargs, default_id = _source(config.model)
     device = resolve_device(config.device)

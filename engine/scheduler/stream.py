@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from engine.protocol import GenerationDelta, RequestStats
-from engine.worker import Collector, Job, Steps, Worker
+from engine.scheduler.worker import Collector, Job, Steps, Worker
 
 T = TypeVar("T")
 

@@ -1,6 +1,6 @@
 """Structured outputs: JSON grammars enforced token by token, with llguidance.
 
-`Grammars` (one per engine) turns a `ResponseFormat` into an llguidance grammar, once per
+`Grammars` (one per engine) turns a `StructuredOutput` into an llguidance grammar, once per
 distinct schema (an LRU of compiled grammars), and refuses what llguidance cannot enforce
 with InvalidRequest naming the feature. A request's `Constraint` (one per Generation, device
 thread) masks the logits of every step to the tokens the grammar allows there and advances by
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engine.protocol import InvalidRequest, ResponseFormat
+from engine.protocol import InvalidRequest, StructuredOutput
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -39,7 +39,7 @@ class Grammars:
         self._eos = eos_token_id
         self._lock = threading.Lock()
         self._ll_tokenizer: Any = None
-        self._cache: collections.OrderedDict[ResponseFormat, str] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[StructuredOutput, str] = collections.OrderedDict()
         self._cache_size = cache_size
         self.compile_seconds_total = 0.0
         self.compiled = 0  # cache misses: grammars compiled
@@ -55,7 +55,7 @@ class Grammars:
                 )
             return self._ll_tokenizer
 
-    def compile(self, fmt: ResponseFormat) -> str:
+    def compile(self, fmt: StructuredOutput) -> str:
         """The llguidance grammar of fmt; InvalidRequest when it cannot be enforced."""
         with self._lock:
             cached = self._cache.get(fmt)
@@ -89,7 +89,7 @@ class Grammars:
                 self._cache.popitem(last=False)
         return grammar
 
-    def constraint(self, fmt: ResponseFormat) -> Constraint:
+    def constraint(self, fmt: StructuredOutput) -> Constraint:
         return Constraint(self.ll_tokenizer(), self.compile(fmt))
 
 

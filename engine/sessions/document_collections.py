@@ -10,14 +10,11 @@ import dataclasses
 import functools
 import time
 from collections.abc import AsyncIterator, Generator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from engine.generate import Generation
-from engine.memory_state import MemoryState
-from engine.prior_query import prior_query
+from engine.caches.store import StoreBridge, session_fingerprint
+from engine.config import EngineConfig
 from engine.protocol import (
     CollectionAttachment,
     CollectionIncompatible,
@@ -29,37 +26,32 @@ from engine.protocol import (
     SessionNotFound,
     StoreUnavailableError,
 )
-from engine.store import StoreBridge, session_fingerprint
-from engine.stream import aborted_delta, on_device, submit
-from engine.worker import Worker
+from engine.runner.generate import Generation
+from engine.scheduler.stream import aborted_delta, on_device, submit
+from engine.scheduler.worker import Worker
+from engine.sessions.backend import Decoding
+from engine.sessions.conversation import Collection, Conversation, check_memory_cap, turn_prompt
+from engine.sessions.memory_state import MemoryState
+from engine.sessions.prior_query import prior_query
 from memory_store.client import ChunkEncoding, ChunkRef, TextEncoder, default_embedder
 from memory_store.errors import InvalidStoreRequest, NotFound
 
-if TYPE_CHECKING:
-    from engine.conversation import MemorySession
-    from engine.sessions import MemorySessions
 
-
-@dataclass
-class Collection:
-    """A collection attached to a session. `order` maps each chunk's chain hash to its place
-    in the collection (document order), to put a query's selection back in reading order."""
-
-    attachment: CollectionAttachment
-    order: dict[str, int]
-
-
-class SessionCollections:
+class DocumentCollections:
     """The collections of memory sessions: attach, select, and generate on a fork."""
 
     def __init__(
         self,
-        sessions: MemorySessions,
+        conversations: dict[str, Conversation],
+        config: EngineConfig,
+        decoding: Decoding,
         worker: Worker,
         store: StoreBridge | None,
         model_fingerprint: str,
     ) -> None:
-        self._sessions = sessions
+        self._conversations = conversations  # the backend's table (device thread writes it)
+        self._config = config
+        self._decoding = decoding
         self._worker = worker
         self._store = store
         self._model_fingerprint = model_fingerprint
@@ -97,7 +89,7 @@ class SessionCollections:
         imported, so a store failure changes nothing. A larger one is only recorded here; each
         request then loads its EmbQ selection (`selected_generate`).
         """
-        session = self._sessions.sessions.get(session_id)
+        session = self._conversations.get(session_id)
         if session is None:
             raise SessionNotFound(f"session {session_id!r} has no memory")
         if name in session.collections:
@@ -119,7 +111,7 @@ class SessionCollections:
                 "with the session's strategy and knobs, or create the session with theirs"
             )
         order = {ref.chain_hash: i for i, ref in enumerate(refs)}
-        if len(refs) > self._sessions.config.collection_max_chunks:
+        if len(refs) > self._config.collection_max_chunks:
             attached = CollectionAttachment(name, len(refs), 0, "selected")
 
             def record() -> None:
@@ -129,11 +121,11 @@ class SessionCollections:
             return attached
         chunks = await self._fetch_chunks(refs)
         tokens = sum(chunk.num_tokens for chunk in chunks)
-        self._sessions.check_memory_cap(session.memory.num_tokens + tokens)
+        check_memory_cap(session.memory.num_tokens + tokens, self._config.max_memory_tokens)
         attached = CollectionAttachment(name, len(refs), tokens, "whole")
 
         def load() -> None:
-            if self._sessions.sessions.get(session_id) is not session:
+            if self._conversations.get(session_id) is not session:
                 raise SessionNotFound(f"session {session_id!r} was dropped")
             if name in session.collections:
                 return
@@ -145,7 +137,7 @@ class SessionCollections:
         await on_device(self._worker, load)
         return attached
 
-    async def _select(self, session: MemorySession, prompt: Prompt) -> list[ChunkEncoding]:
+    async def _select(self, session: Conversation, prompt: Prompt) -> list[ChunkEncoding]:
         """EmbQ(x) . EmbD(c) top-k of each selected collection, in document order."""
         bridge = self._bridge()
         encoder = self.query_encoder or default_embedder()
@@ -159,7 +151,7 @@ class SessionCollections:
                     bridge.client.select_chunks,
                     name,
                     query[0],
-                    self._sessions.config.collection_top_k,
+                    self._config.collection_top_k,
                 )
                 refs = await bridge.acall("select_chunks", select)
             except InvalidStoreRequest as e:  # EmbQ and EmbD from different encoders
@@ -192,13 +184,14 @@ class SessionCollections:
         and answer) then joins the session's own memory, one forward over its tokens, so later
         questions can refer to it as in any session.
         """
-        session = self._sessions.sessions.get(session_id)
+        session = self._conversations.get(session_id)
         if session is None:
             raise SessionNotFound(f"session {session_id!r} has no memory")
         chunks = await self._select(session, prompt)
         selected_tokens = sum(c.num_tokens for c in chunks)
-        self._sessions.check_memory_cap(
-            session.memory.num_tokens + selected_tokens + len(prompt_ids) + sampling.max_tokens
+        check_memory_cap(
+            session.memory.num_tokens + selected_tokens + len(prompt_ids) + sampling.max_tokens,
+            self._config.max_memory_tokens,
         )
         steps = self._fork_steps(
             session_id, chunks, prompt, prompt_ids, sampling, queued_at, memory_room
@@ -217,11 +210,13 @@ class SessionCollections:
         queued_at: float,
         memory_room: int | None,
     ) -> Generator[GenerationDelta | None, None, None]:
-        session = self._sessions.sessions.get(session_id)
+        session = self._conversations.get(session_id)
         if session is None:
             raise SessionNotFound(f"session {session_id!r} has no memory")
-        prompt_ids, new, restart = self._sessions.turn_prompt(session, prompt, prompt_ids)
-        ending = len(self._sessions.decoding.turn_end) if new is not None else 0
+        prompt_ids, new, restart = turn_prompt(
+            session, prompt, prompt_ids, self._decoding.tokenizer
+        )
+        ending = len(self._decoding.turn_end) if new is not None else 0
         session.check_room(len(prompt_ids) + sampling.max_tokens + ending, restart, memory_room)
         if restart:
             session.restart()
@@ -233,16 +228,16 @@ class SessionCollections:
             MemoryState(fork, session.strategy),
             prompt_ids,
             sampling,
-            self._sessions.decoding.tokenizer,
+            self._decoding.tokenizer,
             queued_at=queued_at,
             hold_final=True,
-            **self._sessions.decoding.kwargs(),
+            **self._decoding.kwargs(),
         )
         final = yield from generation  # delegated: its decode steps join the worker's batches
         generated, answer = list(generation.output_ids), generation.text
         del fork, generation
         if new is not None:
-            closing = self._sessions.decoding.turn_end
+            closing = self._decoding.turn_end
             generated += closing[1:] if generated and generated[-1:] == closing[:1] else closing
             session.add_turns(new, answer)
         _, hash_before = session.begin_turn()
@@ -250,7 +245,7 @@ class SessionCollections:
         with torch.inference_mode():
             session.memory.append(ids)
         session.last_used = time.monotonic()
-        limit = self._sessions.config.max_turn_encoding_bytes
+        limit = self._config.max_turn_encoding_bytes
         turn = session.finish_turn(restart, new, answer, hash_before, limit)
         if final is not None:
             yield dataclasses.replace(final, turns=session.take_unsent(turn))

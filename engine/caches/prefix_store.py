@@ -1,6 +1,6 @@
 """Long prompts' prefix memories through the memory store, for every replica (docs/decisions/035).
 
-The prefix cache (engine/prefix_cache.py) keeps memories in one replica's host memory, so a
+The prefix cache (engine/caches/prefix_cache.py) keeps memories in one replica's host memory, so a
 chat whose next turn lands on another replica reads its document again. With
 EngineConfig.prefix_cache_store, a long prompt's document is read with write-through, as a
 session reads an upload (SessionMemory.ingest_chunk: each chunk's encodings exported in fp16,
@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.caches.store import StoreBridge, session_fingerprint
 from engine.protocol import StoreUnavailableError
-from engine.store import StoreBridge, session_fingerprint
 from memory_store.client import ChunkEncoding, chain_hash
 from memory_store.errors import NotFound
 

@@ -4,7 +4,7 @@ Every request on the plain KV path owns a `KVCache`: per layer, its keys and val
 their positions, as the model hands them over) in a buffer that grows by doubling (up to the
 request's prompt + max_tokens), so a step writes only its new tokens and the cache is copied only
 when it doubles. A forward passes its caches as the keyword argument `KV_KWARG`
-(engine/attention.py), a `KVBatch` with one cache per row of the batch:
+(engine/runner/attention.py), a `KVBatch` with one cache per row of the batch:
 
     prefill   input_ids (1, T)  -> the row's cache gets T tokens, causal inside the chunk
     decode    input_ids (B, 1)  -> each row appends its token and attends to its own cache
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from engine.cpu_attention import decode_attention, kernel_ready
+from engine.runner.cpu_attention import decode_attention, kernel_ready
 
 _MIN_CAPACITY = 64
 
@@ -153,7 +153,7 @@ def attend_cache(
 ) -> torch.Tensor:
     """query (1, H, T, d) over keys/values (1, kv_heads, S, d), the last T keys being the
     query's own tokens (causal among them) -> (1, H, T, d). One token on a float32 CPU
-    model: engine/cpu_attention.py's split-key kernel (SDPA reads this shape slowly), which
+    model: engine/runner/cpu_attention.py's split-key kernel (SDPA reads this shape slowly), which
     also reads a float16 cache; other shapes attend the cache in the query's dtype."""
     num_new, num_keys = query.shape[2], keys.shape[2]
     if num_new == 1 and kernel_ready(query) and keys.dtype in (torch.float32, torch.float16):

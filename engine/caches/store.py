@@ -1,5 +1,5 @@
 """The engine's side of the memory service: document encodings written once, sessions rebuilt
-from them without the model (Decoupled Context Processing; ARCHITECTURE.md section 4).
+from them without the model (Decoupled Context Processing; docs/architecture.md section 4).
 
 `StoreBridge` owns an asyncio loop in a daemon thread and runs the async `MemoryStoreClient`
 there; the worker thread calls it synchronously (`run_coroutine_threadsafe(...).result(t)`), so
@@ -40,7 +40,14 @@ import torch
 from engine.config import EngineConfig
 from engine.memory.frame import FRAME_LAYOUT
 from engine.protocol import IngestProgress, StoreUnavailableError
-from memory_store.client import ChunkEncoding, DocumentManifest, MemoryStoreClient, chain_hash
+from memory_store.client import (
+    ChunkEncoding,
+    DocumentManifest,
+    MemoryStoreClient,
+    chain_hash,
+    embedded_client,
+    http_client,
+)
 from memory_store.errors import InvalidStoreRequest, NotFound, StoreError
 
 if TYPE_CHECKING:
@@ -78,11 +85,9 @@ class StoreBridge:
         if client is not None:
             return cls(client, timeout_s=config.memory_store_timeout_s, owns_client=False)
         if config.memory_store_url is not None:
-            client = MemoryStoreClient.http(
-                config.memory_store_url, timeout_s=config.memory_store_timeout_s
-            )
+            client = http_client(config.memory_store_url, timeout_s=config.memory_store_timeout_s)
         elif config.data_dir is not None:
-            client = MemoryStoreClient.embedded(Path(config.data_dir) / "memory-store")
+            client = embedded_client(Path(config.data_dir) / "memory-store")
         else:
             return None
         return cls(client, timeout_s=config.memory_store_timeout_s)

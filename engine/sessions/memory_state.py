@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.rows import DecodeRow
+from engine.runner.rows import DecodeRow
 
 if TYPE_CHECKING:
-    from engine.prefix_store import ChunkWriter
+    from engine.caches.prefix_store import ChunkWriter
 
 
 class MemoryState:
@@ -20,9 +20,9 @@ class MemoryState:
     body, everything before its question's tail): it is read in whole chunks, as a session
     reads an uploaded document, and once read it moves to memory (SessionMemory.end_document),
     so the question reaches it through retrieval. read: tokens of the prompt the memory holds
-    already (a reused prefix; engine/prefix_cache.py); prefill gets the rest. keep: (point,
+    already (a reused prefix; engine/caches/prefix_cache.py); prefill gets the rest. keep: (point,
     callback) calls callback(memory) once the document has been read up to point. write:
-    (unit, writer) reads the document with write-through (engine/prefix_store.py), one
+    (unit, writer) reads the document with write-through (engine/caches/prefix_store.py), one
     `unit`-token forward at a time, calls writer(chain hash, encoding) for each whole one, and
     writer.flush() once the document is read: its chunks are stored before the question is."""
 

@@ -13,13 +13,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.chat_template import Turn
 from engine.memory.session import MemoryMark, SessionMemory
 from engine.memory.turns import TurnEncoding
-from engine.protocol import InvalidRequest, MemoryBudgetExceeded, SessionTurn
+from engine.protocol import (
+    CollectionAttachment,
+    InvalidRequest,
+    MemoryBudgetExceeded,
+    Prompt,
+    PromptTooLong,
+    SessionTurn,
+)
+from engine.runner.chat_template import Turn, encode_chat, message_turns
 
 if TYPE_CHECKING:
-    from engine.collections import Collection
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +41,25 @@ def check_memory_room(grows: int, room: int) -> None:
             needed=grows,
             room=room,
         )
+
+
+def check_memory_cap(tokens: int, limit: int) -> None:
+    """A request that needs `tokens` of memory, over the engine's `limit`
+    (max_memory_tokens): PromptTooLong."""
+    if tokens > limit:
+        raise PromptTooLong(
+            f"the request needs {tokens} tokens of memory; the limit is {limit}",
+            param="messages",
+        )
+
+
+@dataclass
+class Collection:
+    """A collection attached to a session. `order` maps each chunk's chain hash to its place
+    in the collection (document order), to put a query's selection back in reading order."""
+
+    attachment: CollectionAttachment
+    order: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -51,17 +77,17 @@ class TurnCount:
 
 
 @dataclass
-class MemorySession:
+class Conversation:
     """A session's memory and the conversation it holds (device thread only)."""
 
     memory: SessionMemory
     strategy: str
     # Every chat message the memory holds, in order, each request's messages followed by the
-    # answer generated for them (see MemorySessions._session_steps): what a resent
+    # answer generated for them (see FrameBackend._session_steps): what a resent
     # conversation is matched against.
     turns: list[Turn] = dataclasses.field(default_factory=list)
     # What the chat template has rendered into the memory, in order: the chat turns above
-    # and each document read, as a user turn (see MemorySessions._ingest_steps).
+    # and each document read, as a user turn (see FrameBackend._ingest_steps).
     rendered: list[Turn] = dataclasses.field(default_factory=list)
     last_used: float = dataclasses.field(default_factory=time.monotonic)
     collections: dict[str, Collection] = dataclasses.field(default_factory=dict)
@@ -210,3 +236,24 @@ class MemorySession:
         self.seq = turn.seq
         self.held = TurnCount(turn.turns, turn.turn_tokens)
         self.memory.end_request()
+
+
+def turn_prompt(
+    session: Conversation,
+    prompt: Prompt,
+    prompt_ids: torch.Tensor,
+    tokenizer: PreTrainedTokenizerBase,
+) -> tuple[torch.Tensor, list[Turn] | None, bool]:
+    """What a request appends to a session (device thread): a completion prompt as it is;
+    chat messages as Conversation.plan_chat says, rendered after what the memory will
+    hold. Returns the ids (T,), the chat messages appended (None for a completion) and
+    whether the session must `restart` from its documents first (not done here, so a
+    refused request changes nothing)."""
+    if isinstance(prompt, str):
+        return prompt_ids, None, False
+    sent = message_turns(prompt)
+    new, restart = session.plan_chat(sent)
+    messages = prompt[len(sent) - len(new) :]
+    history = session.documents_rendered if restart else session.rendered
+    ids = encode_chat(tokenizer, messages, history)
+    return torch.tensor(ids, dtype=torch.long), new, restart

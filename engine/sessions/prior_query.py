@@ -6,9 +6,9 @@ import logging
 import re
 from collections.abc import Sequence
 
-from engine.chat_template import Turn, message_text
 from engine.config import EngineConfig
 from engine.protocol import Prompt
+from engine.runner.chat_template import Turn, message_text
 from memory_store.client import TextEncoder, bundled_model_path, default_embedder
 
 logger = logging.getLogger(__name__)

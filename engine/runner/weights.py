@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_extensions import load_extension
+from engine.runner.cpu_extensions import load_extension
 
 
 class LowPrecisionLinear(torch.nn.Module):
@@ -83,13 +83,13 @@ def min_max_groups(
 
 
 def quant_kernels() -> Any | None:
-    """engine/csrc/quant_matmul.cpp (int16 activations, integer dot products), or None."""
+    """engine/runner/csrc/quant_matmul.cpp (int16 activations, integer dot products), or None."""
     return load_extension("quant_matmul")
 
 
 class Int4Linear(torch.nn.Module):
     """y = x W^T (+ b) with W kept in 4-bit groups (`quantize_groups`). A forward of at most
-    SMALL_M rows multiplies the codes: with engine/csrc/quant_matmul.cpp where it is built,
+    SMALL_M rows multiplies the codes: with engine/runner/csrc/quant_matmul.cpp where it is built,
     else with torch's CPU int4 kernel in bf16. A larger one (prefill) multiplies a copy of the
     same dequantized weights in `gemm_dtype()`."""
 
@@ -211,7 +211,7 @@ def small_matmul(
     """The module's product for at most SMALL_M rows of x, without its casts and reshapes:
     the int4 and int8 kernels take x (rows, in) in any float dtype and give fp32
     (quant_matmul.cpp) or bf16 (torch's), which a decode step may keep
-    (engine/decode_step.py); other modules are themselves."""
+    (engine/runner/decode_step.py); other modules are themselves."""
     if isinstance(module, Int4Linear) and module.bias is None:
         return _int4_product(module)
     if isinstance(module, Int8Linear):

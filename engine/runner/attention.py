@@ -5,8 +5,8 @@ for every attention layer. Each layer calls it with the query, key and value it 
 rotated at the position ids it was given) and every keyword argument of the forward, and the
 keywords pick the path:
 
-    FRAME_KWARG  a session's FrameState   -> the frame's attention (engine/memory/frame.py)
-    KV_KWARG     a KVBatch                -> per-request KV caches (engine/kv_cache.py)
+    FRAME_KWARG  a session's Frame        -> the frame's attention (engine/memory/frame.py)
+    KV_KWARG     a KVBatch                -> per-request KV caches (engine/runner/kv_cache.py)
     neither                               -> plain SDPA, the model's own attention
 
 so one model serves every request, with or without a session, and nothing switches the model's
@@ -25,8 +25,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 if TYPE_CHECKING:
-    from engine.kv_cache import KVBatch
-    from engine.memory.frame import FrameState
+    from engine.memory.frame import Frame
+    from engine.runner.kv_cache import KVBatch
 
 ATTENTION_NAME = "longserve"  # the model's config._attn_implementation once selected
 FRAME_KWARG = "longserve_memory"
@@ -44,7 +44,7 @@ def longserve_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """query (B, H, T, d), key/value (B, kv_heads, T, d) -> ((B, T, H, d), None)."""
-    frame: FrameState | None = kwargs.get(FRAME_KWARG)
+    frame: Frame | None = kwargs.get(FRAME_KWARG)
     batch: KVBatch | None = kwargs.get(KV_KWARG)
     if frame is None and batch is None:
         out, _ = sdpa_attention_forward(
@@ -78,5 +78,26 @@ def require_longserve_attention(model: PreTrainedModel) -> None:
     if model.config._attn_implementation != ATTENTION_NAME:
         raise ValueError(
             f"the model's attention is {model.config._attn_implementation!r}, not longserve's: "
-            "call engine.attention.use_longserve_attention(model) once after loading it"
+            "call engine.runner.attention.use_longserve_attention(model) once after loading it"
         )
+
+
+def forward_through(
+    model: Any, ids: torch.Tensor, positions: torch.Tensor, batch: Any
+) -> torch.Tensor:
+    """One forward of ids (B, T) at positions (B, T) whose attention goes through `batch` (the
+    forward keyword KV_KWARG: a KVBatch, or engine/runner/rows.py's RowBatch); logits
+    (B, vocab) at each row's last position. The batch aborts when the forward fails; the
+    caller commits it."""
+    try:
+        out = model(
+            input_ids=ids,
+            position_ids=positions,
+            use_cache=False,
+            logits_to_keep=1,
+            **{KV_KWARG: batch},
+        )
+    except BaseException:
+        batch.abort()
+        raise
+    return out.logits[:, -1]

@@ -1,5 +1,5 @@
 """A lean decode step for Llama-family models: the next token of every decode row (plain KV
-caches and memory frames alike, engine/rows.py), without transformers' module tree.
+caches and memory frames alike, engine/runner/rows.py), without transformers' module tree.
 
 A decode token on a CPU is a few milliseconds of arithmetic wrapped in thousands of small eager
 ops: transformers' forward builds masks, position embeddings and per-layer casts, and calls seven
@@ -11,10 +11,10 @@ own weights (docs/decisions/037-lean-decode-step.md):
                 -> one gate|up linear -> silu * up -> down linear -> residual
 
 Every row gets the same query, key and value transformers' forward would hand it and attends
-through its own DecodeRow: a plain row to its KVCache (engine/cpu_attention.py's split-key
-kernel on a float32 CPU model, engine/kv_cache.py), a memory row to its frame.
+through its own DecodeRow: a plain row to its KVCache (engine/runner/cpu_attention.py's split-key
+kernel on a float32 CPU model, engine/runner/kv_cache.py), a memory row to its frame.
 
-With int4 linears and engine/csrc/quant_matmul.cpp built, a step of at most SMALL_M rows runs
+With int4 linears and engine/runner/csrc/quant_matmul.cpp built, a step of at most SMALL_M rows runs
 each layer's work before attention (norm, q|k|v, rotary) and after it (o, residual, norm, gated
 MLP, residual) as one C++ call each (docs/decisions/038).
 
@@ -31,10 +31,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.attention import KV_KWARG
-from engine.cpu_attention import kernel_ready
-from engine.rows import DecodeRow, RowBatch
-from engine.weights import SMALL_M, Int4Linear, fuse_linears, quant_kernels, small_matmul
+from engine.runner.attention import KV_KWARG, forward_through
+from engine.runner.cpu_attention import kernel_ready
+from engine.runner.rows import DecodeRow, RowBatch
+from engine.runner.weights import SMALL_M, Int4Linear, fuse_linears, quant_kernels, small_matmul
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]
 # a layer: input norm weight, q|k|v, o, post-attention norm weight, gate|up, down
@@ -60,7 +60,7 @@ def unsupported(model: Any) -> str | None:
 
 
 class LeanDecoder:
-    """One decode token for B decode rows (engine/rows.py) of a LlamaForCausalLM (`unsupported`
+    """One decode token for B decode rows (engine/runner/rows.py) of a LlamaForCausalLM (`unsupported`
     is None)."""
 
     def __init__(self, model: Any) -> None:
@@ -153,7 +153,7 @@ class LeanDecoder:
     @torch.inference_mode()
     def forward(self, rows: Sequence[DecodeRow], token_ids: Sequence[int]) -> torch.Tensor:
         """Append token_ids[b] to rows[b] for every b; logits (B, vocab). On failure no row has
-        changed (engine/rows.py's contract, as transformers' forward keeps it)."""
+        changed (engine/runner/rows.py's contract, as transformers' forward keeps it)."""
         device = self.norm.device
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)  # (B,)
         batch = RowBatch(rows)
@@ -223,3 +223,23 @@ def attach_decoder(model: Any) -> LeanDecoder | None:
 
 def decoder_of(model: Any) -> LeanDecoder | None:
     return getattr(model, DECODER_ATTR, None)
+
+
+@torch.inference_mode()
+def decode_rows(model: Any, rows: Sequence[DecodeRow], token_ids: Sequence[int]) -> torch.Tensor:
+    """Append token_ids[b] to rows[b] for every b in one forward; logits (B, vocab). On failure
+    no row has changed."""
+    decoder = decoder_of(model)
+    if decoder is not None:
+        return decoder.forward(rows, token_ids)
+    device = next(model.parameters()).device
+    ids = torch.tensor(list(token_ids), dtype=torch.long, device=device).view(-1, 1)  # (B, 1)
+    batch = RowBatch(rows)
+    positions = batch.begin(device)
+    logits = forward_through(model, ids, positions, batch)  # (B, vocab)
+    try:
+        batch.commit(logits)
+    except BaseException:
+        batch.abort()
+        raise
+    return logits

@@ -7,7 +7,7 @@ document is read, the memory at one chunk boundary near the document's end is ke
 in host memory); a later prompt of the same scope (tenant) and memory configuration that
 starts with the same chunks starts from a fork of it and reads only the rest.
 
-Keys are the prefix chain of the encoder-output store (engine/store.py): h_j =
+Keys are the prefix chain of the encoder-output store (engine/caches/store.py): h_j =
 chain_hash(h_{j-1}, chunk_j) over the prompt's chunks of `unit` tokens from its start, next to
 the scope and a fingerprint of the memory's configuration. A memory holds exactly what the
 chunks it read, in order, made of it, so an equal chain means an equal memory.

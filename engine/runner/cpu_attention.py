@@ -1,4 +1,4 @@
-"""The CPU decode-attention kernels (engine/csrc/decode_attention.cpp), built on first use.
+"""The CPU decode-attention kernels (engine/runner/csrc/decode_attention.cpp), built on first use.
 
 - `decode_attention(query, keys, values, scale)` attends one decode token of every head to a
   KV cache: query (kv_heads, group, d), keys/values (kv_heads, S, d) views with contiguous rows
@@ -7,10 +7,10 @@
   quarter of the memory bandwidth (docs/decisions/037-lean-decode-step.md).
 - `attend_pieces(...)`: one decode token of a memory frame over the step cache's pieces under
   one softmax (engine/memory/step_cache.py), memory rows read in place by index.
-- `step_kernels(query)`: engine/csrc/memory_step.cpp, what a memory decode step computes before
+- `step_kernels(query)`: engine/runner/csrc/memory_step.cpp, what a memory decode step computes before
   it attends (its rotated queries; segments' block scores), one call each.
 
-They are built on first use (engine/cpu_extensions.py); `load_kernel()` returns None where
+They are built on first use (engine/runner/cpu_extensions.py); `load_kernel()` returns None where
 that is impossible, and callers then use torch's own ops.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from engine.cpu_extensions import load_extension
+from engine.runner.cpu_extensions import load_extension
 
 _NO_ROWS = torch.empty(0, dtype=torch.long)
 _NO_MASK = torch.empty(0, dtype=torch.bool)
@@ -41,7 +41,7 @@ def kernel_ready(query: torch.Tensor) -> bool:
 
 
 def step_kernels(query: torch.Tensor) -> Any | None:
-    """engine/csrc/memory_step.cpp's module (a memory decode step's queries and block scores)
+    """engine/runner/csrc/memory_step.cpp's module (a memory decode step's queries and block scores)
     where the kernels take this query's attention (`kernel_ready`) and it builds; else None."""
     return load_extension("memory_step") if kernel_ready(query) else None
 

@@ -2,25 +2,26 @@
 
 A decode step reads every weight of the model once whatever the number of rows, so the next
 token of every running request is computed in one forward of input_ids (B, 1). Only attention
-differs per row: a `RowBatch` (passed as the forward keyword `KV_KWARG`, engine/attention.py)
+differs per row: a `RowBatch` (passed as the forward keyword `KV_KWARG`, engine/runner/attention.py)
 hands each layer's row b to its own `DecodeRow`, which attends to the request's own context:
 
-    KVRow       a KVCache (engine/kv_cache.py): the row's cache, as KVBatch attends it
+    KVRow       a KVCache (engine/runner/kv_cache.py): the row's cache, as KVBatch attends it
     MemoryRow   a SessionMemory (engine/memory/session.py): the row's frame, with its own
                 retrieval, text prior and decode-step caches, as a one-token append reads it
 
 Each row keeps its own position ids (a frame position, or a cache length). A forward that fails
-changes no row (every row aborts); one that succeeds commits every row.
+changes no row (every row aborts); one that succeeds commits every row. `decode_rows`
+(engine/runner/decode_step.py) runs one such forward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-from engine.kv_cache import KVCache, attend_cache
+from engine.runner.kv_cache import KVCache, attend_cache
 
 
 class DecodeRow(Protocol):
@@ -127,33 +128,3 @@ class RowBatch:
             for b, row in enumerate(self.rows)
         ]
         return (out[0] if len(out) == 1 else torch.cat(out)).contiguous()
-
-
-@torch.inference_mode()
-def decode_rows(model: Any, rows: Sequence[DecodeRow], token_ids: Sequence[int]) -> torch.Tensor:
-    """Append token_ids[b] to rows[b] for every b in one forward; logits (B, vocab). On failure
-    no row has changed."""
-    from engine.attention import KV_KWARG
-    from engine.decode_step import decoder_of
-
-    decoder = decoder_of(model)
-    if decoder is not None:
-        return decoder.forward(rows, token_ids)
-    device = next(model.parameters()).device
-    ids = torch.tensor(list(token_ids), dtype=torch.long, device=device).view(-1, 1)  # (B, 1)
-    batch = RowBatch(rows)
-    positions = batch.begin(device)
-    try:
-        out = model(
-            input_ids=ids,
-            position_ids=positions,
-            use_cache=False,
-            logits_to_keep=1,
-            **{KV_KWARG: batch},
-        )
-        logits = out.logits[:, -1]  # (B, vocab)
-        batch.commit(logits)
-    except BaseException:
-        batch.abort()
-        raise
-    return logits

@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from engine.protocol import (
-    ChatMessage,
     CollectionAttachment,
     CollectionIncompatible,
     EngineClient,
@@ -50,6 +49,7 @@ from engine.protocol import (
     InvalidRequest,
     MemorySpec,
     Prompt,
+    PromptMessage,
     SamplingParams,
     SessionTurn,
     StoreUnavailableError,
@@ -59,6 +59,9 @@ from memory_store.client import (
     LarimarHit,
     MemoryStoreClient,
     TextEncoder,
+    embedded_client,
+    http_client,
+    in_process_client,
     split_sentences,
 )
 from memory_store.errors import StoreError
@@ -66,7 +69,7 @@ from memory_store.errors import StoreError
 if TYPE_CHECKING:
     import torch
 
-    from memory_store.client import Backend
+    from memory_store.client import Backend, embedded_client, http_client, in_process_client
 
 STRATEGY = "larimar"
 
@@ -117,7 +120,7 @@ def last_sentence(text: str) -> str:
     return sentences[-1] if sentences else ""
 
 
-def _content_text(message: ChatMessage) -> str:
+def _content_text(message: PromptMessage) -> str:
     content = message.get("content")
     if content is None:
         return ""
@@ -126,7 +129,7 @@ def _content_text(message: ChatMessage) -> str:
     return "\n".join(str(part.get("text", "")) for part in content if isinstance(part, Mapping))
 
 
-def _last_user_index(messages: Sequence[ChatMessage]) -> int:
+def _last_user_index(messages: Sequence[PromptMessage]) -> int:
     for i in range(len(messages) - 1, -1, -1):
         if messages[i].get("role") == "user":
             return i
@@ -223,7 +226,7 @@ class LarimarReader:
         """A reader over an in-process memory store whose writing keys use `params`'s
         prefix_length."""
         params = params or LarimarParams()
-        client = MemoryStoreClient.in_process(
+        client = in_process_client(
             backend, encoder=encoder, larimar=LarimarConfig(prefix_length=params.prefix_length)
         )
         return cls(client, params=params)
@@ -267,7 +270,7 @@ class LarimarReader:
 # ---------------------------------------------------------------------------------------------
 
 
-class LarimarSessions:
+class LarimarBackend:
     """The session kind whose memory is the memory service's Larimar memory: the readout's
     sentences condition a plain generation. Asyncio side only: nothing here holds the device."""
 
@@ -339,7 +342,7 @@ class LarimarSessions:
             if self._store is not None:
                 self._reader = LarimarReader(self._store)
             elif self._config.memory_store_url is not None:
-                client = MemoryStoreClient.http(
+                client = http_client(
                     self._config.memory_store_url, timeout_s=self._config.memory_store_timeout_s
                 )
                 self._reader = LarimarReader(client)
@@ -349,7 +352,7 @@ class LarimarSessions:
                     if self._config.data_dir is not None
                     else Path(tempfile.mkdtemp(prefix="longserve-larimar-"))
                 )
-                self._reader = LarimarReader(MemoryStoreClient.embedded(root / "memory-store"))
+                self._reader = LarimarReader(embedded_client(root / "memory-store"))
         return self._reader
 
     async def _generate(

@@ -3,7 +3,7 @@
     longserve ingest --collection manuals [--data-dir DIR | --memory-store URL] FILE...
 
 Each file is read into a fresh session of a LocalEngine that writes through the store
-(engine/store.py), so its chunks' encodings are stored under the model + memory-config
+(engine/caches/store.py), so its chunks' encodings are stored under the model + memory-config
 fingerprint, chained from an empty session; then the chunks are attached to the collection with
 their `EmbD(c)` (memory_store.embedder), which `select_chunks` ranks against `EmbQ(x)`. A session
 that loads them must use the same model and memory config (the fingerprint says so). The
@@ -49,10 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def ingest_files(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Encode every file; one summary dict per file."""
+    from engine.caches.store import document_id
     from engine.client import LocalEngine
     from engine.config import EngineConfig
     from engine.protocol import MemorySpec
-    from engine.store import document_id
     from memory_store.client import default_embedder
 
     config = EngineConfig(

@@ -1,4 +1,4 @@
-"""Builds the engine's C++ CPU kernels (engine/csrc/*.cpp) on first use.
+"""Builds the engine's C++ CPU kernels (engine/runner/csrc/*.cpp) on first use.
 
 Each source is compiled with torch's C++ extension builder (ninja and a C++ compiler) into
 torch's extension cache (TORCH_EXTENSIONS_DIR), once per CPU capability. `load_extension`
@@ -28,7 +28,7 @@ STALE_LOCK_SECONDS = 15 * 60
 
 
 def load_extension(stem: str) -> Any | None:
-    """The compiled module of engine/csrc/<stem>.cpp, built on the first call; None if it
+    """The compiled module of engine/runner/csrc/<stem>.cpp, built on the first call; None if it
     cannot be. Lock-free once tried."""
     if stem in _built:
         return _built[stem]

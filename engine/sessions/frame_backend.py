@@ -1,9 +1,10 @@
-"""Sessions whose memory is a `SessionMemory` on the device (segments, tokens, neurocache).
+"""The backend whose sessions keep a `SessionMemory` on the device (segments, tokens, neurocache).
 
-The engine reaches every session through the calls of `SessionKind`, whatever keeps its memory;
-`MemorySessions` is one kind, `LarimarSessions` (engine/larimar.py) the other. Everything named
-*_steps runs on the device thread (engine/worker.py); the async methods only validate, queue
-and wait. The sessions' table is written on the device thread only.
+The engine reaches every session through the calls of `SessionBackend` (engine/sessions/backend.py),
+whatever keeps its memory; `FrameBackend` is one backend, `LarimarBackend`
+(engine/sessions/larimar.py) the other. Everything named *_steps runs on the device thread
+(engine/scheduler/worker.py); the async methods only validate, queue and wait. The conversations'
+table is written on the device thread only.
 """
 
 from __future__ import annotations
@@ -12,22 +13,16 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Generator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from engine.chat_template import Turn, encode_chat, encode_document, message_turns
-from engine.collections import SessionCollections
+from engine.caches.prefix_cache import PrefixCache, reading_units
+from engine.caches.prefix_store import PrefixStore
+from engine.caches.store import StoreBridge, document_id
+from engine.caches.store import ingest_steps as store_ingest_steps
 from engine.config import EngineConfig
-from engine.conversation import MemorySession
-from engine.generate import Generation
-from engine.grammar import Grammars
 from engine.memory.session import STRATEGIES, MemoryMark, SessionMemory
-from engine.memory_state import MemoryState
-from engine.prefix_cache import PrefixCache, reading_units
-from engine.prefix_store import PrefixStore
-from engine.prior_query import prior_encoder, prior_query
 from engine.protocol import (
     CollectionAttachment,
     GenerationDelta,
@@ -35,88 +30,29 @@ from engine.protocol import (
     InvalidRequest,
     MemorySpec,
     Prompt,
-    PromptTooLong,
     SamplingParams,
     SessionMemoryInfo,
     SessionNotFound,
     SessionTurn,
 )
-from engine.store import StoreBridge, document_id
-from engine.store import ingest_steps as store_ingest_steps
-from engine.stream import aborted_delta, on_device, submit
-from engine.worker import Worker
+from engine.runner.chat_template import Turn, encode_document
+from engine.runner.generate import Generation
+from engine.scheduler.stream import aborted_delta, on_device, submit
+from engine.scheduler.worker import Worker
+from engine.sessions.backend import Decoding
+from engine.sessions.conversation import Conversation, check_memory_cap, turn_prompt
+from engine.sessions.document_collections import DocumentCollections
+from engine.sessions.memory_state import MemoryState
+from engine.sessions.prior_query import prior_encoder, prior_query
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
 
-class SessionKind(Protocol):
-    """What the engine asks of a kind of session, whatever keeps its memory."""
-
-    strategies: tuple[str, ...]
-
-    def __contains__(self, session_id: object) -> bool: ...
-
-    async def create(self, session_id: str, spec: MemorySpec) -> None: ...
-
-    async def drop(self, session_id: str) -> None: ...
-
-    def generate(
-        self,
-        request_id: str,
-        session_id: str,
-        prompt: Prompt,
-        sampling: SamplingParams,
-        memory_room: int | None = None,
-    ) -> AsyncIterator[GenerationDelta]: ...
-
-    def generate_ephemeral(
-        self,
-        request_id: str,
-        prompt: Prompt,
-        prompt_ids: torch.Tensor,
-        sampling: SamplingParams,
-        spec: MemorySpec,
-        queued_at: float,
-        scope: str | None = None,
-    ) -> AsyncIterator[GenerationDelta]:
-        """A prompt too long for the window, read into a memory that ends with the request;
-        it may start from a memory kept for an earlier prompt of the same scope (tenant)."""
-        ...
-
-    def ingest(
-        self, request_id: str, session_id: str, text: str
-    ) -> AsyncIterator[IngestProgress]: ...
-
-    async def attach_collection(self, session_id: str, name: str) -> CollectionAttachment: ...
-
-    async def import_turn(self, session_id: str, turn: SessionTurn) -> None: ...
-
-
-@dataclass(frozen=True)
-class Decoding:
-    """What every generation on the device thread runs with."""
-
-    tokenizer: PreTrainedTokenizerBase  # the device thread's own copy
-    stop_token_ids: frozenset[int]
-    prefill_chunk_tokens: int
-    vocab_size: int
-    turn_end: list[int]  # closes an answer in a session (chat_template.assistant_turn_end)
-    grammars: Grammars | None = None  # structured outputs (response_format)
-
-    def kwargs(self) -> dict[str, Any]:
-        return {
-            "stop_token_ids": self.stop_token_ids,
-            "prefill_chunk_tokens": self.prefill_chunk_tokens,
-            "vocab_size": self.vocab_size,
-            "grammars": self.grammars,
-        }
-
-
-class MemorySessions:
-    """The session kind whose memory is a SessionMemory on the device."""
+class FrameBackend:
+    """The session backend whose memory is a SessionMemory on the device."""
 
     strategies: tuple[str, ...] = STRATEGIES
 
@@ -140,9 +76,11 @@ class MemorySessions:
         self._store = store
         self._model_fingerprint = model_fingerprint
         self.encoder = prior_encoder(config)  # the memories' text prior (None: off)
-        self.sessions: dict[str, MemorySession] = {}  # written on the device thread only
+        self.conversations: dict[str, Conversation] = {}  # written on the device thread only
         self._ingest_ids: set[str] = set()  # running ingestions (drop fails them)
-        self.collections = SessionCollections(self, worker, store, model_fingerprint)
+        self.collections = DocumentCollections(
+            self.conversations, config, decoding, worker, store, model_fingerprint
+        )
         self.prefixes = PrefixCache(config.prefix_cache_bytes)  # long prompts' reused memories
         self.prefix_store = (  # ... and the same through the memory store, for every replica
             PrefixStore(store, model_fingerprint)
@@ -151,15 +89,7 @@ class MemorySessions:
         )
 
     def __contains__(self, session_id: object) -> bool:
-        return session_id in self.sessions
-
-    def check_memory_cap(self, tokens: int) -> None:
-        if tokens > self.config.max_memory_tokens:
-            raise PromptTooLong(
-                f"the request needs {tokens} tokens of memory; the limit is "
-                f"{self.config.max_memory_tokens}",
-                param="messages",
-            )
+        return session_id in self.conversations
 
     def _check_strategy(self, spec: MemorySpec) -> None:
         if spec.strategy not in STRATEGIES:
@@ -168,15 +98,15 @@ class MemorySessions:
                 param="memory",
             )
 
-    # -- the session kind (asyncio side) ------------------------------------------------------
+    # -- the session backend (asyncio side) ------------------------------------------------------
 
     async def create(self, session_id: str, spec: MemorySpec) -> None:
         self._check_strategy(spec)
 
         def create() -> None:
-            if session_id in self.sessions:
+            if session_id in self.conversations:
                 raise InvalidRequest(f"session {session_id!r} already exists", param="session_id")
-            self.sessions[session_id] = MemorySession(self.new_memory(spec), spec.strategy)
+            self.conversations[session_id] = Conversation(self.new_memory(spec), spec.strategy)
 
         await on_device(self._worker, create)
 
@@ -186,7 +116,7 @@ class MemorySessions:
                 job_error = SessionNotFound(f"session {session_id!r} was dropped")
                 is_ingest = request_id in self._ingest_ids
                 self._worker.abort(request_id, job_error if is_ingest else None)
-            self.sessions.pop(session_id, None)
+            self.conversations.pop(session_id, None)
 
         await on_device(self._worker, drop)
 
@@ -201,10 +131,10 @@ class MemorySessions:
         prompt_ids = self._encode(prompt)  # (T,)
         total = len(prompt_ids) + sampling.max_tokens
         queued_at = time.perf_counter()
-        if session_id not in self.sessions:
+        if session_id not in self.conversations:
             raise SessionNotFound(f"session {session_id!r} has no memory")
-        session = self.sessions[session_id]
-        self.check_memory_cap(session.memory.num_tokens + total)
+        session = self.conversations[session_id]
+        check_memory_cap(session.memory.num_tokens + total, self.config.max_memory_tokens)
         if session.selected:
             return self.collections.selected_generate(
                 request_id, prompt, prompt_ids, sampling, session_id, queued_at, memory_room
@@ -229,7 +159,7 @@ class MemorySessions:
         return submit(self._worker, request_id, steps, None, aborted_delta(len(prompt_ids)))
 
     def ingest(self, request_id: str, session_id: str, text: str) -> AsyncIterator[IngestProgress]:
-        if session_id not in self.sessions:
+        if session_id not in self.conversations:
             raise SessionNotFound(f"session {session_id!r} has no memory")
         if not isinstance(text, str):
             raise InvalidRequest("text must be a string", param="text")
@@ -241,7 +171,7 @@ class MemorySessions:
 
     async def import_turn(self, session_id: str, turn: SessionTurn) -> None:
         def take() -> None:
-            session = self.sessions.get(session_id)
+            session = self.conversations.get(session_id)
             if session is None:
                 raise SessionNotFound(f"session {session_id!r} has no memory")
             session.import_turn(turn)
@@ -249,7 +179,7 @@ class MemorySessions:
         await on_device(self._worker, take)
 
     def memory_info(self, session_id: str) -> SessionMemoryInfo | None:
-        session = self.sessions.get(session_id)
+        session = self.conversations.get(session_id)
         if session is None:
             return None
         memory = session.memory
@@ -279,8 +209,8 @@ class MemorySessions:
     ) -> Generator[GenerationDelta | None, None, None]:
         """A long prompt: its body (before the question's tail) is a document, read in whole
         chunks, from a memory kept for an earlier prompt of `scope` that started with the same
-        chunks when there is one (engine/prefix_cache.py), then from the memory store's chunks
-        of the same chain (engine/prefix_store.py)."""
+        chunks when there is one (engine/caches/prefix_cache.py), then from the memory store's chunks
+        of the same chain (engine/caches/prefix_store.py)."""
         memory = self.new_memory(spec)
         body = memory.config.tail_start(len(prompt_ids))  # the document, before the question
         document_end = body if 0 < body < len(prompt_ids) else None
@@ -326,7 +256,7 @@ class MemorySessions:
         exactly the turns the memory already holds (role and content compared message by
         message; a client resending the whole conversation), only the messages after those
         are appended; otherwise (a new chat, or an edited history) the memory first goes back
-        to the end of its documents and all of them are read (MemorySession.plan_chat). The
+        to the end of its documents and all of them are read (Conversation.plan_chat). The
         answer is closed with the template's end of turn. A completion prompt is appended as
         it is, after whatever the memory holds.
 
@@ -334,14 +264,14 @@ class MemorySessions:
         memory store. An aborted or failed request is forgotten when none of it has reached
         memory yet; else it stays, and goes out with the next finished request's turn.
         """
-        session = self.sessions.get(session_id)
+        session = self.conversations.get(session_id)
         if session is None:
             raise SessionNotFound(f"session {session_id!r} has no memory")
-        prompt_ids, new, restart = self.turn_prompt(session, prompt, prompt_ids)
+        prompt_ids, new, restart = turn_prompt(session, prompt, prompt_ids, self.decoding.tokenizer)
         after = self.decoding.turn_end if new is not None else []
         held = session.restart_tokens if restart else session.memory.num_tokens
         grows = len(prompt_ids) + sampling.max_tokens + len(after)
-        self.check_memory_cap(held + grows)
+        check_memory_cap(held + grows, self.config.max_memory_tokens)
         session.check_room(grows, restart, memory_room)
         if restart:
             session.restart()
@@ -362,7 +292,7 @@ class MemorySessions:
         try:
             final = yield from generation  # delegated: its decode steps join the worker's batches
         finally:  # finished, failed or aborted: the memory keeps a whole turn or none
-            if self.sessions.get(session_id) is session:
+            if self.conversations.get(session_id) is session:
                 turn = self._end_turn(session, generation, mark, hash_before, new, restart, final)
                 session.memory.end_request()
         if final is not None and turn is not None:
@@ -370,26 +300,9 @@ class MemorySessions:
         elif final is not None:
             yield final
 
-    def turn_prompt(
-        self, session: MemorySession, prompt: Prompt, prompt_ids: torch.Tensor
-    ) -> tuple[torch.Tensor, list[Turn] | None, bool]:
-        """What a request appends to a session (device thread): a completion prompt as it is;
-        chat messages as MemorySession.plan_chat says, rendered after what the memory will
-        hold. Returns the ids (T,), the chat messages appended (None for a completion) and
-        whether the session must `restart` from its documents first (not done here, so a
-        refused request changes nothing)."""
-        if isinstance(prompt, str):
-            return prompt_ids, None, False
-        sent = message_turns(prompt)
-        new, restart = session.plan_chat(sent)
-        messages = prompt[len(sent) - len(new) :]
-        history = session.documents_rendered if restart else session.rendered
-        ids = encode_chat(self.decoding.tokenizer, messages, history)
-        return torch.tensor(ids, dtype=torch.long), new, restart
-
     def _end_turn(
         self,
-        session: MemorySession,
+        session: Conversation,
         generation: Generation,
         mark: MemoryMark,
         hash_before: str | None,
@@ -426,13 +339,13 @@ class MemorySessions:
         self, request_id: str, session_id: str, text: str
     ) -> Generator[IngestProgress | None, None, None]:
         self._ingest_ids.add(request_id)
-        session = self.sessions.get(session_id)
+        session = self.conversations.get(session_id)
         try:
             started = time.perf_counter()
             if session is None:
                 raise SessionNotFound(f"session {session_id!r} has no memory")
             ids = encode_document(self.decoding.tokenizer, text, session.rendered)
-            self.check_memory_cap(session.memory.num_tokens + len(ids))
+            check_memory_cap(session.memory.num_tokens + len(ids), self.config.max_memory_tokens)
             yield IngestProgress(0, len(ids), time.perf_counter() - started, done=not ids)
             if self._store is not None and ids:
                 yield from store_ingest_steps(
@@ -464,7 +377,7 @@ class MemorySessions:
                 session.last_used = time.monotonic()
 
     @staticmethod
-    def _read_document(session: MemorySession, text: str) -> None:
+    def _read_document(session: Conversation, text: str) -> None:
         """A document was read whole: later turns continue after it."""
         session.read_document(("user", text))
 
@@ -474,7 +387,7 @@ class MemorySessions:
         memory moves back by itself on its next append."""
         now = time.monotonic()
         busy = self._worker.busy_sessions()
-        for session_id, session in list(self.sessions.items()):
+        for session_id, session in list(self.conversations.items()):
             if session_id in busy:
                 session.last_used = now
             elif (
