@@ -199,17 +199,14 @@ def json_schema(seed: int) -> Script:
 
 
 def tools(seed: int) -> Script:
+    city = {"type": "string", "maxLength": 30}
+    schema = {"type": "object", "properties": {"city": city}, "required": ["city"]}
     weather = {
         "type": "function",
         "function": {
             "name": "get_weather",
-            "description": "The current weather in a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string", "maxLength": 30}},
-                "required": ["city"],
-                "additionalProperties": False,
-            },
+            "description": "A city's weather.",
+            "parameters": schema,
         },
     }
 

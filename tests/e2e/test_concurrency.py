@@ -8,29 +8,21 @@ held, with `turns` counting up and answers about the question before."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 
 import pytest
 
-from bench.concurrency import api_keys, harness
+from bench.concurrency import api_keys, harness, parser
 
 from .conftest import start_server, stop_server
 
 pytestmark = pytest.mark.real_model
 
 ROUNDS = 2
-ARGS = argparse.Namespace(
-    copies=1,
-    rounds=ROUNDS,
-    clients=4,
-    seed=45,
-    jitter=1.0,
-    max_tokens=24,
-    doc_words=500,
-    inline_words=900,
-)
+# one copy of every path, 4 clients, two interleavings, starts spread over a second
+ARGS = parser().parse_args(["--copies", "1", "--rounds", str(ROUNDS), "--clients", "4"])
+ARGS.seed, ARGS.jitter = 45, 1.0
 
 
 @pytest.fixture(scope="module")
