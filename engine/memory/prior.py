@@ -1,7 +1,7 @@
 """The text prior: Decoupled Context Processing's EmbQ(x) . EmbD(c) over a session's memory.
 
 Attention scores alone pick the blocks a question retrieves, and on prose they miss about half
-of the facts asked for (docs/decisions/020-recall-diagnosis.md). The prior adds what the DCP
+of the facts asked for (docs/decisions/020-recall-diagnosis-framing.md). The prior adds what the DCP
 seed retrieves by: every memory block c gets EmbD(c), the sentence encoder's embedding of its
 text (decoded from the token ids read), computed once, as the block moves to memory; a
 request that names its question x pins the `prior_k` blocks nearest EmbQ(x), each with

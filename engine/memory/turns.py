@@ -1,5 +1,5 @@
 """A turn's encodings: everything a session's memory committed during one request, exported
-so that another replica rebuilds the same memory with no model forward (docs/decisions/031).
+so that another replica rebuilds the same memory with no model forward (docs/decisions/032).
 
 A turn is committed piece by piece (prompt chunks, then one token per decode step), and the
 strategies keep state per commit (neurocache's layer-r states, its retrieval windows), so the

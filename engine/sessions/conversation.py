@@ -1,6 +1,6 @@
 """A session's memory and the conversation it holds: which messages of a request are new, where
 a new chat starts, and the turns it took, recorded for the memory store and imported back on
-another replica (docs/decisions/031). Device thread only.
+another replica (docs/decisions/032). Device thread only.
 """
 
 from __future__ import annotations
