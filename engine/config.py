@@ -61,10 +61,10 @@ class EngineConfig:
     the other running requests get (the worker runs several decode steps per reading chunk);
     0 runs one decode step per reading chunk.
     batch_invariant: a request's greedy tokens do not depend on how many others decode beside
-    it at any max_running_requests: a batched decode step runs as forwards of at most
-    `LeanDecoder.invariant_rows` rows (8 under the int4 kernels, whose rows never mix; 1 where
-    the linears multiply with torch's GEMM). Off, a step of more than 8 rows multiplies with
-    the GEMM, whose rounding depends on the rows (docs/decisions/055).
+    it, with float linears too: a batched decode step runs as forwards of single rows where
+    the linears multiply with torch's GEMM, whose rounding depends on the number of rows.
+    Under the int4 kernels (rows never mix) a step always runs as forwards of at most 8 rows,
+    invariant and faster past 8 than one GEMM forward (docs/decisions/055).
     max_turn_encoding_bytes: a session turn's encodings go to the memory store up to this size
     (about 46 KB per token for SmolLM2 in fp32); a larger turn is stored as its tokens, which
     a restore reads again.

@@ -53,8 +53,8 @@ class ServerSettings(BaseSettings):
     max_model_len: int | None = Field(default=None, ge=2)
     max_waiting_requests: int = Field(default=64, ge=1)
     max_running_requests: int = Field(default=8, ge=1)
-    # Decode forwards of rows that never mix (docs/decisions/055): a request's greedy answer
-    # does not depend on the others at any max_running_requests, at some throughput past 8.
+    # Float linears' decode steps as single-row forwards, so that a greedy answer does not
+    # depend on other requests there too (int4 steps are so already; docs/decisions/055).
     batch_invariant: bool = False
 
     # Request limits, checked before anything reaches the engine.
