@@ -86,11 +86,9 @@ def is_memory(name: str) -> bool:
 async def harness(base: str, args: argparse.Namespace) -> dict[str, Any]:
     """The one-at-a-time run, then `rounds` concurrent rounds; a summary of what differed."""
     keys = api_keys(args.rounds)
-    probe = client_for(base, keys[0], "", args.max_tokens)
-    model = (await probe.http.get("/models")).json()["data"][0]["id"]
-    await probe.http.aclose()
+    client = client_for(base, keys[0], "", args.max_tokens)
+    model = client.model = (await client.http.get("/models")).json()["data"][0]["id"]
     plan = scripts(args.copies, args.doc_words, args.inline_words)
-    client = client_for(base, keys[0], model, args.max_tokens)
     started = time.perf_counter()
     alone = await one_at_a_time(client, plan)
     await client.http.aclose()

@@ -78,3 +78,24 @@ def small_memory_spec():
         "segments",
         {"sinks": 8, "local_window": 64, "chunk_size": 32, "block": 16, "k": 2, "u": 1},
     )
+
+
+@pytest.fixture
+async def engines(tiny_model_dir, tmp_path):
+    """make(store=None, **config) -> LocalEngine on its own copy of the tiny model, with an
+    embedded store in tmp_path/data (or the given client); every engine is shut down after
+    the test."""
+    from engine.client import LocalEngine
+
+    made = []
+
+    def make(store=None, **config) -> LocalEngine:
+        config.setdefault("data_dir", str(tmp_path / "data"))
+        cfg = EngineConfig(model=str(tiny_model_dir), device="cpu", **config)
+        engine = LocalEngine(cfg, loaded=load_model(cfg), store=store)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        await engine.shutdown()

@@ -17,7 +17,7 @@ from engine.scheduler.stream import on_device
 from memory_store.errors import StoreUnavailableError as StoreDown
 
 from .test_memory_session import SMALL
-from .test_store_integration import DOC, engines  # noqa: F401  (the fixture)
+from .test_store_integration import DOC
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
@@ -57,7 +57,7 @@ async def turns_after(engine, session_id: str, question: str) -> int:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("store", ["embedded", "none", "down"])
-async def test_a_document_is_read_when_done_is_out(engines, monkeypatch, strategy, store):  # noqa: F811
+async def test_a_document_is_read_when_done_is_out(engines, monkeypatch, strategy, store):
     engine = engines(data_dir=None) if store == "none" else engines()
     if store == "down":
 

@@ -15,7 +15,6 @@ from engine.client import LocalEngine
 from engine.config import EngineConfig
 from engine.memory.session import STRATEGIES, SessionMemory
 from engine.protocol import MemorySpec, SamplingParams, StoreUnavailableError
-from engine.runner.loader import load_model
 from memory_store.encodings import decode_chunk, encode_chunk
 from memory_store.errors import StoreUnavailableError
 from tests.engine.helpers import ingest_args
@@ -134,25 +133,6 @@ SPEC = MemorySpec(
 
 async def _collect(stream):
     return [item async for item in stream]
-
-
-@pytest.fixture
-async def engines(tiny_model_dir, tmp_path):
-    """make(store=None, **config) -> LocalEngine on its own copy of the tiny model, with an
-    embedded store in tmp_path/data (or the given client); every engine is shut down after
-    the test."""
-    made = []
-
-    def make(store=None, **config) -> LocalEngine:
-        config.setdefault("data_dir", str(tmp_path / "data"))
-        cfg = EngineConfig(model=str(tiny_model_dir), device="cpu", **config)
-        engine = LocalEngine(cfg, loaded=load_model(cfg), store=store)
-        made.append(engine)
-        return engine
-
-    yield make
-    for engine in made:
-        await engine.shutdown()
 
 
 def _stored_chunks(tmp_path) -> list:
