@@ -40,6 +40,7 @@ from memory_store.keys import KeySpace
 from memory_store.larimar import LarimarConfig, LarimarHit, split_sentences
 from memory_store.observed import RequestHook
 from memory_store.retry import RetryPolicy
+from memory_store.usage import UsageClaim, stored_bytes
 
 __all__ = [
     "Backend",
@@ -54,6 +55,7 @@ __all__ = [
     "RequestHook",
     "RetryPolicy",
     "TextEncoder",
+    "UsageClaim",
     "bundled_model_path",
     "chain_hash",
     "default_embedder",
@@ -61,6 +63,7 @@ __all__ = [
     "http_client",
     "in_process_client",
     "split_sentences",
+    "stored_bytes",
     "wait_until_ready",
 ]
 

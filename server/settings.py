@@ -66,6 +66,9 @@ class ServerSettings(BaseSettings):
     max_top_logprobs: int = Field(default=20, ge=0, le=20)
     max_schema_bytes: int = Field(default=64 * 1024, ge=2)  # response_format's JSON schema
     max_stored_responses: int = Field(default=1000, ge=0)  # per tenant, /v1/responses
+    # Bytes of stored responses per tenant, every replica's (conversation, output, tools,
+    # metadata as encoded in the store); past it store=true is a 429 (decision 058).
+    max_stored_response_bytes_per_tenant: int = Field(default=64 * 1024**2, ge=0)
 
     # Sessions and their documents (server/sessions/, server/documents.py).
     max_sessions_per_tenant: int = Field(default=32, ge=1)

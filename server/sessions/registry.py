@@ -31,6 +31,7 @@ from server.sessions.records import SessionStore
 from server.sessions.restore import SessionRestorer
 from server.sessions.sweeper import SessionSweeper
 from server.sessions.turns import memory_room, record_turns, stale
+from server.sessions.usage import SessionUsage
 from server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,8 @@ class SessionRegistry:
         )
         # the helpers get the services and the table, never the registry; the clock is read
         # through it at each call (a test may replace it)
-        services = SessionServices(engine, settings, store, lambda: self.clock())
+        self.usage = SessionUsage(store, settings, metrics.tenant_usage)
+        services = SessionServices(engine, settings, store, lambda: self.clock(), self.usage)
         self._held = HeldSessions()
         self.documents = DocumentIngestion(
             services, self._held, metrics, self.reader, self.lookup, self.touch
@@ -161,6 +163,7 @@ class SessionRegistry:
             last_used=now,
         )
         names = self.collections.check_names(body.collections or [], "collections[{i}]")
+        await self.usage.claim(session)  # the tenant's sessions on every replica (429)
         self._creating[tenant] += 1
         # Shielded: once the engine holds the memory, the session is registered (and so swept
         # when its TTL passes) even if the client has gone away meanwhile.
@@ -188,6 +191,10 @@ class SessionRegistry:
                         await self.engine.drop_session(session.engine_id)
                     raise
                 session.saved_last_used = session.last_used
+        except BaseException:
+            with contextlib.suppress(StoreError):  # a refused create leaves no count behind
+                await self.usage.release(session.tenant, session.id)
+            raise
         finally:
             self._creating[session.tenant] -= 1
         self.hold(session)

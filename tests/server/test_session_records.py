@@ -53,6 +53,14 @@ class Replica:
         assert match, f"{name} not in /metrics"
         return float(match.group(1))
 
+    async def metric_labeled(self, name: str, key: str = API_KEY) -> float:
+        """A per-tenant series, for `key`'s tenant."""
+        text = (await self.http.get("/metrics")).text
+        series = rf'^{re.escape(name)}{{tenant="{tenant_of(key)}"}} (\S+)$'
+        match = re.search(series, text, re.M)
+        assert match, f"{name} for the tenant not in /metrics"
+        return float(match.group(1))
+
     async def chat(self, session_id: str, key: str = API_KEY) -> httpx.Response:
         return await self.http.post(
             "/v1/chat/completions",
