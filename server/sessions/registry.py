@@ -146,7 +146,8 @@ class SessionRegistry:
                 f"ttl_seconds must be at most {settings.max_session_ttl_seconds}, got {ttl}.",
                 param="ttl_seconds",
             )
-        check_session_count(settings, len(self.sessions(tenant)) + self._creating[tenant])
+        if self.store is None:  # else the ledger counts every replica's (a held copy may be stale)
+            check_session_count(settings, len(self.sessions(tenant)) + self._creating[tenant])
         memory = (
             MemorySpec(strategy=body.memory.strategy, params=body.memory.knobs())
             if body.memory

@@ -336,8 +336,8 @@ async def test_redis_down_then_back(memory_service: MemoryService) -> None:
         assert ready.status_code == 503 and "memory store" in ready.json()["detail"]
         assert (await r.http.get("/health")).status_code == 200
         assert (
-            await r.metric(
-                'longserve:memory_store_requests_total{backend="http",op="put_record",'
+            await r.metric(  # the create's first store call: its count in the ledger
+                'longserve:memory_store_requests_total{backend="http",op="claim_usage",'
                 'status="unavailable"}'
             )
             >= 1

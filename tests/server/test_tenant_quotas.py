@@ -1,6 +1,7 @@
-"""Per-tenant bounds on what the Responses API stores (fake engine, real embedded store):
-metadata as OpenAI bounds it, stored responses bounded in bytes per tenant, counted in the
-memory store's usage ledger so that every replica sees the same figure."""
+"""Per-tenant bounds counted in the memory store's usage ledger, so every replica sees the same
+figure (fake engines; real embedded store, or the memory service over HTTP on a real Redis):
+Responses metadata as OpenAI bounds it, stored responses bounded in bytes, sessions bounded
+across replicas and restores."""
 
 from __future__ import annotations
 
@@ -9,7 +10,17 @@ from typing import Any
 
 import pytest
 
-from tests.server.test_session_records import MODEL, OTHER_KEY, embedded_client, replica
+from server.auth import tenant_session_id
+from tests.server.test_session_records import (
+    DOCUMENT,
+    MODEL,
+    OTHER_KEY,
+    MemoryService,
+    create_with_document,
+    embedded_client,
+    memory_service,  # noqa: F401 - fixture
+    replica,
+)
 from tests.server.test_sessions import error_of
 
 
@@ -91,3 +102,61 @@ async def test_stored_response_bytes_are_bounded_per_tenant_across_replicas(
         assert (await b.http.delete(f"/v1/responses/{first.json()['id']}")).status_code == 200
         again = await a.http.post("/v1/responses", json={"model": MODEL, "input": big})
         assert again.status_code == 200, again.text
+
+
+# ---------------------------------------------------------------------------------------------
+# Sessions counted across replicas: two apps over the memory service (HTTP) on a real Redis.
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_session_limit_holds_across_replicas_and_restores(
+    memory_service: MemoryService,
+) -> None:
+    encodings: dict[str, int] = {}
+    limits = {"max_sessions_per_tenant": 2}
+    async with (
+        replica(memory_service.client(), encodings, **limits) as a,
+        replica(memory_service.client(), encodings, **limits) as b,
+    ):
+        first, _ = await create_with_document(a)
+        second = (await a.http.post("/v1/sessions", json={})).json()["id"]
+        # B holds none of them, yet the tenant is at its limit: 429 there too.
+        error = error_of(await b.http.post("/v1/sessions", json={}), 429, "session_limit")
+        assert "2 sessions" in error["message"]
+        assert b.engine.sessions == set()
+        listed = (await b.http.get("/v1/sessions")).json()["data"]
+        assert sorted(s["id"] for s in listed) == sorted([first, second])
+        # Another tenant is not counted against this one.
+        other = await b.http.post(
+            "/v1/sessions", json={}, headers={"Authorization": f"Bearer {OTHER_KEY}"}
+        )
+        assert other.status_code == 200, other.text
+
+        # A restore of a counted session on B is granted (counted once, not twice).
+        assert (await b.chat(first)).status_code == 200
+        store = memory_service.client()
+        try:
+            usage = await store.usage(b.tenant)
+            assert usage["sessions"] == 2 and usage["memory_tokens"] == 64
+            assert usage["documents"] == 1 and usage["document_bytes"] == len(DOCUMENT)
+            assert await b.metric_labeled("longserve:tenant_stored_bytes") == len(DOCUMENT)
+
+            # A session the ledger lacks (stored before it existed) does not fit: its restore
+            # on B is refused cleanly, B's engine holds nothing for it, the store keeps it.
+            await store.release_usage(b.tenant, second)
+            third = (await b.http.post("/v1/sessions", json={})).json()["id"]
+            refused = await b.chat(second)
+            error_of(refused, 429, "session_limit")
+            assert tenant_session_id(b.tenant, second) not in b.engine.sessions
+            assert (await store.usage(b.tenant))["sessions"] == 2
+
+            # Deleting gives the count back, through either replica; then B may create.
+            assert (await b.http.delete(f"/v1/sessions/{third}")).status_code == 200
+            assert (await store.usage(b.tenant))["sessions"] == 1
+            assert (await b.chat(second)).status_code == 200  # fits now: restored and counted
+            assert (await store.usage(b.tenant))["sessions"] == 2
+            assert (await a.http.delete(f"/v1/sessions/{first}")).status_code == 200
+            made = await b.http.post("/v1/sessions", json={})
+            assert made.status_code == 200, made.text
+        finally:
+            await store.close()
