@@ -105,13 +105,22 @@ class SessionRegistry:
             self.store, self._held, tenant, self.view, self.remove, self.clock
         )
 
-    def memory_room(self, tenant: str) -> int:
-        """How many tokens the tenant's sessions may still add to their memories."""
-        return memory_room(self.settings.max_memory_tokens_per_tenant, self.sessions(tenant))
+    async def memory_room(self, tenant: str) -> int:
+        """How many tokens the tenant's sessions, on every replica, may still add to their
+        memories (this replica's count alone when the ledger cannot answer)."""
+        room = memory_room(self.settings.max_memory_tokens_per_tenant, self.sessions(tenant))
+        try:
+            ledger = await self.usage.totals(tenant)
+        except StoreError:
+            return room
+        return min(
+            room, self.settings.max_memory_tokens_per_tenant - ledger.get("memory_tokens", 0)
+        )
 
     async def record_turns(self, session: Session, turns: Sequence[SessionTurn], at: float) -> None:
         """Count and store the turns a finished request carried out (turns.py)."""
         await record_turns(self.store, self.remove, session, turns, at)
+        await self.usage.update(session)  # its turns' tokens, for every replica's budget
 
     # --- finding ------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ across replicas and restores."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +138,9 @@ async def test_session_limit_holds_across_replicas_and_restores(
         store = memory_service.client()
         try:
             usage = await store.usage(b.tenant)
-            assert usage["sessions"] == 2 and usage["memory_tokens"] == 64
+            held = (await b.http.get(f"/v1/sessions/{first}")).json()["memory_tokens"]
+            assert held > 64  # the document and the chat's turn
+            assert usage["sessions"] == 2 and usage["memory_tokens"] == held
             assert usage["documents"] == 1 and usage["document_bytes"] == len(DOCUMENT)
             assert await b.metric_labeled("longserve:tenant_stored_bytes") == len(DOCUMENT)
 
@@ -160,3 +163,34 @@ async def test_session_limit_holds_across_replicas_and_restores(
             assert made.status_code == 200, made.text
         finally:
             await store.close()
+
+
+async def test_memory_tokens_are_counted_across_replicas(memory_service: MemoryService) -> None:
+    """64 tokens read through A count on B: a second 64-token document on B would take the
+    tenant past 100, so it fails with memory_limit, and the ledger keeps only what is held."""
+    encodings: dict[str, int] = {}
+    limits = {"max_memory_tokens_per_tenant": 100}
+    async with (
+        replica(memory_service.client(), encodings, **limits) as a,
+        replica(memory_service.client(), encodings, **limits) as b,
+    ):
+        await create_with_document(a)
+        on_b = (await b.http.post("/v1/sessions", json={})).json()["id"]
+        uploaded = await b.http.post(
+            f"/v1/sessions/{on_b}/documents", json={"text": DOCUMENT, "name": "again.txt"}
+        )
+        assert uploaded.status_code == 200, uploaded.text
+        doc_id = uploaded.json()["id"]
+        for _ in range(500):
+            doc = (await b.http.get(f"/v1/sessions/{on_b}/documents/{doc_id}")).json()
+            if doc["status"] in ("ready", "failed"):
+                break
+            await asyncio.sleep(0.01)
+        assert doc["status"] == "failed" and "memory tokens" in doc["error"], doc
+        store = memory_service.client()
+        try:
+            usage = await store.usage(b.tenant)
+        finally:
+            await store.close()
+        assert usage["memory_tokens"] == 64 and usage["documents"] == 1
+        assert usage["sessions"] == 2
