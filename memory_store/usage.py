@@ -82,6 +82,12 @@ def stored_bytes(totals: Mapping[str, int]) -> int:
     return sum(int(totals.get(kind, 0)) for kind in BYTE_KINDS)
 
 
+def prefix_entry_item(fingerprint: str, chain_hash: str) -> str:
+    """The ledger item of one prefix-store chunk (engine/caches/prefix_store.py): claimed by
+    the engine before it writes the chunk; whatever deletes the chunk releases it."""
+    return f"prefix.{fingerprint[:24]}.{chain_hash[:40]}"
+
+
 # KEYS: items, totals. ARGV: mode, item, then per kind: kind, amount, limit (-1: none).
 # Item amounts are fields "<item>/<kind>" of `items`; `totals` holds each kind's sum.
 # Checks first, then writes: a refused claim changes nothing. Returns
