@@ -38,6 +38,8 @@ KINDS = (
 )
 # Kinds that are bytes the tenant holds in the store (the `tenant_stored_bytes` metric).
 BYTE_KINDS = ("document_bytes", "response_bytes")
+# Amounts and limits stay exact in Lua's doubles and in Redis's 64-bit counters.
+MAX_AMOUNT = 2**53
 
 
 @dataclass(frozen=True)
@@ -67,13 +69,15 @@ def check_amounts(
     for kind, amount in amounts.items():
         if kind not in KINDS or isinstance(amount, bool) or not isinstance(amount, int):
             raise InvalidStoreRequest(f"invalid usage amount {kind!r}: {amount!r}")
-        if amount < 0:
-            raise InvalidStoreRequest(f"usage amount {kind!r} is negative")
+        if not 0 <= amount <= MAX_AMOUNT:
+            raise InvalidStoreRequest(f"usage amount {kind!r} must be in 0..2**53")
         out[kind] = amount
     bounds: dict[str, int] = {}
     for kind, limit in (limits or {}).items():
         if kind not in KINDS or isinstance(limit, bool) or not isinstance(limit, int):
             raise InvalidStoreRequest(f"invalid usage limit {kind!r}: {limit!r}")
+        if not 0 <= limit <= MAX_AMOUNT:
+            raise InvalidStoreRequest(f"usage limit {kind!r} must be in 0..2**53")
         bounds[kind] = limit
     return out, bounds
 

@@ -4,12 +4,17 @@ idempotent and refused past a limit without changing anything; release is the on
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
+import httpx
 import pytest
 
+from memory_store.app import build_app
 from memory_store.backends import Backend
 from memory_store.errors import InvalidStoreRequest
+from memory_store.settings import MemoryStoreSettings
 from memory_store.usage import UsageLedger
+from tests.memory_store.conftest import HashingEncoder
 
 
 @pytest.fixture(params=["embedded", "redis"])
@@ -66,3 +71,42 @@ async def test_bad_claims_are_refused_before_the_store(ledger: UsageLedger) -> N
     with pytest.raises(InvalidStoreRequest):
         await ledger.claim("t/../x", "sess_a", {"sessions": 1})
     assert await ledger.totals("t") == {}
+
+
+async def test_amounts_past_2_53_are_refused(ledger: UsageLedger) -> None:
+    for amounts, limits in (({"sessions": 2**63}, None), ({"sessions": 1}, {"sessions": -1})):
+        with pytest.raises(InvalidStoreRequest):
+            await ledger.claim("t", "sess_a", amounts, limits)
+    assert await ledger.totals("t") == {}
+
+
+async def test_hostile_ledger_requests_over_http_are_clean_400s(tmp_path: Path) -> None:
+    """The memory service's ledger routes: bad tenants, items, kinds and amounts are 400s in
+    OpenAI's shape that name no server path, and change nothing."""
+    app = build_app(MemoryStoreSettings(data_dir=str(tmp_path / "s")), encoder=HashingEncoder())
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://m") as http:
+        bad = [
+            ("/v1/usage/..%2Fetc/claim", {"item": "sess_a", "amounts": {"sessions": 1}}),
+            ("/v1/usage/t/claim", {"item": "../x", "amounts": {"sessions": 1}}),
+            ("/v1/usage/t/claim", {"item": "sess_a", "amounts": {"rm -rf": 1}}),
+            ("/v1/usage/t/claim", {"item": "sess_a", "amounts": {"sessions": 10**30}}),
+            ("/v1/usage/t/claim", {"item": "sess_a", "amounts": {"sessions": "x"}}),
+            ("/v1/usage/t/claim", {"item": "sess_a", "amounts": {f"k{i}": 1 for i in range(99)}}),
+            ("/v1/usage/t/release", {"item": "x" * 500}),
+        ]
+        for url, body in bad:
+            response = await http.post(url, json=body)
+            assert str(tmp_path) not in response.text and "Traceback" not in response.text
+            if response.status_code == 404:  # "/" in a tenant: no such route
+                assert "%2F" in url
+                continue
+            assert response.status_code == 400, (url, body, response.text)
+            assert response.json()["error"]["type"] == "invalid_request_error"
+        usage = await http.get("/v1/usage/t")
+        assert usage.status_code == 200 and usage.json()["totals"] == {}
+        made = await http.post(
+            "/v1/usage/t/claim",
+            json={"item": "sess_a", "amounts": {"sessions": 1}, "limits": {"sessions": 1}},
+        )
+        assert made.json() == {"granted": True, "totals": {"sessions": 1}, "refused": None}

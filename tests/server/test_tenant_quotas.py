@@ -194,3 +194,44 @@ async def test_memory_tokens_are_counted_across_replicas(memory_service: MemoryS
             await store.close()
         assert usage["memory_tokens"] == 64 and usage["documents"] == 1
         assert usage["sessions"] == 2
+
+
+async def test_refused_requests_leave_no_count_behind(tmp_path: Path) -> None:
+    """A create that fails after its claim (a missing collection), an upload past the
+    document limit and a delete each leave the ledger as the tenant's held state says."""
+    async with replica(embedded_client(tmp_path / "s"), {}, max_documents_per_session=1) as a:
+        store = embedded_client(tmp_path / "s")
+        try:
+            failed = await a.http.post("/v1/sessions", json={"collections": ["missing"]})
+            error_of(failed, 404, "collection_not_found")
+            assert await store.usage(a.tenant) == {}
+
+            session_id, _ = await create_with_document(a)
+            counted = await store.usage(a.tenant)
+            assert counted["sessions"] == 1 and counted["documents"] == 1
+            refused = await a.http.post(
+                f"/v1/sessions/{session_id}/documents", json={"text": "more", "name": "b.txt"}
+            )
+            error_of(refused, 429, "document_limit")
+            assert await store.usage(a.tenant) == counted
+
+            assert (await a.http.delete(f"/v1/sessions/{session_id}")).status_code == 200
+            assert await store.usage(a.tenant) == {}
+        finally:
+            await store.close()
+
+
+async def test_expiry_gives_the_count_back(tmp_path: Path) -> None:
+    async with replica(embedded_client(tmp_path / "s"), {}) as a:
+        store = embedded_client(tmp_path / "s")
+        try:
+            made = await a.http.post("/v1/sessions", json={"ttl_seconds": 60})
+            assert made.status_code == 200, made.text
+            assert (await store.usage(a.tenant))["sessions"] == 1
+            registry = a.app.state.sessions
+            now = registry.clock()
+            registry.clock = lambda: now + 120  # past its TTL
+            assert await registry.sweeper.sweep() == [made.json()["id"]]
+            assert await store.usage(a.tenant) == {}
+        finally:
+            await store.close()
