@@ -121,9 +121,8 @@ class DocumentIngestion:
                     doc.update(tokens_total=progress.tokens_total, tokens_done=progress.tokens_done)
                     check_memory_budget(services.settings, doc, self._held.of(session.tenant))
                     if not reserved and doc.tokens_total is not None:
-                        # The whole document's tokens, counted across replicas (429 if over).
-                        await services.usage.claim(session, doc.tokens_total - doc.tokens_done)
                         reserved = True
+                        await self._reserve(session, doc.tokens_total - doc.tokens_done)
                     if progress.done:
                         break
             except StoreUnavailableError as exc:
@@ -156,6 +155,15 @@ class DocumentIngestion:
             if aclose is not None:
                 with contextlib.suppress(Exception):
                     await aclose()
+
+    async def _reserve(self, session: Session, tokens: int) -> None:
+        """Count the whole document's `tokens` in the tenant's ledger before they are read:
+        memory_limit (the document fails) past the budget of every replica. A ledger that
+        cannot answer leaves the local check alone, as a store that is down leaves the read."""
+        try:
+            await self.services.usage.claim(session, tokens)
+        except StoreError as exc:
+            logger.info("document of session %s not counted in the ledger: %s", session.id, exc)
 
     def count_ingest(self, progress: IngestProgress) -> None:
         """ingest_tokens_total counts what the model ran over, not what the store gave back."""
