@@ -160,9 +160,11 @@ async def run(args: argparse.Namespace) -> dict:
             honest.append(chaos(redis, service, args.interval, end, ledger))
         await asyncio.gather(*honest)
         # A hostile request under way at the end may finish (it is counted), briefly.
-        _, late = await asyncio.wait(hostile, timeout=60) if hostile else (set(), set())
+        finished, late = await asyncio.wait(hostile, timeout=60) if hostile else (set(), set())
         for task in late:
             task.cancel()
+        for task in finished:
+            task.result()  # a bug in an attack fails the run rather than hiding
         seconds = time.monotonic() - started
         done.set()
         await watcher

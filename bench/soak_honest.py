@@ -209,6 +209,7 @@ async def client(
             if uploaded is None:
                 return
             doc_id = uploaded.json()["id"]
+            status = "gone"  # unless a poll says otherwise before the grace period ends
             while time.monotonic() < end + 120:
                 polled = await step(
                     ledger, "poll", http, "GET", f"/sessions/{sid}/documents/{doc_id}", end
