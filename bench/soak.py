@@ -137,21 +137,11 @@ async def run(args: argparse.Namespace) -> dict:
         done = asyncio.Event()
         watcher = asyncio.create_task(sampling(sampler, args.sample_seconds, done))
         hostile = [
-            asyncio.create_task(
-                hostile_client(
-                    i,
-                    bases[i % len(bases)],
-                    key,
-                    model,
-                    payloads,
-                    args.attacks,
-                    ledger.hostile,
-                    end,
-                )
-            )  # fmt: skip
+            asyncio.create_task(hostile_client(i, bases[i % len(bases)], key, model, payloads,
+                                               args.attacks, ledger.hostile, end))
             for i, key in enumerate(hostile_keys)
             if payloads is not None
-        ]
+        ]  # fmt: skip
         honest = [
             client(i, bases[i % len(bases)], model, args, ledger, store, end)
             for i in range(args.clients)
@@ -178,13 +168,12 @@ async def run(args: argparse.Namespace) -> dict:
         if args.series:
             sampler.write_csv(Path(args.series))
     errors = {k: v for k, v in ledger.statuses.items() if not k.endswith(" 200")}
+    redis_kind = "cluster" if args.cluster else "single"
+    if args.embedded_store:
+        redis_kind = "none (embedded store)"
     return {
         "bench": "soak",
-        "redis": "embedded store"
-        if args.embedded_store
-        else "cluster"
-        if args.cluster
-        else "single",  # fmt: skip
+        "redis": redis_kind,
         "replicas": args.replicas,
         "clients": args.clients,
         "hostile": args.hostile,
