@@ -3,6 +3,8 @@
 Chunk encodings travel as `application/octet-stream` in the chunk wire format
 (`memory_store.encodings.encode_chunk`); everything else is JSON. Errors use OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`; an unreachable backend is a 503.
+With a token (LONGSERVE_MEMORY_STORE_TOKEN) every route but /health and /metrics wants
+`Authorization: Bearer <token>`, compared in constant time: 401 otherwise.
 
     GET    /health                                        liveness
     GET    /ready                                         backend reachable
@@ -32,8 +34,9 @@ Chunk encodings travel as `application/octet-stream` in the chunk wire format
 
 from __future__ import annotations
 
+import hmac
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
@@ -58,6 +61,9 @@ from memory_store.service import MemoryStoreService, PayloadTooLarge
 from memory_store.settings import MemoryStoreSettings
 
 logger = logging.getLogger(__name__)
+
+# Probes a supervisor or Prometheus calls without the token; they hold no tenant's data.
+UNAUTHENTICATED_PATHS = frozenset({"/health", "/metrics"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,6 +132,23 @@ def build_app(
     app = FastAPI(title="longserve memory store", lifespan=lifespan)
     app.state.service = svc
 
+    token = settings.token.get_secret_value() if settings.token is not None else None
+    if token is not None:
+        expected = f"Bearer {token}".encode()
+
+        @app.middleware("http")
+        async def _authenticate(
+            request: Request, call_next: Callable[[Request], Awaitable[Response]]
+        ) -> Response:
+            if request.url.path not in UNAUTHENTICATED_PATHS:
+                given = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(given, expected):
+                    return error_response(
+                        401, "missing or wrong memory store token", "authentication_error",
+                        "invalid_token",
+                    )  # fmt: skip
+            return await call_next(request)
+
     @app.exception_handler(StoreError)
     async def _store_error(request: Request, exc: StoreError) -> JSONResponse:
         return store_error_response(exc)
@@ -164,11 +187,8 @@ def serve(settings: MemoryStoreSettings) -> None:
     """Run the service in the foreground with uvicorn."""
     import uvicorn
 
-    if not settings.binds_loopback:
-        logger.warning(
-            "memory store listening on %s without authentication: keep it on a private network",
-            settings.host,
-        )
+    if settings.token is None:
+        logger.warning("memory store without a token: only this host can reach it (loopback)")
     uvicorn.run(
         build_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level
     )

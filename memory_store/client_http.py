@@ -61,6 +61,7 @@ class HttpMemoryStoreClient(MemoryStoreClient):
         retry: RetryPolicy | None = None,
         on_request: RequestHook | None = None,
         transport: Any = None,
+        token: str | None = None,
     ) -> None:
         import httpx
 
@@ -68,6 +69,8 @@ class HttpMemoryStoreClient(MemoryStoreClient):
         self._httpx = httpx
         self.retry = retry or RetryPolicy()
         kwargs: dict[str, Any] = {"base_url": base_url.rstrip("/"), "timeout": timeout_s}
+        if token:
+            kwargs["headers"] = {"authorization": f"Bearer {token}"}
         if transport is not None:
             kwargs["transport"] = transport
         self._client = httpx.AsyncClient(**kwargs)
@@ -291,6 +294,10 @@ def _message(response: Any) -> str:
 def _error_for(response: Any) -> StoreError:
     message = _message(response)
     status = response.status_code
+    if status == 401:  # a misconfigured server: no retry helps
+        return StoreUnavailableError(
+            "the memory store refused this server's token (LONGSERVE_MEMORY_STORE_TOKEN)"
+        )
     if status == 404:
         return NotFound(message)
     if status == 409:
