@@ -15,7 +15,7 @@ With a token (LONGSERVE_MEMORY_STORE_TOKEN) every route but /health and /metrics
     PUT    /v1/sessions/{sid}/documents/{doc_id}          manifest JSON
     GET    /v1/sessions/{sid}/documents/{doc_id}          manifest JSON
     GET    /v1/sessions/{sid}/documents                   {"object": "list", "data": [...]}
-    DELETE /v1/sessions/{sid}                             manifests and Larimar memory
+    DELETE /v1/sessions/{sid}                             everything under it, and chunks only it used
     POST   /v1/collections/{name}/chunks                  {"fingerprint", "chain_hashes", "dim", "embeddings_b64"}
     POST   /v1/collections/{name}/select                  {"query_embedding", "top_k"}
     GET    /v1/collections/{name}/chunks                  every chunk, in document order
@@ -26,6 +26,8 @@ With a token (LONGSERVE_MEMORY_STORE_TOKEN) every route but /health and /metrics
     DELETE /v1/records/{namespace}/{key}                  {"deleted"}
     PUT    /v1/blobs/{namespace}/{key}                    body: bytes
     GET    /v1/blobs/{namespace}/{key}                    bytes
+    DELETE /v1/blobs/{namespace}/{key}                    {"deleted"}
+    POST   /v1/reclaim                                    {"chunk_grace_s"?} -> what was deleted
     POST   /v1/sessions/{sid}/larimar/write               {"text" | "segments", "save"}
     POST   /v1/sessions/{sid}/larimar/read                {"query", "top_k", "use_prefix"}
     POST   /v1/sessions/{sid}/larimar/save | /load
@@ -34,6 +36,8 @@ With a token (LONGSERVE_MEMORY_STORE_TOKEN) every route but /health and /metrics
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -51,6 +55,7 @@ from memory_store.errors import (
     InvalidStoreRequest,
     NotFound,
     StoreError,
+    StoreFull,
     StoreUnavailableError,
 )
 from memory_store.larimar import LarimarConfig, LarimarStore
@@ -79,6 +84,8 @@ def error_response(
 
 
 def store_error_response(exc: StoreError) -> JSONResponse:
+    if isinstance(exc, StoreFull):
+        return error_response(503, str(exc), "server_error", "memory_store_full")
     if isinstance(exc, StoreUnavailableError):
         return error_response(503, str(exc), "server_error", "memory_store_unavailable")
     if isinstance(exc, NotFound):
@@ -126,7 +133,14 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        sweeper = None
+        if settings.reclaim_interval_s > 0:
+            sweeper = asyncio.create_task(sweep_forever(svc, settings.reclaim_interval_s))
         yield
+        if sweeper is not None:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
         await svc.backend.close()
 
     app = FastAPI(title="longserve memory store", lifespan=lifespan)
@@ -181,6 +195,16 @@ def build_app(
     app.include_router(records.build_router(svc))
     app.include_router(larimar.build_router(svc))
     return app
+
+
+async def sweep_forever(svc: MemoryStoreService, interval_s: float) -> None:
+    """The service's own sweep, so that expiry never waits for a replica."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await svc.sweep()
+        except Exception:
+            logger.exception("memory store sweep failed")
 
 
 def serve(settings: MemoryStoreSettings) -> None:

@@ -7,7 +7,7 @@ engine's state are read from `engine.stats()` at scrape time.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -255,6 +255,19 @@ class Metrics:
             registry=r,
         )
 
+        # What this replica's sweeps of the memory store gave back (memory_store/reclaim.py).
+        self.memory_store_reclaimed_bytes = Counter(
+            f"{PREFIX}memory_store_reclaimed_bytes",
+            "Bytes this replica's memory store sweeps deleted.",
+            registry=r,
+        )
+        self.memory_store_reclaimed = Counter(
+            f"{PREFIX}memory_store_reclaimed",
+            "Sessions, records and blobs, and chunks this replica's memory store sweeps deleted.",
+            ["kind"],
+            registry=r,
+        )
+
     # --- helpers the serving code calls --------------------------------------------------------
 
     def first_token(self, seconds: float) -> None:
@@ -305,6 +318,12 @@ class Metrics:
         self.memory_store_requests.labels(op=op, backend=backend, status=status).inc()
         if seconds is not None:
             self.memory_store_request_seconds.labels(op=op, backend=backend).observe(seconds)
+
+    def memory_store_reclaimed_report(self, report: Mapping[str, int]) -> None:
+        """A memory store sweep's report (`MemoryStoreClient.reclaim`)."""
+        self.memory_store_reclaimed_bytes.inc(report.get("bytes_reclaimed", 0))
+        for kind in ("sessions", "keys", "chunks"):
+            self.memory_store_reclaimed.labels(kind=kind).inc(report.get(f"{kind}_deleted", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -114,6 +114,10 @@ class ServerSettings(BaseSettings):
     memory_store_url: str | None = None
     # The memory service's shared secret (LONGSERVE_MEMORY_STORE_TOKEN, the same on both sides).
     memory_store_token: SecretStr | None = None
+    # The store's sweep, run by every replica (and the memory service): sessions expired
+    # whichever replica held them, chunks nothing names idle this long (docs/decisions/059).
+    store_reclaim_interval_seconds: float = Field(default=300.0, ge=0)  # 0: never
+    store_chunk_grace_seconds: float = Field(default=3600.0, ge=0)
     data_dir: str = "./data"
     drain_timeout_seconds: float = Field(default=30.0, ge=0)
 
