@@ -344,3 +344,24 @@ async def test_tenants_never_import_each_others_chunks(engines, tmp_path):
     assert len(_stored_chunks(tmp_path)) == 2 * count  # B's own copy
     same_tenant = await _collect(engine.ingest("d3", "tenanta.s2", DOC))
     assert same_tenant[-1].tokens_from_store == first[-1].tokens_total
+
+
+async def test_deleting_a_session_gives_its_bytes_back(engines, tmp_path):
+    """The chunks a session alone named go with it; those another session of its tenant names
+    stay (issue #41 item 3: the store grew and kept every byte after DELETE)."""
+    engine = engines()
+
+    def held() -> int:
+        root = tmp_path / "data" / "memory-store"
+        return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+    before = held()
+    for session_id in ("tenanta.s1", "tenanta.s2"):
+        await engine.create_session(session_id, SPEC)
+        await _collect(engine.ingest(f"d-{session_id}", session_id, DOC))
+    both = held()
+    await asyncio.to_thread(engine._store.delete_session, "tenanta.s1")
+    assert held() < both  # its manifest went; the chunks s2 names stay
+    assert len(_stored_chunks(tmp_path)) > 0
+    await asyncio.to_thread(engine._store.delete_session, "tenanta.s2")
+    assert held() == before and _stored_chunks(tmp_path) == []
