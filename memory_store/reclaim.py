@@ -86,13 +86,24 @@ class Reclaimer:
         report = await self._delete_tag(tag, tenant_of_session(session_id))
         if named:
             tenant = tenant_of_session(session_id)
-            siblings = await self.backend.list_tags(
-                KeySpace.session_tag(tenant) + "." if tenant else f"{KeySpace.SESSION}:"
-            )
+            siblings = await self._sibling_tags(tenant, session_id)
             kept = await self._manifest_chunks(siblings) | await self._collection_chunks()
             for fingerprint, chain_hash in sorted(named - kept):
                 report.add(await self._delete_chunk(fingerprint, chain_hash, tenant))
         return report
+
+    async def _sibling_tags(self, tenant: str | None, session_id: str) -> list[str]:
+        """The tags of the sessions that may share the session's chunks: its tenant's, from the
+        tenant index when that names it (a server session: no scan of the store), else by a
+        scan (engine-only sessions, or a delete finishing one cut short)."""
+        if tenant is None:
+            return await self.backend.list_tags(f"{KeySpace.SESSION}:")
+        index = KeySpace.namespace_tag(f"tenant:{tenant}")
+        paths = await self.backend.list_paths(index, KeySpace.RECORD_PREFIX)
+        sids = [p[len(KeySpace.RECORD_PREFIX) :] for p in paths]
+        if session_id.partition(".")[2] not in sids:
+            return await self.backend.list_tags(KeySpace.session_tag(tenant) + ".")
+        return [KeySpace.session_tag(f"{tenant}.{sid}") for sid in sids]
 
     async def sweep(self, chunk_grace_s: float) -> ReclaimReport:
         """Expired sessions, then unnamed chunks idle past `chunk_grace_s`."""
