@@ -21,7 +21,7 @@ import json
 import logging
 import struct
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from memory_store.backends.base import Backend
@@ -31,7 +31,9 @@ from memory_store.keys import Key, KeySpace
 logger = logging.getLogger(__name__)
 
 SESSION_RECORD = "session"  # the server's session record (server/sessions/records.py)
-Usage = Callable[[str, int], None]  # (tenant, bytes freed): the usage ledger's decrement
+# (tenant, session id) of a session the sweep expired: the usage ledger's decrement. The server
+# releases what it deletes itself (SessionStore.delete); only the store's own expiry needs this.
+SessionExpired = Callable[[str, str], Awaitable[None]]
 
 
 @dataclass
@@ -72,24 +74,25 @@ class Reclaimer:
         backend: Backend,
         *,
         clock: Callable[[], float] = time.time,
-        on_freed: Usage | None = None,
+        on_session_expired: SessionExpired | None = None,
     ) -> None:
         self.backend = backend
         self.clock = clock
-        # TODO(#41 sec-quota): pass the per-tenant usage ledger's decrement here once it lands.
-        self.on_freed = on_freed
+        # TODO(#41, sec-quota's ledger): service.py and client_inprocess.py pass
+        # `UsageLedger(backend).release` here once memory_store/usage.py is merged.
+        self.on_session_expired = on_session_expired
 
     async def delete_session(self, session_id: str) -> ReclaimReport:
         """The session's tag, then the chunks only it named."""
         tag = KeySpace.session_tag(session_id)
         named = await self._manifest_chunks([tag])
-        report = await self._delete_tag(tag, tenant_of_session(session_id))
+        report = await self._delete_tag(tag)
         if named:
             tenant = tenant_of_session(session_id)
             siblings = await self._sibling_tags(tenant, session_id)
             kept = await self._manifest_chunks(siblings) | await self._collection_chunks()
             for fingerprint, chain_hash in sorted(named - kept):
-                report.add(await self._delete_chunk(fingerprint, chain_hash, tenant))
+                report.add(await self._delete_chunk(fingerprint, chain_hash))
         return report
 
     async def _sibling_tags(self, tenant: str | None, session_id: str) -> list[str]:
@@ -123,7 +126,7 @@ class Reclaimer:
                 continue
             idle = await self.backend.idle_seconds(KeySpace.chunk(fingerprint, chain_hash))
             if idle is not None and idle >= chunk_grace_s:
-                report.add(await self._delete_chunk(fingerprint, chain_hash, None))
+                report.add(await self._delete_chunk(fingerprint, chain_hash))
         if report.bytes_reclaimed:
             logger.info("memory store sweep: %s", report.to_record())
         return report
@@ -146,6 +149,8 @@ class Reclaimer:
         if isinstance(tenant, str) and isinstance(sid, str):
             try:
                 await self.backend.delete(KeySpace.record(f"tenant:{tenant}", sid))
+                if self.on_session_expired is not None:
+                    await self.on_session_expired(tenant, sid)
             except StoreError as exc:
                 logger.info("dropping %s from tenant %s's index failed: %s", sid, tenant, exc)
         return report
@@ -169,27 +174,19 @@ class Reclaimer:
                         report.keys_deleted += 1
         return report
 
-    async def _delete_tag(self, tag: str, tenant: str | None) -> ReclaimReport:
+    async def _delete_tag(self, tag: str) -> ReclaimReport:
         size = await self.backend.tag_bytes(tag)
         keys = await self.backend.delete_tag(tag)
         if not keys:
             return ReclaimReport()
-        self._freed(tenant, size)
         return ReclaimReport(sessions_deleted=1, keys_deleted=keys, bytes_reclaimed=size)
 
-    async def _delete_chunk(
-        self, fingerprint: str, chain_hash: str, tenant: str | None
-    ) -> ReclaimReport:
+    async def _delete_chunk(self, fingerprint: str, chain_hash: str) -> ReclaimReport:
         tag = KeySpace.chunk(fingerprint, chain_hash).tag
         size = await self.backend.tag_bytes(tag)
         if not await self.backend.delete_tag(tag):
             return ReclaimReport()  # another sweeper got there first
-        self._freed(tenant, size)
         return ReclaimReport(chunks_deleted=1, bytes_reclaimed=size)
-
-    def _freed(self, tenant: str | None, size: int) -> None:
-        if self.on_freed is not None and tenant is not None and size:
-            self.on_freed(tenant, size)
 
     async def _manifest_chunks(self, tags: Iterable[str]) -> set[tuple[str, str]]:
         named: set[tuple[str, str]] = set()

@@ -74,14 +74,17 @@ async def test_a_failed_document_drops_its_text(tmp_path: Path) -> None:
             await asyncio.sleep(0.01)
         assert doc["status"] == "failed"
         namespace = f"sess:{tenant_session_id(r.tenant, session_id)}"
-        for _ in range(100):  # the record and the text go after the status
+
+        def text_files() -> list[Path]:
+            return [p for p in session_files(tmp_path / "s", "") if f"text.{doc_id}" in p.name]
+
+        for _ in range(200):  # the record, then the text, go after the status
             records = await store.list_records(namespace)
-            if records.get(f"doc.{doc_id}", {}).get("status") == "failed":
+            if records.get(f"doc.{doc_id}", {}).get("status") == "failed" and not text_files():
                 break
             await asyncio.sleep(0.01)
         assert records[f"doc.{doc_id}"]["status"] == "failed"
-        text_files = [p for p in session_files(tmp_path / "s", "") if f"text.{doc_id}" in p.name]
-        assert text_files == []
+        assert text_files() == []
         # A document that is read keeps its text (a replica restoring the session reads it).
         r.engine.ingest_fail_after_chunks = None
         ok_session, ok_doc = await create_with_document(r)
