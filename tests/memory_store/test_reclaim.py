@@ -4,7 +4,9 @@ go after their grace, and a full Redis answers 503 `memory_store_full`."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import subprocess
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,12 +17,14 @@ import pytest
 
 from memory_store.app import build_app
 from memory_store.backends import Backend, EmbeddedBackend, RedisBackend
-from memory_store.client import MemoryStoreClient, in_process_client
+from memory_store.client import MemoryStoreClient, http_client, in_process_client
 from memory_store.encodings import DocumentManifest
 from memory_store.errors import StoreFull
 from memory_store.keys import KeySpace
 from memory_store.settings import MemoryStoreSettings
+from tests.helpers import free_port, wait_for_process, wait_until
 from tests.memory_store.conftest import FAST_RETRY, HashingEncoder
+from tests.memory_store.test_auth import REPO, TOKEN, env_with, memory_store_command
 from tests.memory_store.test_encodings import make_chunk
 from tests.redis_process import RedisProcess
 
@@ -28,7 +32,7 @@ FP = "fp-model"
 TENANT_A, TENANT_B = "aaaaaaaaaaaa", "bbbbbbbbbbbb"
 
 
-@pytest.fixture(params=["embedded", "redis"])
+@pytest.fixture(params=["embedded", "redis", "redis_cluster"])
 def backend(request: pytest.FixtureRequest) -> Backend:
     return request.getfixturevalue(f"{request.param}_backend")  # type: ignore[no-any-return]
 
@@ -185,3 +189,39 @@ async def test_a_full_redis_answers_503_and_deletes_make_room(
         r = await http.put(f"/v1/blobs/{ns}/text.more", content=os.urandom(100_000))
         assert r.status_code == 200
     await backend.close()
+
+
+def test_the_memory_service_sweeps_by_itself(tmp_path: Path) -> None:
+    """A real `longserve memory-store` expires a session no server will ever sweep again."""
+    port = free_port()
+    env = {**env_with(TOKEN), "LONGSERVE_MEMORY_STORE_RECLAIM_INTERVAL_S": "0.3"}
+    log = tmp_path / "memory-store.log"
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            memory_store_command(port, tmp_path / "store"),
+            stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_process(proc, f"{url}/health", lambda: log.read_text(errors="replace"), 60)
+        client = http_client(url, token=TOKEN)
+
+        async def write() -> None:
+            await write_session(client, TENANT_A, "old", ["h1"], last_used=time.time() - 3600)
+            await write_session(client, TENANT_A, "new", ["h2"], last_used=time.time())
+            await client.close()
+
+        asyncio.run(write())
+        store = tmp_path / "store"
+        wait_until(
+            lambda: not [p for p in store.rglob("*") if "old" in p.name or "h1" in p.name],
+            lambda: f"not swept:\n{log.read_text(errors='replace')}",
+            30,
+            0.1,
+        )
+        assert [p for p in store.rglob("*") if ".new" in str(p)]
+        metrics = httpx.get(f"{url}/metrics", timeout=5).text
+        assert 'longserve:memory_store_reclaimed_total{kind="sessions"} 1.0' in metrics
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
