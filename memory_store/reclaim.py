@@ -86,7 +86,8 @@ class Reclaimer:
         """The session's tag, then the chunks only it named."""
         tag = KeySpace.session_tag(session_id)
         named = await self._manifest_chunks([tag])
-        report = await self._delete_tag(tag)
+        keys, size = await self._delete_tag(tag)
+        report = ReclaimReport(int(keys > 0), keys, 0, size)
         if named:
             tenant = tenant_of_session(session_id)
             siblings = await self._sibling_tags(tenant, session_id)
@@ -174,19 +175,18 @@ class Reclaimer:
                         report.keys_deleted += 1
         return report
 
-    async def _delete_tag(self, tag: str) -> ReclaimReport:
-        size = await self.backend.tag_bytes(tag)
-        keys = await self.backend.delete_tag(tag)
-        if not keys:
-            return ReclaimReport()
-        return ReclaimReport(sessions_deleted=1, keys_deleted=keys, bytes_reclaimed=size)
+    async def _delete_tag(self, tag: str) -> tuple[int, int]:
+        """(keys, bytes) deleted under `tag`; (0, 0) when another sweeper got there first."""
+        try:
+            size = await self.backend.tag_bytes(tag)
+            keys = await self.backend.delete_tag(tag)
+        except NotFound:
+            return 0, 0
+        return keys, size if keys else 0
 
     async def _delete_chunk(self, fingerprint: str, chain_hash: str) -> ReclaimReport:
-        tag = KeySpace.chunk(fingerprint, chain_hash).tag
-        size = await self.backend.tag_bytes(tag)
-        if not await self.backend.delete_tag(tag):
-            return ReclaimReport()  # another sweeper got there first
-        return ReclaimReport(chunks_deleted=1, bytes_reclaimed=size)
+        keys, size = await self._delete_tag(KeySpace.chunk(fingerprint, chain_hash).tag)
+        return ReclaimReport(chunks_deleted=int(keys > 0), bytes_reclaimed=size)
 
     async def _manifest_chunks(self, tags: Iterable[str]) -> set[tuple[str, str]]:
         named: set[tuple[str, str]] = set()

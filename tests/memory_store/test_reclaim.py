@@ -131,6 +131,20 @@ async def test_the_store_expires_sessions_no_replica_holds(
     assert await client.has_chunk(FP, "h3")
 
 
+async def test_several_sweeps_at_once_delete_each_thing_once(
+    backend: Backend, client: MemoryStoreClient
+) -> None:
+    """Replicas and the memory service sweep the same store at the same time."""
+    for i in range(4):
+        await write_session(client, TENANT_A, f"old{i}", [f"h{i}a", f"h{i}b"], last_used=0)
+    others = [in_process_client(backend, encoder=HashingEncoder()) for _ in range(3)]
+    reports = await asyncio.gather(*(c.reclaim(chunk_grace_s=0) for c in [client, *others]))
+    assert sum(r["sessions_deleted"] for r in reports) == 4
+    assert sum(r["chunks_deleted"] for r in reports) == 8
+    assert await client.list_records(f"tenant:{TENANT_A}") == {}
+    assert await backend.list_tags("enc:") == [] and await backend.list_tags("sess:") == []
+
+
 async def test_embedded_files_shrink(tmp_path: Path) -> None:
     backend = EmbeddedBackend(tmp_path / "store")
     client = in_process_client(backend, encoder=HashingEncoder())
