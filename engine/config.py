@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -27,6 +27,7 @@ class EngineConfig:
     encodings; data_dir: keep them in an embedded store under DATA_DIR/memory-store instead.
     With neither, documents are only read into the sessions' memories (nothing is stored).
     memory_store_timeout_s: how long one store call may take before it counts as an outage.
+    memory_store_token: the memory service's shared secret (LONGSERVE_MEMORY_STORE_TOKEN).
     session_offload_after_s: a session idle this long (no request or ingestion) moves from the
     device to host memory (SessionMemory.offload); its next request moves it back. 0 never.
     collection_max_chunks: a collection of at most this many chunks is read whole into a
@@ -85,6 +86,7 @@ class EngineConfig:
     memory_store_url: str | None = None
     data_dir: str | None = None
     memory_store_timeout_s: float = 30.0
+    memory_store_token: str | None = field(default=None, repr=False)
     session_offload_after_s: float = 300.0
     collection_max_chunks: int = 64
     collection_top_k: int = 16

@@ -3,6 +3,8 @@
 Chunk encodings travel as `application/octet-stream` in the chunk wire format
 (`memory_store.encodings.encode_chunk`); everything else is JSON. Errors use OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`; an unreachable backend is a 503.
+With a token (LONGSERVE_MEMORY_STORE_TOKEN) every route but /health and /metrics wants
+`Authorization: Bearer <token>`, compared in constant time: 401 otherwise.
 
     GET    /health                                        liveness
     GET    /ready                                         backend reachable
@@ -13,7 +15,7 @@ Chunk encodings travel as `application/octet-stream` in the chunk wire format
     PUT    /v1/sessions/{sid}/documents/{doc_id}          manifest JSON
     GET    /v1/sessions/{sid}/documents/{doc_id}          manifest JSON
     GET    /v1/sessions/{sid}/documents                   {"object": "list", "data": [...]}
-    DELETE /v1/sessions/{sid}                             manifests and Larimar memory
+    DELETE /v1/sessions/{sid}                             everything under it, and chunks only it used
     POST   /v1/collections/{name}/chunks                  {"fingerprint", "chain_hashes", "dim", "embeddings_b64"}
     POST   /v1/collections/{name}/select                  {"query_embedding", "top_k"}
     GET    /v1/collections/{name}/chunks                  every chunk, in document order
@@ -24,6 +26,8 @@ Chunk encodings travel as `application/octet-stream` in the chunk wire format
     DELETE /v1/records/{namespace}/{key}                  {"deleted"}
     PUT    /v1/blobs/{namespace}/{key}                    body: bytes
     GET    /v1/blobs/{namespace}/{key}                    bytes
+    DELETE /v1/blobs/{namespace}/{key}                    {"deleted"}
+    POST   /v1/reclaim                                    {"chunk_grace_s"?} -> what was deleted
     POST   /v1/sessions/{sid}/larimar/write               {"text" | "segments", "save"}
     POST   /v1/sessions/{sid}/larimar/read                {"query", "top_k", "use_prefix"}
     POST   /v1/sessions/{sid}/larimar/save | /load
@@ -35,8 +39,11 @@ Chunk encodings travel as `application/octet-stream` in the chunk wire format
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import hmac
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
@@ -51,6 +58,7 @@ from memory_store.errors import (
     InvalidStoreRequest,
     NotFound,
     StoreError,
+    StoreFull,
     StoreUnavailableError,
 )
 from memory_store.larimar import LarimarConfig, LarimarStore
@@ -61,6 +69,9 @@ from memory_store.service import MemoryStoreService, PayloadTooLarge
 from memory_store.settings import MemoryStoreSettings
 
 logger = logging.getLogger(__name__)
+
+# Probes a supervisor or Prometheus calls without the token; they hold no tenant's data.
+UNAUTHENTICATED_PATHS = frozenset({"/health", "/metrics"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,6 +87,8 @@ def error_response(
 
 
 def store_error_response(exc: StoreError) -> JSONResponse:
+    if isinstance(exc, StoreFull):
+        return error_response(503, str(exc), "server_error", "memory_store_full")
     if isinstance(exc, StoreUnavailableError):
         return error_response(503, str(exc), "server_error", "memory_store_unavailable")
     if isinstance(exc, NotFound):
@@ -123,11 +136,35 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        sweeper = None
+        if settings.reclaim_interval_s > 0:
+            sweeper = asyncio.create_task(sweep_forever(svc, settings.reclaim_interval_s))
         yield
+        if sweeper is not None:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
         await svc.backend.close()
 
     app = FastAPI(title="longserve memory store", lifespan=lifespan)
     app.state.service = svc
+
+    token = settings.token.get_secret_value() if settings.token is not None else None
+    if token is not None:
+        expected = f"Bearer {token}".encode()
+
+        @app.middleware("http")
+        async def _authenticate(
+            request: Request, call_next: Callable[[Request], Awaitable[Response]]
+        ) -> Response:
+            if request.url.path not in UNAUTHENTICATED_PATHS:
+                given = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(given, expected):
+                    return error_response(
+                        401, "missing or wrong memory store token", "authentication_error",
+                        "invalid_token",
+                    )  # fmt: skip
+            return await call_next(request)
 
     @app.exception_handler(StoreError)
     async def _store_error(request: Request, exc: StoreError) -> JSONResponse:
@@ -164,15 +201,22 @@ def build_app(
     return app
 
 
+async def sweep_forever(svc: MemoryStoreService, interval_s: float) -> None:
+    """The service's own sweep, so that expiry never waits for a replica."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await svc.sweep()
+        except Exception:
+            logger.exception("memory store sweep failed")
+
+
 def serve(settings: MemoryStoreSettings) -> None:
     """Run the service in the foreground with uvicorn."""
     import uvicorn
 
-    if not settings.binds_loopback:
-        logger.warning(
-            "memory store listening on %s without authentication: keep it on a private network",
-            settings.host,
-        )
+    if settings.token is None:
+        logger.warning("memory store without a token: only this host can reach it (loopback)")
     uvicorn.run(
         build_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level
     )

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from typing import Any
+
+from pydantic import ValidationError
 
 from memory_store.settings import MemoryStoreSettings
 
@@ -49,7 +52,12 @@ def settings_from_args(args: argparse.Namespace) -> MemoryStoreSettings:
 def run(args: argparse.Namespace) -> int:
     from memory_store.app import serve
 
-    settings = settings_from_args(args)
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        messages = "; ".join(str(e.get("msg", "invalid")) for e in exc.errors())
+        print(f"longserve memory-store: invalid configuration: {messages}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=settings.log_level.upper())
     serve(settings)
     return 0

@@ -111,12 +111,19 @@ def http_client(
     retry: RetryPolicy | None = None,
     on_request: RequestHook | None = None,
     transport: Any = None,
+    token: str | None = None,
 ) -> MemoryStoreClient:
-    """The client of a remote `longserve memory-store` at `base_url`."""
+    """The client of a remote `longserve memory-store` at `base_url`; `token` is its shared
+    secret (LONGSERVE_MEMORY_STORE_TOKEN), sent as a bearer header."""
     from memory_store.client_http import HttpMemoryStoreClient
 
     return HttpMemoryStoreClient(
-        base_url, timeout_s=timeout_s, retry=retry, on_request=on_request, transport=transport
+        base_url,
+        timeout_s=timeout_s,
+        retry=retry,
+        on_request=on_request,
+        transport=transport,
+        token=token,
     )
 
 

@@ -153,3 +153,13 @@ class MemoryStoreClient(ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
+
+    # Reclamation (memory_store/reclaim.py) ----------------------------------------------------
+
+    @abstractmethod
+    async def delete_blob(self, namespace: str, key: str) -> bool: ...
+
+    @abstractmethod
+    async def reclaim(self, chunk_grace_s: float | None = None) -> dict[str, int]:
+        """Sweep: expired sessions, then chunks nothing names idle past `chunk_grace_s` (None:
+        the store's default); returns what went (`ReclaimReport.to_record()`)."""

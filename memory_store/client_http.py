@@ -23,6 +23,7 @@ from memory_store.errors import (
     InvalidStoreRequest,
     NotFound,
     StoreError,
+    StoreFull,
     StoreUnavailableError,
 )
 from memory_store.keys import KeySpace
@@ -62,6 +63,7 @@ class HttpMemoryStoreClient(MemoryStoreClient):
         retry: RetryPolicy | None = None,
         on_request: RequestHook | None = None,
         transport: Any = None,
+        token: str | None = None,
     ) -> None:
         import httpx
 
@@ -69,6 +71,8 @@ class HttpMemoryStoreClient(MemoryStoreClient):
         self._httpx = httpx
         self.retry = retry or RetryPolicy()
         kwargs: dict[str, Any] = {"base_url": base_url.rstrip("/"), "timeout": timeout_s}
+        if token:
+            kwargs["headers"] = {"authorization": f"Bearer {token}"}
         if transport is not None:
             kwargs["transport"] = transport
         self._client = httpx.AsyncClient(**kwargs)
@@ -84,7 +88,8 @@ class HttpMemoryStoreClient(MemoryStoreClient):
 
         async def once() -> Any:
             response = await self._client.request(method, url, **kwargs)
-            if response.status_code == 503 and op not in self._NOT_IDEMPOTENT:
+            full = response.status_code == 503 and _code(response) == "memory_store_full"
+            if response.status_code == 503 and op not in self._NOT_IDEMPOTENT and not full:
                 raise _RetryableStatus(_message(response))
             return response
 
@@ -307,6 +312,18 @@ class HttpMemoryStoreClient(MemoryStoreClient):
     async def close(self) -> None:
         await self._client.aclose()
 
+    # Reclamation ------------------------------------------------------------------------------
+
+    async def delete_blob(self, namespace: str, key: str) -> bool:
+        KeySpace.blob(namespace, key)
+        response = await self._request("delete_blob", "DELETE", f"/v1/blobs/{namespace}/{key}")
+        return bool(response.json()["deleted"])
+
+    async def reclaim(self, chunk_grace_s: float | None = None) -> dict[str, int]:
+        body = {"chunk_grace_s": chunk_grace_s}
+        response = await self._request("reclaim", "POST", "/v1/reclaim", json=body)
+        return {str(k): int(v) for k, v in response.json().items()}
+
 
 def _message(response: Any) -> str:
     try:
@@ -315,15 +332,28 @@ def _message(response: Any) -> str:
         return f"HTTP {response.status_code}"
 
 
+def _code(response: Any) -> str | None:
+    try:
+        return str(response.json()["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def _error_for(response: Any) -> StoreError:
     message = _message(response)
     status = response.status_code
+    if status == 401:  # a misconfigured server: no retry helps
+        return StoreUnavailableError(
+            "the memory store refused this server's token (LONGSERVE_MEMORY_STORE_TOKEN)"
+        )
     if status == 404:
         return NotFound(message)
     if status == 409:
         return Conflict(message)
     if status in (400, 413, 422):
         return InvalidStoreRequest(message)
+    if status == 503 and _code(response) == "memory_store_full":
+        return StoreFull(message)
     if status == 503:
         return StoreUnavailableError(message)
     return StoreError(f"memory store answered {status}: {message}")

@@ -14,8 +14,11 @@ from memory_store.encoding_store import EncodingStore
 from memory_store.encodings import ChunkEncoding, ChunkRef, DocumentManifest, Quantization
 from memory_store.larimar import LarimarConfig, LarimarHit, LarimarStore
 from memory_store.observed import RequestHook
+from memory_store.reclaim import Reclaimer
 from memory_store.records import RecordStore
-from memory_store.usage import UsageClaim, UsageLedger
+from memory_store.usage import UsageClaim, UsageLedger, release_session
+
+DEFAULT_CHUNK_GRACE_S = 3600.0  # MemoryStoreSettings.chunk_grace_s's default
 
 
 class InProcessMemoryStoreClient(MemoryStoreClient):
@@ -38,6 +41,7 @@ class InProcessMemoryStoreClient(MemoryStoreClient):
         self.records = RecordStore(backend)
         self.larimar = LarimarStore(backend, encoder, larimar)
         self.ledger = UsageLedger(backend)
+        self.reclaimer = Reclaimer(backend, on_session_expired=release_session(backend))
 
     async def ping(self) -> None:
         await self._observe("ping", self.backend.ping)
@@ -81,9 +85,11 @@ class InProcessMemoryStoreClient(MemoryStoreClient):
 
     async def delete_session(self, session_id: str) -> int:
         self.larimar.evict(session_id)
-        return await self._observe(
-            "delete_session", lambda: self.encodings.delete_session(session_id)
-        )
+
+        async def delete() -> int:
+            return (await self.reclaimer.delete_session(session_id)).keys_deleted
+
+        return await self._observe("delete_session", delete)
 
     async def add_to_collection(
         self, name: str, fingerprint: str, chain_hashes: Sequence[str], embeddings: np.ndarray
@@ -184,3 +190,16 @@ class InProcessMemoryStoreClient(MemoryStoreClient):
 
     async def close(self) -> None:
         await self.backend.close()
+
+    # Reclamation ------------------------------------------------------------------------------
+
+    async def delete_blob(self, namespace: str, key: str) -> bool:
+        return await self._observe("delete_blob", lambda: self.records.delete_blob(namespace, key))
+
+    async def reclaim(self, chunk_grace_s: float | None = None) -> dict[str, int]:
+        grace = DEFAULT_CHUNK_GRACE_S if chunk_grace_s is None else chunk_grace_s
+
+        async def sweep() -> dict[str, int]:
+            return (await self.reclaimer.sweep(grace)).to_record()
+
+        return await self._observe("reclaim", sweep)

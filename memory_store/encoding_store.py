@@ -108,10 +108,8 @@ class EncodingStore:
         return sorted(out, key=lambda m: (m.created_at, m.doc_id))
 
     async def delete_session(self, session_id: str) -> int:
-        """Drop the session's manifests and saved Larimar memory; returns how many keys went.
-
-        Chunks are content-addressed and may be shared with other sessions, so they stay;
-        reclaiming unreferenced chunks is a separate sweep (not implemented yet).
+        """Drop everything under the session's tag; returns how many keys went. Its chunks
+        stay: `memory_store.reclaim.Reclaimer.delete_session` also drops those only it named.
         """
         return await self.backend.delete_tag(KeySpace.session_tag(session_id))
 

@@ -14,6 +14,11 @@ class StoreUnavailableError(StoreError):
     """The backend (or the memory service) cannot be reached: refused, timed out. -> HTTP 503."""
 
 
+class StoreFull(StoreUnavailableError):
+    """The backend refused a write for want of memory (Redis at maxmemory, noeviction). -> 503
+    `memory_store_full`: nothing was written; deletes still work."""
+
+
 class NotFound(StoreError):
     """No value under this key. -> HTTP 404."""
 
@@ -32,6 +37,8 @@ def status_label(exc: BaseException | None) -> str:
         return "ok"
     if isinstance(exc, NotFound):
         return "not_found"
+    if isinstance(exc, StoreFull):
+        return "full"
     if isinstance(exc, StoreUnavailableError):
         return "unavailable"
     if isinstance(exc, Conflict):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -46,6 +48,25 @@ class MemoryStoreMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+
+        # What the store gave back (memory_store/reclaim.py).
+        self.reclaimed_bytes = Counter(
+            "longserve:memory_store_reclaimed_bytes",
+            "Bytes the memory store deleted: sessions deleted or expired, unused chunks.",
+            registry=self.registry,
+        )
+        self.reclaimed = Counter(
+            "longserve:memory_store_reclaimed",
+            "Sessions, records and blobs, and chunks the memory store deleted, by kind.",
+            ["kind"],
+            registry=self.registry,
+        )
+
+    def count_reclaimed(self, report: Mapping[str, int]) -> None:
+        """Add a ReclaimReport's `to_record()`."""
+        self.reclaimed_bytes.inc(report.get("bytes_reclaimed", 0))
+        for kind in ("sessions", "keys", "chunks"):
+            self.reclaimed.labels(kind=kind).inc(report.get(f"{kind}_deleted", 0))
 
     def observe(self, op: str, backend: str, status: str, seconds: float) -> None:
         """Matches the client's `RequestHook` signature, so it can be passed as one."""

@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from memory_store.backends import DEFAULT_PIECE_BYTES, Backend, build_backend
@@ -37,6 +37,8 @@ class MemoryStoreSettings(BaseSettings):
     `redis_min_replicas_ack`: replicas that must have a write before it is acknowledged (WAIT),
     so that a failover keeps it; unset means 1 on a cluster and 0 on one server. Set 0 for a
     cluster without replicas.
+    `token`: the shared secret servers send as `Authorization: Bearer` (LONGSERVE_MEMORY_STORE_TOKEN
+    on both sides); required to bind beyond loopback.
     """
 
     model_config = SettingsConfigDict(env_prefix="LONGSERVE_MEMORY_STORE_", frozen=True)
@@ -54,6 +56,10 @@ class MemoryStoreSettings(BaseSettings):
     embedder_device: str = "cpu"
     larimar_prefix_length: int = Field(default=4, ge=1)
     log_level: str = "info"
+    # Issue #41: authentication and reclamation (docs/decisions/059).
+    token: SecretStr | None = None
+    reclaim_interval_s: float = Field(default=300.0, ge=0)  # 0: never sweep by itself
+    chunk_grace_s: float = Field(default=3600.0, ge=0)
 
     @model_validator(mode="after")
     def _one_backend(self) -> MemoryStoreSettings:
@@ -66,6 +72,18 @@ class MemoryStoreSettings(BaseSettings):
                 raise ValueError(
                     "redis_url must be a redis://, rediss://, unix:// or redis+cluster:// URL"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _refuse_open_bind(self) -> MemoryStoreSettings:
+        if self.token is not None and not self.token.get_secret_value().strip():
+            raise ValueError("token is empty: set LONGSERVE_MEMORY_STORE_TOKEN to a secret")
+        if self.token is None and not self.binds_loopback:
+            raise ValueError(
+                f"refusing to serve the memory store on non-loopback host {self.host!r} without "
+                "a token: set LONGSERVE_MEMORY_STORE_TOKEN (and the same on every server), "
+                "or bind to 127.0.0.1"
+            )
         return self
 
     @property

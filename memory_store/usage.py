@@ -16,7 +16,7 @@ one atomic step (a Lua script on Redis, a locked file update in the embedded sto
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -239,3 +239,14 @@ def _release(state: dict[str, Any], item: str) -> dict[str, int]:
 
 def _totals(state: dict[str, Any]) -> dict[str, int]:
     return _nonzero(state.get("totals", {}))
+
+
+def release_session(backend: Backend) -> Callable[[str, str], Awaitable[None]]:
+    """The store's expiry (memory_store/reclaim.py) uncounts a session it deletes: the
+    session's ledger item is its server id."""
+    ledger = UsageLedger(backend)
+
+    async def release(tenant: str, session_id: str) -> None:
+        await ledger.release(tenant, session_id)
+
+    return release

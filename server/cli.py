@@ -160,6 +160,9 @@ def run_serve(args: argparse.Namespace) -> int:
         # service, or the embedded store under --data-dir.
         "memory_store_url": settings.memory_store_url,
         "data_dir": None if settings.memory_store_url else settings.data_dir,
+        "memory_store_token": (
+            settings.memory_store_token.get_secret_value() if settings.memory_store_token else None
+        ),
     }
     known = {f.name for f in dataclasses.fields(EngineConfig)}
     config = EngineConfig(**{k: v for k, v in engine_fields.items() if k in known})
@@ -179,7 +182,11 @@ def memory_store_client(settings: ServerSettings) -> MemoryStoreClient:
     from memory_store.client import embedded_client, http_client
 
     if settings.memory_store_url:
-        return http_client(settings.memory_store_url)
+        token = settings.memory_store_token
+        return http_client(
+            settings.memory_store_url,
+            token=token.get_secret_value() if token is not None else None,
+        )
     return embedded_client(Path(settings.data_dir) / EMBEDDED_STORE)
 
 

@@ -25,7 +25,7 @@ from engine.protocol import (
     MemoryBudgetExceeded,
     SessionNotFound,
 )
-from memory_store.errors import StoreError, StoreUnavailableError
+from memory_store.errors import StoreError, StoreFull, StoreUnavailableError
 from server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -287,6 +287,14 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(409, str(exc), param="name", code="collection_incompatible")
     if isinstance(exc, EngineDead):
         return APIError(503, f"The engine is not available: {exc}", code="engine_dead")
+    if isinstance(exc, StoreFull):  # Redis at maxmemory (noeviction): nothing was written
+        logger.error("memory store full: %s", exc)
+        return APIError(
+            503,
+            "The memory store is full; retry later or delete sessions you no longer need.",
+            code="memory_store_full",
+            headers={"Retry-After": str(STORE_RETRY_AFTER_SECONDS)},
+        )
     if isinstance(exc, StoreUnavailableError):
         logger.warning("memory store unavailable: %s", exc)
         return memory_store_unavailable()

@@ -7,7 +7,7 @@ engine's state are read from `engine.stats()` at scrape time.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -257,8 +257,6 @@ class Metrics:
             registry=r,
         )
 
-        # --- helpers the serving code calls --------------------------------------------------------
-
         # Per tenant, as the memory store's usage ledger last answered this replica
         # (server/sessions/usage.py, server/serving/response_store.py).
         self.tenant_stored_bytes = Gauge(
@@ -267,6 +265,20 @@ class Metrics:
             ["tenant"],
             registry=r,
         )
+        # What this replica's sweeps of the memory store gave back (memory_store/reclaim.py).
+        self.memory_store_reclaimed_bytes = Counter(
+            f"{PREFIX}memory_store_reclaimed_bytes",
+            "Bytes this replica's memory store sweeps deleted.",
+            registry=r,
+        )
+        self.memory_store_reclaimed = Counter(
+            f"{PREFIX}memory_store_reclaimed",
+            "Sessions, records and blobs, and chunks this replica's memory store sweeps deleted.",
+            ["kind"],
+            registry=r,
+        )
+
+    # --- helpers the serving code calls --------------------------------------------------------
 
     def first_token(self, seconds: float) -> None:
         self.time_to_first_token.observe(seconds)
@@ -320,6 +332,12 @@ class Metrics:
     def tenant_usage(self, tenant: str, totals: dict[str, int]) -> None:
         """The tenant's usage ledger totals, as the store answered them."""
         self.tenant_stored_bytes.labels(tenant=tenant).set(stored_bytes(totals))
+
+    def memory_store_reclaimed_report(self, report: Mapping[str, int]) -> None:
+        """A memory store sweep's report (`MemoryStoreClient.reclaim`)."""
+        self.memory_store_reclaimed_bytes.inc(report.get("bytes_reclaimed", 0))
+        for kind in ("sessions", "keys", "chunks"):
+            self.memory_store_reclaimed.labels(kind=kind).inc(report.get(f"{kind}_deleted", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

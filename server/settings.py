@@ -6,7 +6,7 @@ import hashlib
 import ipaddress
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_TENANT = "default"
@@ -118,6 +118,12 @@ class ServerSettings(BaseSettings):
     decode_share: float = Field(default=0.25, ge=0.0, lt=1.0)
 
     memory_store_url: str | None = None
+    # The memory service's shared secret (LONGSERVE_MEMORY_STORE_TOKEN, the same on both sides).
+    memory_store_token: SecretStr | None = None
+    # The store's sweep, run by every replica (and the memory service): sessions expired
+    # whichever replica held them, chunks nothing names idle this long (docs/decisions/059).
+    store_reclaim_interval_seconds: float = Field(default=300.0, ge=0)  # 0: never
+    store_chunk_grace_seconds: float = Field(default=3600.0, ge=0)
     data_dir: str = "./data"
     drain_timeout_seconds: float = Field(default=30.0, ge=0)
 

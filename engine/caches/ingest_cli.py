@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 import uuid
 from pathlib import Path
@@ -61,6 +62,8 @@ async def ingest_files(args: argparse.Namespace) -> list[dict[str, Any]]:
         dtype=args.dtype,
         memory_store_url=args.memory_store_url,
         data_dir=args.data_dir,
+        # The memory service's shared secret, as `longserve serve` reads it.
+        memory_store_token=os.environ.get("LONGSERVE_MEMORY_STORE_TOKEN") or None,
     )
     spec = MemorySpec(args.strategy, json.loads(args.memory))
     engine = LocalEngine(config)

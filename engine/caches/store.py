@@ -11,6 +11,9 @@ So chunks are keyed by a fingerprint of (model, dtype, memory config) and the pr
 `h_i = chain_hash(h_{i-1}, tokens_i)` started from the session's own state hash (the chain of
 all it has read, None for a fresh session): a document's encodings are shared only when its
 context is identical, e.g. the first document of fresh sessions with the same memory config.
+Sessions share chunks within one tenant only (`tenant_scope`): whether a chunk was already stored
+shows in how fast a document is read, so a shared address would tell a tenant what another
+uploaded (docs/decisions/059).
 
 `ingest_steps` reads a document chunk by chunk (the memory's chunk_size): a chunk the store
 holds is imported (no forward), any other is forwarded, exported and put (durable) before its
@@ -85,7 +88,11 @@ class StoreBridge:
         if client is not None:
             return cls(client, timeout_s=config.memory_store_timeout_s, owns_client=False)
         if config.memory_store_url is not None:
-            client = http_client(config.memory_store_url, timeout_s=config.memory_store_timeout_s)
+            client = http_client(
+                config.memory_store_url,
+                timeout_s=config.memory_store_timeout_s,
+                token=config.memory_store_token,
+            )
         elif config.data_dir is not None:
             client = embedded_client(Path(config.data_dir) / "memory-store")
         else:
@@ -204,6 +211,21 @@ def session_fingerprint(model_fp: str, memory: SessionMemory) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def tenant_scope(session_id: str) -> str | None:
+    """The tenant part of an engine session id: the server names its sessions
+    `<tenant>.<session>` (server/auth.tenant_session_id); ids without a "." (`longserve ingest`'s
+    throwaway sessions, tests) are unscoped."""
+    tenant, dot, _ = session_id.partition(".")
+    return tenant if dot and tenant else None
+
+
+def scoped_fingerprint(fingerprint: str, scope: str | None) -> str:
+    """Where a scope's chunks live: unscoped chunks (collections) keep the plain fingerprint."""
+    if scope is None:
+        return fingerprint
+    return hashlib.sha256(f"tenant|{scope}|{fingerprint}".encode()).hexdigest()
+
+
 def document_id(request_id: str) -> str:
     """A store-safe document id from the ingest request id."""
     cleaned = _BAD_ID_CHARS.sub("-", request_id).lstrip("._-")[:200]
@@ -231,7 +253,9 @@ def ingest_steps(
     module docstring. `on_read` runs once the memory holds the whole document, before the last
     progress (done=True) or the outage error goes out: a consumer that stops there (the server
     closes the stream at done) must find the document read (docs/decisions/055)."""
-    fingerprint = session_fingerprint(model_fp, memory)
+    fingerprint = scoped_fingerprint(
+        session_fingerprint(model_fp, memory), tenant_scope(session_id)
+    )
     chunk = memory.config.chunk_size
     total = len(ids)
     done = from_store = 0

@@ -343,7 +343,9 @@ class LarimarBackend:
                 self._reader = LarimarReader(self._store)
             elif self._config.memory_store_url is not None:
                 client = http_client(
-                    self._config.memory_store_url, timeout_s=self._config.memory_store_timeout_s
+                    self._config.memory_store_url,
+                    timeout_s=self._config.memory_store_timeout_s,
+                    token=self._config.memory_store_token,
                 )
                 self._reader = LarimarReader(client)
             else:

@@ -82,3 +82,18 @@ class Backend(ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
+
+    # Reclamation (memory_store/reclaim.py) ----------------------------------------------------
+
+    @abstractmethod
+    async def list_tags(self, prefix: str) -> list[str]:
+        """Every tag that holds something and starts with `prefix`, sorted (a full scan)."""
+
+    @abstractmethod
+    async def tag_bytes(self, tag: str) -> int:
+        """The bytes the values under `tag` hold (blobs' sizes plus records' serialized ones)."""
+
+    @abstractmethod
+    async def idle_seconds(self, key: Key) -> float | None:
+        """Seconds since the blob under `key` was last written (embedded) or touched (Redis);
+        None when there is none."""

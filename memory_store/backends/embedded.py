@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import threading
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -26,6 +27,7 @@ from memory_store.keys import Key
 T = TypeVar("T")
 
 _TMP_MARK = ".tmp-"
+_TAG_FILE = ".tag"  # in a directory whose name is shortened: the tag it holds, for `list_tags`
 
 
 class EmbeddedBackend(Backend):
@@ -91,7 +93,14 @@ class EmbeddedBackend(Backend):
 
     # Interface --------------------------------------------------------------------------------
 
+    def _name_tag(self, tag: str) -> None:
+        """Leave the tag beside its values when the directory's name is shortened."""
+        directory = self._dir(tag)
+        if directory.name != quote(tag, safe="") and not (directory / _TAG_FILE).exists():
+            self._write_atomic(directory / _TAG_FILE, tag.encode())
+
     async def put_blob(self, key: Key, data: bytes) -> None:
+        await self._run(self._name_tag, key.tag)
         await self._run(self._write_atomic, self._file(key, "blob"), bytes(data))
 
     async def get_blob(self, key: Key) -> bytes:
@@ -110,6 +119,7 @@ class EmbeddedBackend(Backend):
         path = self._file(key, "rec")
 
         def write() -> None:
+            self._name_tag(key.tag)
             if if_absent:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_name(f"{_TMP_MARK}{uuid.uuid4().hex}-{path.name}")
@@ -211,3 +221,50 @@ class EmbeddedBackend(Backend):
                     fcntl.flock(lock, fcntl.LOCK_UN)
 
         return await self._run(update)
+
+    # Reclamation ------------------------------------------------------------------------------
+
+    async def list_tags(self, prefix: str) -> list[str]:
+        def scan() -> list[str]:
+            tags = []
+            for entry in os.listdir(self.root):
+                if entry.startswith(_TMP_MARK):
+                    continue
+                directory = self.root / entry
+                if "~" in entry:  # shortened (`_dir`): the tag is in its file
+                    try:
+                        tag = self._read(directory / _TAG_FILE).decode()
+                    except FileNotFoundError as e:
+                        raise StoreError(f"directory {entry} does not name its tag") from e
+                else:
+                    tag = unquote(entry)
+                if tag.startswith(prefix) and directory.is_dir():
+                    tags.append(tag)
+            return sorted(tags)
+
+        return await self._run(scan)
+
+    async def tag_bytes(self, tag: str) -> int:
+        def size() -> int:
+            directory = self._dir(tag)
+            if not directory.is_dir():
+                return 0
+            total = 0
+            for entry in os.scandir(directory):
+                if entry.name.endswith((".blob", ".rec")) and not entry.name.startswith(_TMP_MARK):
+                    try:
+                        total += entry.stat().st_size
+                    except FileNotFoundError:
+                        continue  # deleted meanwhile
+            return total
+
+        return await self._run(size)
+
+    async def idle_seconds(self, key: Key) -> float | None:
+        def age() -> float | None:
+            try:
+                return max(0.0, time.time() - self._file(key, "blob").stat().st_mtime)
+            except FileNotFoundError:
+                return None
+
+        return await self._run(age)

@@ -25,6 +25,7 @@ from memory_store.errors import (
     InvalidStoreRequest,
     NotFound,
     StoreError,
+    StoreFull,
     StoreUnavailableError,
 )
 from memory_store.keys import Key, redis_key
@@ -121,6 +122,8 @@ class RedisBackend(Backend):
         except StoreError:
             raise
         except self._redis_error as e:
+            if str(e).startswith("OOM") or "OOM command not allowed" in str(e):
+                raise StoreFull(f"redis {what}: the store is full (maxmemory)") from e
             raise StoreError(f"redis {what} failed: {e}") from e
 
     async def _write(self, slot_key: str, *commands: tuple[Any, ...]) -> list[Any]:
@@ -289,3 +292,49 @@ class RedisBackend(Backend):
             return result
 
         return await self._do(what, run)
+
+    # Reclamation ------------------------------------------------------------------------------
+
+    async def list_tags(self, prefix: str) -> list[str]:
+        """SCAN for index keys (every tag holding a value has one): a cluster's every primary."""
+        head = redis_key("", "index", "").split("{", 1)[0]  # "longserve:"
+        pattern = f"{head}{{{_glob_escape(prefix)}*}}:index:"
+
+        async def scan() -> list[str]:
+            tags = set()
+            async for raw in self._client.scan_iter(match=pattern, count=1000):
+                name = _bytes(raw).decode()
+                tags.add(name[name.index("{") + 1 : name.rindex("}")])
+            return sorted(tags)
+
+        return await self._do("list_tags", scan)
+
+    async def tag_bytes(self, tag: str) -> int:
+        index_key = redis_key(tag, "index", "")
+
+        async def size() -> int:
+            total = 0
+            for member in await self._client.smembers(index_key):
+                kind, path = _bytes(member).decode().split(":", 1)
+                if kind == "blob":
+                    header = _header(await self._client.hgetall(redis_key(tag, "blob", path)))
+                    total += int(header.get("size", 0))
+                else:
+                    total += int(await self._client.strlen(redis_key(tag, "rec", path)))
+            return total
+
+        return await self._do("tag_bytes", size)
+
+    async def idle_seconds(self, key: Key) -> float | None:
+        header_key = redis_key(key.tag, "blob", key.path)
+
+        async def idle() -> float | None:
+            seconds = await self._client.object("idletime", header_key)
+            return None if seconds is None else float(seconds)
+
+        return await self._do("idle_seconds", idle)
+
+
+def _glob_escape(text: str) -> str:
+    """`text` matched literally in a SCAN MATCH pattern."""
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)

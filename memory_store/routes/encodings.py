@@ -88,8 +88,9 @@ def build_router(svc: MemoryStoreService) -> APIRouter:
     async def delete_session(session_id: str) -> dict[str, Any]:
         async with svc.track("delete_session"):
             svc.larimar.evict(session_id)
-            deleted = await svc.encodings.delete_session(session_id)
-        return {"id": session_id, "deleted": deleted}
+            report = await svc.reclaimer.delete_session(session_id)
+        svc.metrics.count_reclaimed(report.to_record())
+        return {"id": session_id, "deleted": report.keys_deleted, **report.to_record()}
 
     # Collections ------------------------------------------------------------------------------
 

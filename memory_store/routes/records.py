@@ -5,8 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel, Field
 
 from memory_store.service import OCTET, MemoryStoreService
+
+
+class ReclaimBody(BaseModel):
+    chunk_grace_s: float | None = Field(default=None, ge=0)
 
 
 def build_router(svc: MemoryStoreService) -> APIRouter:
@@ -53,5 +58,16 @@ def build_router(svc: MemoryStoreService) -> APIRouter:
         async with svc.track("get_blob"):
             data = await svc.records.get_blob(namespace, key)
         return Response(data, media_type=OCTET)
+
+    @router.delete("/v1/blobs/{namespace}/{key}")
+    async def delete_blob(namespace: str, key: str) -> dict[str, Any]:
+        async with svc.track("delete_blob"):
+            deleted = await svc.records.delete_blob(namespace, key)
+        return {"key": key, "deleted": deleted}
+
+    @router.post("/v1/reclaim")
+    async def reclaim(body: ReclaimBody | None = None) -> dict[str, Any]:
+        report = await svc.sweep(body.chunk_grace_s if body is not None else None)
+        return report.to_record()
 
     return router

@@ -191,12 +191,15 @@ class DocumentIngestion:
         return False
 
     async def _save_failed(self, session: Session, doc: Document) -> None:
-        """Best effort: a replica restoring the session then does not read it again."""
+        """Best effort: a replica restoring the session then does not read it again, and the
+        text nothing reads again goes (after the record: a record never lacks its text unless
+        it says failed)."""
         store = self.services.store
         if store is None or session.removed:
             return
         try:
             await store.save_document(session.tenant, session.id, doc.record())
+            await store.delete_text(session.tenant, session.id, doc.id)
         except StoreError as exc:
             logger.info("saving failed document %s to the memory store failed: %s", doc.id, exc)
 

@@ -165,6 +165,9 @@ class SessionRecord:
             "created_at": self.created_at,
             "ttl_seconds": self.ttl_seconds,
             "last_used": self.last_used,
+            # When the store's sweep deletes it: its TTL after the last use, plus the quarter
+            # TTL by which the stored last_used may lag (registry._save_last_used).
+            "expires_at": self.last_used + self.ttl_seconds * 1.25,
             "memory": self.memory,
             "metadata": dict(self.metadata),
         }
@@ -282,6 +285,10 @@ class SessionStore:
     async def load_text(self, tenant: str, session_id: str, doc_id: str) -> str:
         data = await self.client.get_blob(self._namespace(tenant, session_id), TEXT_PREFIX + doc_id)
         return data.decode("utf-8", "surrogatepass")
+
+    async def delete_text(self, tenant: str, session_id: str, doc_id: str) -> None:
+        """A failed document's text: nothing reads it again."""
+        await self.client.delete_blob(self._namespace(tenant, session_id), TEXT_PREFIX + doc_id)
 
     async def exists(self, tenant: str, session_id: str) -> bool:
         """Whether the store still holds the session (another replica may have deleted it)."""

@@ -74,7 +74,9 @@ class SessionRegistry:
         )
         self.collections = CollectionAttachments(services, self.lookup, self.touch)
         self.restorer = SessionRestorer(services, self._held, self.documents, self.collections)
-        self.sweeper = SessionSweeper(services, self._held, self.remove)
+        self.sweeper = SessionSweeper(
+            services, self._held, self.remove, metrics.memory_store_reclaimed_report
+        )
         self._creating: Counter[str] = Counter()
 
     # --- held sessions ------------------------------------------------------------------------

@@ -18,6 +18,7 @@ SECRETS = {
     "LONGSERVE_API_KEYS": "test-key-1,test-key-2",
     "REDIS_PASSWORD": "test-redis-password",
     "GRAFANA_ADMIN_PASSWORD": "test-grafana-password",
+    "LONGSERVE_MEMORY_STORE_TOKEN": "test-memory-store-token",
 }
 CORE_SERVICES = {"proxy", "server", "memory-store", "redis", "prometheus", "grafana"}
 REDIS_CLUSTER_NODES = [f"redis-node-{i}" for i in range(1, 7)]

@@ -110,7 +110,7 @@ def test_compose_scales_without_host_port_conflicts(compose: dict[str, Any]) -> 
 
 
 def test_compose_refuses_to_start_without_secrets() -> None:
-    for missing in ("LONGSERVE_API_KEYS", "REDIS_PASSWORD", "GRAFANA_ADMIN_PASSWORD"):
+    for missing in SECRETS:
         result = compose_config({**SECRETS, missing: None})
         assert result.returncode != 0, f"config accepted a missing {missing}"
         assert f"set {missing}" in result.stderr + result.stdout
@@ -181,3 +181,22 @@ def test_compose_cluster_profile_runs_the_memory_store_on_a_redis_cluster(
         f"redis+cluster://:{password}@redis-node-1:6379,redis-node-2:6379,redis-node-3:6379"
     )
     assert settings.redis_min_replicas_ack == 1
+
+
+def test_compose_authenticates_the_memory_store_and_caps_redis(
+    compose: dict[str, Any], compose_gpu: dict[str, Any], compose_cluster: dict[str, Any]
+) -> None:
+    """Issue #41: servers and the memory service share LONGSERVE_MEMORY_STORE_TOKEN; every
+    Redis runs with a maxmemory and noeviction (a full store is a 503, never a lost write)."""
+    token = SECRETS["LONGSERVE_MEMORY_STORE_TOKEN"]
+    services = {
+        **compose["services"],
+        **compose_gpu["services"],
+        **compose_cluster["services"],
+    }
+    for name in ("server", "server-gpu", "memory-store", "memory-store-cluster"):
+        assert services[name]["environment"]["LONGSERVE_MEMORY_STORE_TOKEN"] == token, name
+    for name in ("redis", *REDIS_CLUSTER_NODES):
+        command = " ".join(_command(services[name]))
+        assert "--maxmemory 2gb" in command, name
+        assert "--maxmemory-policy noeviction" in command, name

@@ -328,3 +328,40 @@ async def test_rebuild_through_the_http_memory_service(engines, tmp_path):
     assert results[0][-1].done and results[0][-1].tokens_from_store == 0
     assert results[1][-1].done
     assert results[1][-1].tokens_from_store == results[1][-1].tokens_total > 0
+
+
+async def test_tenants_never_import_each_others_chunks(engines, tmp_path):
+    """Chunks are shared within a tenant only (engine session ids `tenant.session`): tenant B
+    uploading tenant A's text reads it with the model, so its ingestion time tells B nothing
+    about what A uploaded (issue #41 item 9)."""
+    engine = engines()
+    for session_id in ("tenanta.s1", "tenantb.s1", "tenanta.s2"):
+        await engine.create_session(session_id, SPEC)
+    first = await _collect(engine.ingest("d1", "tenanta.s1", DOC))
+    count = len(_stored_chunks(tmp_path))
+    other_tenant = await _collect(engine.ingest("d2", "tenantb.s1", DOC))
+    assert other_tenant[-1].done and other_tenant[-1].tokens_from_store == 0
+    assert len(_stored_chunks(tmp_path)) == 2 * count  # B's own copy
+    same_tenant = await _collect(engine.ingest("d3", "tenanta.s2", DOC))
+    assert same_tenant[-1].tokens_from_store == first[-1].tokens_total
+
+
+async def test_deleting_a_session_gives_its_bytes_back(engines, tmp_path):
+    """The chunks a session alone named go with it; those another session of its tenant names
+    stay (issue #41 item 3: the store grew and kept every byte after DELETE)."""
+    engine = engines()
+
+    def held() -> int:
+        root = tmp_path / "data" / "memory-store"
+        return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+    before = held()
+    for session_id in ("tenanta.s1", "tenanta.s2"):
+        await engine.create_session(session_id, SPEC)
+        await _collect(engine.ingest(f"d-{session_id}", session_id, DOC))
+    both = held()
+    await asyncio.to_thread(engine._store.delete_session, "tenanta.s1")
+    assert held() < both  # its manifest went; the chunks s2 names stay
+    assert len(_stored_chunks(tmp_path)) > 0
+    await asyncio.to_thread(engine._store.delete_session, "tenanta.s2")
+    assert held() == before and _stored_chunks(tmp_path) == []

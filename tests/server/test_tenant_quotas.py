@@ -189,7 +189,11 @@ async def test_memory_tokens_are_counted_across_replicas(memory_service: MemoryS
         assert doc["status"] == "failed" and "memory tokens" in doc["error"], doc
         store = memory_service.client()
         try:
-            usage = await store.usage(b.tenant)
+            for _ in range(500):  # the ledger follows the failed status a step later
+                usage = await store.usage(b.tenant)
+                if usage["documents"] == 1:
+                    break
+                await asyncio.sleep(0.01)
         finally:
             await store.close()
         assert usage["memory_tokens"] == 64 and usage["documents"] == 1
