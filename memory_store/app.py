@@ -33,6 +33,7 @@ Chunk encodings travel as `application/octet-stream` in the chunk wire format
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -73,8 +74,13 @@ def error_response(
 
 
 def store_error_response(exc: StoreError) -> JSONResponse:
+    """4xx keep their message (ids the caller sent); a 503 or 500 says only what happened, with
+    an id whose log line has the cause (a backend's text carries hosts, paths and errno)."""
     if isinstance(exc, StoreUnavailableError):
-        return error_response(503, str(exc), "server_error", "memory_store_unavailable")
+        error_id = f"err_{secrets.token_hex(8)}"
+        logger.warning("%s memory store backend unavailable: %s", error_id, exc)
+        message = f"The memory store's backend is unavailable (request id {error_id})."
+        return error_response(503, message, "server_error", "memory_store_unavailable")
     if isinstance(exc, NotFound):
         return error_response(404, str(exc), "invalid_request_error", "not_found")
     if isinstance(exc, Conflict):
@@ -83,8 +89,10 @@ def store_error_response(exc: StoreError) -> JSONResponse:
         return error_response(413, str(exc), "invalid_request_error", "payload_too_large")
     if isinstance(exc, InvalidStoreRequest):
         return error_response(400, str(exc), "invalid_request_error", "invalid_value")
-    logger.error("memory store error: %s", exc)
-    return error_response(500, str(exc), "server_error", "memory_store_error")
+    error_id = f"err_{secrets.token_hex(8)}"
+    logger.error("%s memory store error: %r", error_id, exc)
+    message = f"Internal error (request id {error_id})."
+    return error_response(500, message, "server_error", "memory_store_error")
 
 
 # ---------------------------------------------------------------------------------------------
