@@ -11,6 +11,7 @@ import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 
 class OpenAIModel(BaseModel):
@@ -40,7 +41,7 @@ class MemoryRequest(OpenAIModel):
     strategy: str = "segments"
     # No knob names a server file (docs/decisions/056-no-client-paths.md): the old
     # neurocache path is refused by name, pointing at `projection` (an id).
-    projection_path: None = Field(default=None, exclude=True)
+    projection_path: SkipJsonSchema[None] = Field(default=None, exclude=True)
 
     @field_validator("projection_path", mode="before")
     @classmethod

@@ -33,7 +33,7 @@ def projections(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def projection_server(tmp_path_factory, projections) -> Iterator[ServerProcess]:
     with mock.patch.dict(os.environ, {"LONGSERVE_PROJECTION_DIR": str(projections)}):
-        proc = start_server(tmp_path_factory.mktemp("projections-e2e"), timeout=600)
+        proc = start_server(tmp_path_factory.mktemp("projections-e2e"))
     yield proc
     stop_server(proc)
 
