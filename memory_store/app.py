@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -87,10 +88,17 @@ def error_response(
 
 
 def store_error_response(exc: StoreError) -> JSONResponse:
+    """4xx keep their message (ids the caller sent); a 503 or 500 says only what happened, with
+    an id whose log line has the cause (a backend's text carries hosts, paths and errno)."""
     if isinstance(exc, StoreFull):
-        return error_response(503, str(exc), "server_error", "memory_store_full")
+        logger.warning("memory store backend full: %s", exc)
+        message = "The memory store is full (maxmemory); nothing was written."
+        return error_response(503, message, "server_error", "memory_store_full")
     if isinstance(exc, StoreUnavailableError):
-        return error_response(503, str(exc), "server_error", "memory_store_unavailable")
+        error_id = f"err_{secrets.token_hex(8)}"
+        logger.warning("%s memory store backend unavailable: %s", error_id, exc)
+        message = f"The memory store's backend is unavailable (request id {error_id})."
+        return error_response(503, message, "server_error", "memory_store_unavailable")
     if isinstance(exc, NotFound):
         return error_response(404, str(exc), "invalid_request_error", "not_found")
     if isinstance(exc, Conflict):
@@ -99,8 +107,10 @@ def store_error_response(exc: StoreError) -> JSONResponse:
         return error_response(413, str(exc), "invalid_request_error", "payload_too_large")
     if isinstance(exc, InvalidStoreRequest):
         return error_response(400, str(exc), "invalid_request_error", "invalid_value")
-    logger.error("memory store error: %s", exc)
-    return error_response(500, str(exc), "server_error", "memory_store_error")
+    error_id = f"err_{secrets.token_hex(8)}"
+    logger.error("%s memory store error: %r", error_id, exc)
+    message = f"Internal error (request id {error_id})."
+    return error_response(500, message, "server_error", "memory_store_error")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -80,6 +80,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--data-dir", help="where the embedded memory store persists")
     parser.add_argument(
+        "--projection-dir",
+        help="neurocache projections clients name by id: <dir>/<id>.pt (default: none)",
+    )
+    parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
 
@@ -101,6 +105,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         "max_running_requests",
         "memory_store_url",
         "data_dir",
+        "projection_dir",
     )
     overrides: dict[str, Any] = {
         name: getattr(args, name) for name in fields if getattr(args, name, None) is not None
@@ -156,6 +161,8 @@ def run_serve(args: argparse.Namespace) -> int:
         "prefix_store_max_entries_per_tenant": settings.max_prefix_store_entries_per_tenant,
         "max_turn_encoding_bytes": settings.max_turn_encoding_bytes,
         "decode_share": settings.decode_share,
+        "projection_dir": settings.projection_dir,
+        "max_projection_bytes": settings.max_projection_bytes,
         # One store for the engine's encodings and the server's session records: the memory
         # service, or the embedded store under --data-dir.
         "memory_store_url": settings.memory_store_url,

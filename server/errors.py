@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -286,7 +287,8 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, CollectionIncompatible):
         return APIError(409, str(exc), param="name", code="collection_incompatible")
     if isinstance(exc, EngineDead):
-        return APIError(503, f"The engine is not available: {exc}", code="engine_dead")
+        logger.error("engine dead: %r", exc)
+        return APIError(503, "The engine is not available.", code="engine_dead")
     if isinstance(exc, StoreFull):  # Redis at maxmemory (noeviction): nothing was written
         logger.error("memory store full: %s", exc)
         return APIError(
@@ -299,13 +301,18 @@ def from_exception(exc: BaseException) -> APIError:
         logger.warning("memory store unavailable: %s", exc)
         return memory_store_unavailable()
     if isinstance(exc, StoreError):
-        logger.error("memory store error: %r", exc)
-        return APIError(500, "Memory store error.", code="memory_store_error")
-    if isinstance(exc, EngineError):
-        logger.error("engine error: %r", exc)
-        return APIError(500, f"Engine error: {exc}")
-    logger.error("unexpected error", exc_info=exc)
-    return APIError(500, "Internal server error.")
+        return internal_error(exc, "memory store error", code="memory_store_error")
+    return internal_error(
+        exc, "engine error" if isinstance(exc, EngineError) else "unexpected error"
+    )
+
+
+def internal_error(exc: BaseException, what: str, code: str | None = None) -> APIError:
+    """A 500 that says only "internal error" and an id; the exception goes to the log under
+    that id (never to the client: it may carry paths, errno or another tenant's data)."""
+    error_id = f"err_{secrets.token_hex(8)}"
+    logger.error("%s %s: %r", error_id, what, exc, exc_info=exc)
+    return APIError(500, f"Internal error (request id {error_id}).", code=code)
 
 
 _TYPE_TAGS = {

@@ -10,7 +10,15 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import SkipJsonSchema
 
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
@@ -48,12 +56,47 @@ class StreamOptions(OpenAIModel):
     include_usage: bool | None = False
 
 
+MAX_MEMORY_KNOBS = 32
+MAX_KNOB_NAME_CHARS = 32
+MAX_KNOB_STRING_CHARS = 64
+
+
 class MemoryRequest(OpenAIModel):
-    """longserve extension: the memory strategy and its knobs (k, w, c, m, r, u ...)."""
+    """longserve extension: the memory strategy and its knobs (k, w, c, m, r, u ...). Knobs are
+    short names with scalar values; the engine refuses the ones its strategy does not have."""
 
     model_config = ConfigDict(extra="allow")
 
     strategy: str = "segments"
+    # No knob names a server file (docs/decisions/056-no-client-paths.md): the old
+    # neurocache path is refused by name, pointing at `projection` (an id).
+    projection_path: SkipJsonSchema[None] = Field(default=None, exclude=True)
+
+    @field_validator("projection_path", mode="before")
+    @classmethod
+    def _refuse_paths(cls, value: Any) -> None:
+        raise ValueError(
+            "memory knobs never name server files; name an operator's projection by id with "
+            "memory.projection"
+        )
+
+    @model_validator(mode="after")
+    def _scalar_knobs(self) -> MemoryRequest:
+        knobs = self.model_extra or {}
+        if len(knobs) > MAX_MEMORY_KNOBS:
+            raise ValueError(f"at most {MAX_MEMORY_KNOBS} memory knobs")
+        for name, value in knobs.items():
+            if not name.isidentifier() or len(name) > MAX_KNOB_NAME_CHARS:
+                raise ValueError(
+                    f"memory knob names are identifiers of at most {MAX_KNOB_NAME_CHARS} characters"
+                )
+            if isinstance(value, str) and len(value) > MAX_KNOB_STRING_CHARS:
+                raise ValueError(
+                    f"memory knob values are at most {MAX_KNOB_STRING_CHARS} characters"
+                )
+            if value is not None and not isinstance(value, bool | int | float | str):
+                raise ValueError("memory knob values are numbers, booleans or short strings")
+        return self
 
     def knobs(self) -> dict[str, Any]:
         return dict(self.model_extra or {})

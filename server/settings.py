@@ -117,6 +117,12 @@ class ServerSettings(BaseSettings):
     # get this share of the device (several tokens per reading chunk); 0: one per chunk.
     decode_share: float = Field(default=0.25, ge=0.0, lt=1.0)
 
+    # Neurocache projections clients may name by id (`memory.projection`): files
+    # <projection_dir>/<id>.pt the operator placed there. None: no projection can be named, and
+    # no request ever names a file (engine/memory/projections.py).
+    projection_dir: str | None = None
+    max_projection_bytes: int = Field(default=256 * 1024**2, ge=1)
+
     memory_store_url: str | None = None
     # The memory service's shared secret (LONGSERVE_MEMORY_STORE_TOKEN, the same on both sides).
     memory_store_token: SecretStr | None = None

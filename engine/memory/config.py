@@ -10,6 +10,7 @@ refusing unknown knobs, bad values and frames that would not fit in the model's 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,7 +181,8 @@ class NeurocacheConfig(FrameConfig):
         (docs/decisions/015-neurocache-layer.md).
     d: compressed size; 0 means hidden/4.
     fit_tokens: W_p is the PCA of the session's first fit_tokens memory states (fitted once).
-    projection_path: a torch file with {"weight": (d, hidden), "mean": (hidden,)} to use instead.
+    projection: the id of a trained W_p to use instead, {"weight": (d, hidden), "mean":
+        (hidden,)} in the operator's projection directory (projections.py); never a path.
     """
 
     k: int = 64
@@ -189,7 +191,7 @@ class NeurocacheConfig(FrameConfig):
     r: int = -1
     d: int = 0
     fit_tokens: int = 1024
-    projection_path: str = ""
+    projection: str = ""
     max_queries: int = 64
 
     @property
@@ -266,8 +268,25 @@ def _check_value(name: str, value: Any, kind: type) -> Any:
         return value
     if not isinstance(value, str):
         raise InvalidRequest(f"memory.{name} must be a string", param=param)
+    if name == "projection":
+        return check_projection_id(value)
     if name in _CHOICES and value not in _CHOICES[name]:
         raise InvalidRequest(f"memory.{name} must be one of {_CHOICES[name]}", param=param)
+    return value
+
+
+PROJECTION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def check_projection_id(value: str) -> str:
+    """`value` if it is a projection id (letters, digits, `_.-`, not starting with `.`): a
+    file name in the operator's directory, never a path."""
+    if not PROJECTION_ID.fullmatch(value):
+        raise InvalidRequest(
+            "memory.projection must be a projection id: 1 to 64 letters, digits, '_', '.' or "
+            "'-', starting with a letter or digit",
+            param="memory.projection",
+        )
     return value
 
 

@@ -16,9 +16,10 @@ W_p without training: PCA of the session's own layer-r states. Until the memory 
 principal directions) and the mean are fitted on all states held, and refitted each time the
 memory has doubled since (amortised O(1) per token), so directions that only later text
 uses are not projected away. The raw states are kept for the refits: hidden floats per token,
-about 5% of what the frame's keys and values take (2 x layers x kv_heads x head_dim). A trained projection ({"weight": (d, hidden), "mean": (hidden,)}) can be
-loaded from `projection_path` instead. The paper's trained cache-attention weights are not
-used: layers j > r reuse their own self-attention on the retrieved keys and values, which is
+about 5% of what the frame's keys and values take (2 x layers x kv_heads x head_dim). A trained
+projection ({"weight": (d, hidden), "mean": (hidden,)}) can be named by its id (`projection`)
+instead: a file the operator placed in the projection directory (projections.py). The
+paper's trained cache-attention weights are not used: layers j > r reuse their own self-attention on the retrieved keys and values, which is
 what the paper initialises cache attention with.
 
 A multi-token chunk's one retrieval uses up to `max_queries` of its tokens (evenly spaced, the
@@ -46,6 +47,8 @@ from transformers import PreTrainedModel
 from engine.memory.buffers import LayerStore
 from engine.memory.config import NeurocacheConfig
 from engine.memory.index import VectorIndex
+from engine.memory.projections import PARAM as PROJECTION_PARAM
+from engine.memory.projections import Projections
 from engine.memory.ranking import fair_union, query_rows
 from engine.memory.selector import Selector
 from engine.protocol import InvalidRequest
@@ -54,7 +57,13 @@ from engine.runner.rows import RowBatch
 
 
 class NeurocacheSelector(Selector):
-    def __init__(self, config: NeurocacheConfig, model: PreTrainedModel) -> None:
+    def __init__(
+        self,
+        config: NeurocacheConfig,
+        model: PreTrainedModel,
+        projections: Projections | None = None,
+    ) -> None:
+        """projections: where `config.projection` is looked up (None: no id is known)."""
         self.config = config
         num_layers = model.config.num_hidden_layers
         self.hidden = model.config.hidden_size
@@ -69,8 +78,8 @@ class NeurocacheSelector(Selector):
         self.device = next(model.parameters()).device
         self.weight: torch.Tensor | None = None  # (d, hidden)
         self.mean: torch.Tensor | None = None  # (hidden,)
-        if config.projection_path:
-            self._load_projection(config.projection_path)
+        if config.projection:
+            self._load_projection(projections or Projections(None, 0), config.projection)
         self.cache: VectorIndex = VectorIndex(
             self.d if self.weight is not None else self.hidden, "auto", "l2", self.device
         )
@@ -110,20 +119,15 @@ class NeurocacheSelector(Selector):
         twin._hook_layer_r()
         return twin
 
-    def _load_projection(self, path: str) -> None:
-        try:
-            state = torch.load(path, map_location=self.device)
-            weight, mean = state["weight"].float(), state["mean"].float()
-        except (OSError, KeyError, RuntimeError) as e:
-            raise InvalidRequest(
-                f"cannot load a projection from {path!r}: {e}", param="memory.projection_path"
-            ) from e
+    def _load_projection(self, projections: Projections, projection_id: str) -> None:
+        weight, mean = projections.load(projection_id)
         if weight.shape != (self.d, self.hidden) or mean.shape != (self.hidden,):
             raise InvalidRequest(
-                f"projection must be ({self.d}, {self.hidden}) with a ({self.hidden},) mean",
-                param="memory.projection_path",
+                f"projection {projection_id!r} must be ({self.d}, {self.hidden}) with a "
+                f"({self.hidden},) mean",
+                param=PROJECTION_PARAM,
             )
-        self.weight, self.mean = weight, mean
+        self.weight, self.mean = weight.to(self.device), mean.to(self.device)
 
     # -- the one retrieval, after layer r ---------------------------------------------------
 
@@ -236,7 +240,7 @@ class NeurocacheSelector(Selector):
         block, self._window_h = self._window_h[:n], self._window_h[n:]
         self.cache.add(self._compress(block))
         c = self.config
-        if c.projection_path:
+        if c.projection:
             return
         self._raw.add(block)
         held = self._raw.ntotal

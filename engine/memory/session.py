@@ -32,6 +32,7 @@ from engine.memory.decode_row import MemoryRow
 from engine.memory.frame import Frame
 from engine.memory.frame_state import FrameMark
 from engine.memory.prior import TextPrior
+from engine.memory.projections import Projections
 from engine.memory.rotary import RotaryTable
 from engine.memory.selector import Selector
 from engine.memory.transfer import EncodingTransfer
@@ -53,11 +54,16 @@ class MemoryMark:
 
 class SessionMemory(EncodingTransfer):
     def __init__(
-        self, model: PreTrainedModel, spec: MemorySpec | None = None, kv_dtype: str = "model"
+        self,
+        model: PreTrainedModel,
+        spec: MemorySpec | None = None,
+        kv_dtype: str = "model",
+        projections: Projections | None = None,
     ) -> None:
         """kv_dtype: what the frame's sinks and local window hold keys and values in, the
         engine's resolved EngineConfig.kv_dtype ("model" or "float16"); memory blocks follow
-        FrameConfig.memory_dtype."""
+        FrameConfig.memory_dtype. projections: the operator's neurocache projections, which
+        `memory.projection` names by id (None: none can be named)."""
         cfg = model.config
         max_positions = int(cfg.max_position_embeddings)
         require_longserve_attention(model)
@@ -85,7 +91,7 @@ class SessionMemory(EncodingTransfer):
         elif isinstance(self.config, NeurocacheConfig):
             from engine.memory.neurocache import NeurocacheSelector
 
-            selector = NeurocacheSelector(self.config, model)
+            selector = NeurocacheSelector(self.config, model, projections)
         else:  # pragma: no cover - parse_memory_spec only returns the three above
             raise InvalidRequest(f"unknown strategy {self.strategy}", param="memory.strategy")
         self._selector = selector

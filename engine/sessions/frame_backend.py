@@ -22,6 +22,7 @@ from engine.caches.prefix_store import PrefixStore
 from engine.caches.store import StoreBridge, document_id
 from engine.caches.store import ingest_steps as store_ingest_steps
 from engine.config import EngineConfig
+from engine.memory.projections import Projections
 from engine.memory.session import STRATEGIES, MemoryMark, SessionMemory
 from engine.protocol import (
     CollectionAttachment,
@@ -76,6 +77,7 @@ class FrameBackend:
         self._store = store
         self._model_fingerprint = model_fingerprint
         self.encoder = prior_encoder(config)  # the memories' text prior (None: off)
+        self.projections = Projections(config.projection_dir, config.max_projection_bytes)
         self.conversations: dict[str, Conversation] = {}  # written on the device thread only
         self._ingest_ids: set[str] = set()  # running ingestions (drop fails them)
         self.collections = DocumentCollections(
@@ -192,7 +194,7 @@ class FrameBackend:
 
     def new_memory(self, spec: MemorySpec) -> SessionMemory:
         """A memory of this engine's model, with the text prior when the engine has one."""
-        memory = SessionMemory(self.model, spec, self.kv_dtype)
+        memory = SessionMemory(self.model, spec, self.kv_dtype, self.projections)
         if self.encoder is not None:
             tokenizer = self.decoding.tokenizer
             memory.attach_prior(self.encoder, lambda ids: str(tokenizer.decode(list(ids))))

@@ -62,8 +62,8 @@ class EmbeddedBackend(Backend):
             return await asyncio.to_thread(fn, *args)
         except StoreError:
             raise
-        except FileNotFoundError as e:
-            raise NotFound(str(e)) from e
+        except FileNotFoundError as e:  # the callers name the key; the path stays here
+            raise NotFound("no such key in the embedded store") from e
         except OSError as e:
             raise StoreUnavailableError(f"embedded store I/O failed: {e}") from e
 

@@ -17,6 +17,7 @@ import collections
 import contextlib
 import json
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,10 @@ from server.errors import APIError, limit_reached, response_not_found
 from server.protocol import ChatMessage
 
 logger = logging.getLogger(__name__)
+
+# What this server hands out (resp_ and 32 hex digits), with room for others' ids: anything
+# else is unknown before it reaches the store, whose keys refuse it (a 500 before).
+RESPONSE_ID = re.compile(r"resp_[A-Za-z0-9]{1,120}")
 
 
 @dataclass
@@ -107,14 +112,14 @@ class ResponseStore:
         """The stored response: the store's record is the truth (another replica may have
         deleted it); this replica's copy serves when the store cannot answer, or when the
         store never got it."""
+        if not RESPONSE_ID.fullmatch(response_id):
+            raise response_not_found(response_id[:130])
         held = self._by_tenant.get(tenant, collections.OrderedDict())
         local = held.get(response_id)
         if self.store is None or (tenant, response_id) in self._local_only:
             if local is None:
                 raise response_not_found(response_id)  # another tenant's id reads as unknown too
             return local
-        if not response_id.startswith("resp_"):
-            raise response_not_found(response_id)
         try:
             record = await self.store.get_record(self._namespace(tenant), response_id)
         except NotFound:

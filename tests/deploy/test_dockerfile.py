@@ -58,10 +58,56 @@ def test_dockerignore_sends_only_the_build_inputs() -> None:
         p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
     }
     assert packages <= kept, "every installed package must reach the build"
-    assert kept == {"pyproject.toml", "README.md", "server", "engine", "memory_store", "bench"}
+    assert kept == {
+        "pyproject.toml",
+        "requirements.lock",
+        "README.md",
+        "server",
+        "engine",
+        "memory_store",
+        "bench",
+    }
     copied = re.findall(
         r"^COPY\s+(?!--from)(.+?)\s+\S+$", (REPO / "Dockerfile").read_text(), re.MULTILINE
     )
     for sources in copied:
         for source in sources.split():
             assert source.rstrip("/") in kept, f"the Dockerfile copies {source}, ignored here"
+
+
+def test_the_image_installs_the_lock_file_with_hashes() -> None:
+    text = (REPO / "Dockerfile").read_text()
+    assert re.search(r"^COPY .*\brequirements\.lock\b", text, re.MULTILINE)
+    installs = [line for line in text.splitlines() if re.search(r"\bpip install\b", line)]
+    locked = [line for line in installs if "requirements.lock" in line]
+    assert locked and all("--require-hashes" in i and "--no-deps" in i for i in locked)
+    # nothing else resolves dependencies from an index, except torch's own index and the
+    # CUDA build's faiss-gpu
+    for line in installs:
+        if "--no-deps" not in line:
+            assert "torch==" in line or "gpu.txt" in line, line
+    assert "pip check" in text
+
+
+def test_the_lock_pins_every_dependency_with_a_hash_and_keeps_the_floors() -> None:
+    from packaging.requirements import Requirement
+
+    pinned: dict[str, str] = {}
+    for line in (REPO / "requirements.lock").read_text().splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = re.fullmatch(r"([a-z0-9-]+)==(\S+) --hash=sha256:[0-9a-f]{64}", line)
+        assert match, line
+        pinned[match.group(1)] = match.group(2)
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    for spec in project["dependencies"] + project["optional-dependencies"]["embed"]:
+        requirement = Requirement(spec)
+        name = re.sub(r"[-_.]+", "-", requirement.name).lower()
+        if name == "torch":  # from PyTorch's index, pinned in pyproject and the Dockerfile
+            assert str(requirement.specifier) == "==2.13.0"
+            assert name not in pinned
+            continue
+        assert name in pinned, f"{name} is not in requirements.lock"
+        assert requirement.specifier.contains(pinned[name]), (spec, pinned[name])
+    for floor in ("python-multipart>=0.0.32", "pypdf>=7.1.1"):  # past their DoS advisories
+        assert floor in project["dependencies"]

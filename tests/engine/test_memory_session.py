@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.memory.projections import Projections
 from engine.memory.session import STRATEGIES, SessionMemory
 from engine.protocol import InvalidRequest, MemorySpec
 
@@ -61,17 +62,24 @@ def test_fifo_capacity_keeps_memory_bounded(strategy):
         assert int(selected.max()) < memory.memory_tokens
 
 
-def test_neurocache_loads_a_projection(tmp_path):
+def test_neurocache_loads_a_projection_by_id(tmp_path):
     model = tiny("llama")
-    path = tmp_path / "wp.pt"
-    torch.save({"weight": torch.randn(8, 64), "mean": torch.zeros(64)}, path)
-    params = dict(SMALL["neurocache"], projection_path=str(path))
-    memory = SessionMemory(model, MemorySpec("neurocache", params))
+    projections = Projections(str(tmp_path), max_bytes=2**20)
+    torch.save({"weight": torch.randn(8, 64), "mean": torch.zeros(64)}, tmp_path / "wp.pt")
+    params = dict(SMALL["neurocache"], projection="wp")
+    memory = SessionMemory(model, MemorySpec("neurocache", params), projections=projections)
     memory.append(torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(9)))
     assert memory._selector.cache.dim == 8
-    torch.save({"weight": torch.randn(4, 64), "mean": torch.zeros(64)}, path)
-    with pytest.raises(InvalidRequest) as e:
+    torch.save({"weight": torch.randn(4, 64), "mean": torch.zeros(64)}, tmp_path / "wp.pt")
+    with pytest.raises(InvalidRequest) as e:  # the file changed: read again, and refused
+        SessionMemory(model, MemorySpec("neurocache", params), projections=projections)
+    assert e.value.param == "memory.projection" and str(tmp_path) not in str(e.value)
+    with pytest.raises(InvalidRequest) as e:  # no directory: no id is known
         SessionMemory(model, MemorySpec("neurocache", params))
+    assert str(e.value) == "unknown projection 'wp'"
+    with pytest.raises(InvalidRequest) as e:  # the old knob is gone
+        path_params = dict(SMALL["neurocache"], projection_path=str(tmp_path / "wp.pt"))
+        SessionMemory(model, MemorySpec("neurocache", path_params), projections=projections)
     assert e.value.param == "memory.projection_path"
 
 

@@ -365,7 +365,7 @@ async def test_health_and_ready(engine: FakeEngine) -> None:
         engine.dead = True
         assert (await http.get("/health")).status_code == 200
         ready = await http.get("/ready")
-        assert ready.status_code == 503 and ready.json()["detail"] == "dead"
+        assert ready.status_code == 503 and ready.json()["detail"] == "engine unavailable"
 
 
 async def test_lifespan_shuts_engine_down(engine: FakeEngine) -> None:
