@@ -147,6 +147,8 @@ def run_serve(args: argparse.Namespace) -> int:
         "max_model_len": settings.max_model_len,
         "max_waiting_requests": settings.max_waiting_requests,
         "max_running_requests": settings.max_running_requests,
+        "max_waiting_requests_per_tenant": settings.max_waiting_requests_per_tenant,
+        "max_running_requests_per_tenant": settings.max_running_requests_per_tenant,
         "session_offload_after_s": settings.session_offload_after_seconds,
         "collection_max_chunks": settings.collection_max_chunks,
         "collection_top_k": settings.collection_top_k,

@@ -53,6 +53,11 @@ class ServerSettings(BaseSettings):
     max_model_len: int | None = Field(default=None, ge=2)
     max_waiting_requests: int = Field(default=64, ge=1)
     max_running_requests: int = Field(default=8, ge=1)
+    # One API key's share of those (engine/scheduler/fair.py): past it that key gets the 429s,
+    # the others are still queued. None: a quarter of the queue, and all running slots but a
+    # quarter (16 and 6 of 64 and 8).
+    max_waiting_requests_per_tenant: int | None = Field(default=None, ge=1)
+    max_running_requests_per_tenant: int | None = Field(default=None, ge=1)
     # Float linears' decode steps as single-row forwards, so that a greedy answer does not
     # depend on other requests there too (int4 steps are so already; docs/decisions/055).
     batch_invariant: bool = False
