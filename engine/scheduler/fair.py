@@ -64,13 +64,17 @@ class FairQueue(Generic[J]):
         queue = self._queues.get(tenant)
         return len(queue) if queue is not None else 0
 
-    def push(self, job: J) -> None:
-        """Queue a job; EngineOverloaded when the queue, or the tenant's share of it, is full."""
+    def push(self, job: J, running: list[J], max_running: int) -> None:
+        """Queue a job; EngineOverloaded when the queue, or the tenant's share of it, is full.
+        Running slots the tenant may take at the next admission count as room too, so a burst
+        is not refused for jobs that are about to start."""
         if self._size >= self.max_waiting:
             raise EngineOverloaded(
                 "The server's request queue is full; retry shortly.", retry_after=1.0
             )
-        if self.waiting_of(job.tenant) >= self.max_waiting_per_tenant:
+        running_of_tenant = sum(1 for j in running if j.tenant == job.tenant)
+        startable = min(max_running - len(running), self.max_running_per_tenant - running_of_tenant)
+        if self.waiting_of(job.tenant) >= self.max_waiting_per_tenant + max(0, startable):
             raise EngineOverloaded(
                 f"This API key already has {self.max_waiting_per_tenant} requests waiting; "
                 "retry shortly.",

@@ -2,15 +2,16 @@
 
 Jobs are iterators: each `next()` is one unit of device work (a prefill or ingest chunk, one
 decode token). The thread admits up to max_running_requests jobs from a bounded waiting queue,
-fairly between tenants (engine/scheduler/fair.py). Each iteration of its loop (vLLM-style) runs one step of one job that cannot batch (a prefill or
-ingest chunk; of the tenant, then the job, least recently stepped, so a long ingestion never
-starves a chat nor one tenant's many reads another's) and
-then ONE batched step of every job whose next step can batch (a decode token, on any path: the
-engine's `can_batch`), through the engine's `run_batch`. With a `decode_share`, a reading step
-of t seconds is followed by batched steps only, for t * share / (1 - share) seconds, so streams
-beside a long read get several tokens per reading chunk instead of one. Jobs that use the same session
-run one at a time, in arrival order. A job's outputs go to its `Collector`, which hands them to
-the asyncio loop with `call_soon_threadsafe`; no torch runs in async code.
+fairly between tenants (engine/scheduler/fair.py). Each iteration of its loop (vLLM-style) runs
+one step of one job that cannot batch (a prefill or ingest chunk; of the tenant, then the job,
+least recently stepped, so a long ingestion never starves a chat nor one tenant's many reads
+another's) and then ONE batched step of every job whose next step can batch (a decode token,
+on any path: the engine's `can_batch`), through the engine's `run_batch`. With a
+`decode_share`, a reading step of t seconds is followed by batched steps only, for
+t * share / (1 - share) seconds, so streams beside a long read get several tokens per reading
+chunk instead of one. Jobs that use the same session run one at a time, in arrival order. A
+job's outputs go to its `Collector`, which hands them to the asyncio loop with
+`call_soon_threadsafe`; no torch runs in async code.
 
 Failures: an exception inside a job's step ends that job only (its consumer gets an EngineError).
 When a batched step fails as a whole, its jobs run that step again one by one, so only the job
@@ -185,7 +186,7 @@ class Worker:
             self.check_alive()
             if job.request_id in self._jobs:
                 raise EngineError(f"request id {job.request_id!r} is already in flight")
-            self._waiting.push(job)
+            self._waiting.push(job, self._running, self.max_running)
             self._jobs[job.request_id] = job
             self._cond.notify()
 

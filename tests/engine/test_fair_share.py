@@ -64,6 +64,25 @@ async def test_a_flooding_tenant_is_refused_while_another_still_gets_in():
         worker.stop()
 
 
+async def test_a_burst_may_fill_the_free_running_slots_and_its_share_of_the_queue():
+    worker = Worker(
+        max_waiting=8, max_running=4, max_waiting_per_tenant=2, max_running_per_tenant=3
+    )
+    gate, loop = Gate(), asyncio.get_running_loop()
+    try:
+        with worker._cond:  # the device thread admits nothing until the burst is in
+            for i in range(5):  # 3 to start at once, 2 to wait
+                worker.submit(_job(gate, loop, f"a{i}", "A"))
+            with pytest.raises(EngineOverloaded):
+                worker.submit(_job(gate, loop, "a5", "A"))
+        wait_until(lambda: len(gate.started) == 3, lambda: str(gate.started))
+        assert worker.num_waiting == 2
+    finally:
+        for i in range(5):
+            gate.release(f"a{i}")
+        worker.stop()
+
+
 async def test_a_freed_slot_goes_to_the_tenant_with_the_fewest_running():
     worker = Worker(max_waiting=16, max_running=2)
     gate, loop = Gate(), asyncio.get_running_loop()
