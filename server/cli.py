@@ -71,6 +71,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-waiting-requests", type=int)
     parser.add_argument("--max-running-requests", type=int)
+    parser.add_argument("--max-waiting-requests-per-tenant", type=int)
+    parser.add_argument("--max-running-requests-per-tenant", type=int)
     parser.add_argument(
         "--memory-store",
         dest="memory_store_url",
@@ -99,6 +101,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         "max_model_len",
         "max_waiting_requests",
         "max_running_requests",
+        "max_waiting_requests_per_tenant",
+        "max_running_requests_per_tenant",
         "memory_store_url",
         "data_dir",
     )
