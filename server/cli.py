@@ -112,6 +112,20 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(**overrides)
 
 
+def tenant_shares(settings: ServerSettings) -> dict[str, int | None]:
+    """Each API key's share of the engine's queue; without keys every request is the one
+    tenant "default", which gets the whole queue (docs/decisions/060)."""
+    waiting = settings.max_waiting_requests_per_tenant
+    running = settings.max_running_requests_per_tenant
+    if not settings.api_keys:
+        waiting = waiting or settings.max_waiting_requests
+        running = running or settings.max_running_requests
+    return {
+        "max_waiting_requests_per_tenant": waiting,
+        "max_running_requests_per_tenant": running,
+    }
+
+
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -151,8 +165,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "max_model_len": settings.max_model_len,
         "max_waiting_requests": settings.max_waiting_requests,
         "max_running_requests": settings.max_running_requests,
-        "max_waiting_requests_per_tenant": settings.max_waiting_requests_per_tenant,
-        "max_running_requests_per_tenant": settings.max_running_requests_per_tenant,
+        **tenant_shares(settings),
         "session_offload_after_s": settings.session_offload_after_seconds,
         "collection_max_chunks": settings.collection_max_chunks,
         "collection_top_k": settings.collection_top_k,

@@ -18,7 +18,8 @@ from typing import Generic, Protocol, TypeVar
 from engine.protocol import EngineOverloaded
 
 ANONYMOUS = ""
-"""The tenant of jobs that name none (the engine used without a server)."""
+"""The tenant of jobs that name none (the engine used without a server): the only tenant
+there, so no share caps it."""
 
 
 class TenantJob(Protocol):
@@ -74,7 +75,8 @@ class FairQueue(Generic[J]):
             )
         running_of_tenant = sum(1 for j in running if j.tenant == job.tenant)
         startable = min(max_running - len(running), self.max_running_per_tenant - running_of_tenant)
-        if self.waiting_of(job.tenant) >= self.max_waiting_per_tenant + max(0, startable):
+        share = self.max_waiting_per_tenant + max(0, startable)
+        if job.tenant != ANONYMOUS and self.waiting_of(job.tenant) >= share:
             raise EngineOverloaded(
                 f"This API key already has {self.max_waiting_per_tenant} requests waiting; "
                 "retry shortly.",
@@ -114,7 +116,7 @@ class FairQueue(Generic[J]):
         best: tuple[int, int] | None = None
         best_job = None
         for tenant, queue in self._queues.items():
-            if per_tenant[tenant] >= self.max_running_per_tenant:
+            if tenant != ANONYMOUS and per_tenant[tenant] >= self.max_running_per_tenant:
                 continue
             job = next((j for j in queue if j.session_id not in busy), None)
             if job is None:

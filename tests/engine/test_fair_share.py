@@ -137,6 +137,22 @@ async def test_a_session_s_jobs_still_run_one_at_a_time_in_order():
         worker.stop()
 
 
+async def test_jobs_of_no_tenant_are_not_capped():
+    worker = Worker(
+        max_waiting=8, max_running=2, max_waiting_per_tenant=1, max_running_per_tenant=1
+    )
+    gate, loop = Gate(), asyncio.get_running_loop()
+    try:
+        for i in range(4):
+            worker.submit(_job(gate, loop, f"j{i}", ""))  # the engine used without a server
+        wait_until(lambda: len(gate.started) == 2, lambda: str(gate.started))
+        assert worker.num_waiting == 2
+    finally:
+        for i in range(4):
+            gate.release(f"j{i}")
+        worker.stop()
+
+
 def test_a_session_id_names_its_tenant():
     assert session_tenant("0123abcd.sess_1") == "0123abcd"
     assert session_tenant("standalone") == "standalone"

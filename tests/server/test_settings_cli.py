@@ -8,7 +8,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from server.cli import build_parser, main, settings_from_args
+from server.cli import build_parser, main, settings_from_args, tenant_shares
 from server.settings import ServerSettings, tenant_of
 
 
@@ -106,3 +106,16 @@ def test_per_tenant_shares_default_to_the_engine_s_fractions() -> None:
     settings = settings_from_args(build_parser().parse_args(["serve"]))
     assert settings.max_running_requests_per_tenant is None
     assert settings.max_waiting_requests_per_tenant is None
+
+
+def test_without_api_keys_the_one_tenant_gets_the_whole_queue() -> None:
+    keyless = settings_from_args(build_parser().parse_args(["serve"]))
+    assert tenant_shares(keyless) == {
+        "max_waiting_requests_per_tenant": 64,
+        "max_running_requests_per_tenant": 8,
+    }
+    keyed = settings_from_args(build_parser().parse_args(["serve", "--api-key", "k"]))
+    assert tenant_shares(keyed) == {
+        "max_waiting_requests_per_tenant": None,  # the engine's defaults: 16 and 6
+        "max_running_requests_per_tenant": None,
+    }
