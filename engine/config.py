@@ -41,6 +41,8 @@ class EngineConfig:
     write-through to it, chunk by chunk (fp16, about 23 KB per token for SmolLM2), so a later
     prompt on any replica imports what it shares with them (engine/caches/prefix_store.py). The store
     keeps those chunks as it keeps uploaded documents'.
+    prefix_store_max_entries_per_tenant: the chunks one tenant's long prompts may write there,
+    counted across replicas in the store's usage ledger; past it they are read, not written.
     linear_dtype: the precision the linear layers keep their weights in and multiply in
     (engine/runner/weights.py). "auto": a GGUF whose linears are Q4_1 (the embedded one), run on the
     CPU, keeps them as the file holds them, i.e. "int4"; anything else keeps the model's dtype
@@ -96,6 +98,7 @@ class EngineConfig:
     text_prior: bool = True
     prefix_cache_bytes: int = 8 * 1024**3
     prefix_cache_store: bool = False
+    prefix_store_max_entries_per_tenant: int = 8192
     max_turn_encoding_bytes: int = 64 * 1024**2
     decode_share: float = 0.25
     linear_dtype: str = "auto"

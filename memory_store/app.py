@@ -28,6 +28,9 @@ Chunk encodings travel as `application/octet-stream` in the chunk wire format
     POST   /v1/sessions/{sid}/larimar/read                {"query", "top_k", "use_prefix"}
     POST   /v1/sessions/{sid}/larimar/save | /load
     GET    /v1/sessions/{sid}/larimar                     {"segments", "slots", "dim"}
+    POST   /v1/usage/{tenant}/claim                       {"item", "amounts", "limits"} -> claim
+    POST   /v1/usage/{tenant}/release                     {"item"} -> {"granted", "totals"}
+    GET    /v1/usage/{tenant}                             {"granted", "totals"}
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from memory_store.errors import (
 from memory_store.larimar import LarimarConfig, LarimarStore
 from memory_store.metrics import MemoryStoreMetrics
 from memory_store.records import RecordStore
-from memory_store.routes import encodings, larimar, records
+from memory_store.routes import encodings, larimar, records, usage
 from memory_store.service import MemoryStoreService, PayloadTooLarge
 from memory_store.settings import MemoryStoreSettings
 
@@ -157,6 +160,7 @@ def build_app(
     app.include_router(encodings.build_router(svc))
     app.include_router(records.build_router(svc))
     app.include_router(larimar.build_router(svc))
+    app.include_router(usage.build_router(svc))
     return app
 
 

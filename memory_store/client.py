@@ -40,6 +40,7 @@ from memory_store.keys import KeySpace
 from memory_store.larimar import LarimarConfig, LarimarHit, split_sentences
 from memory_store.observed import RequestHook
 from memory_store.retry import RetryPolicy
+from memory_store.usage import UsageClaim, prefix_entry_item, stored_bytes
 
 __all__ = [
     "Backend",
@@ -54,13 +55,16 @@ __all__ = [
     "RequestHook",
     "RetryPolicy",
     "TextEncoder",
+    "UsageClaim",
     "bundled_model_path",
     "chain_hash",
     "default_embedder",
     "embedded_client",
     "http_client",
     "in_process_client",
+    "prefix_entry_item",
     "split_sentences",
+    "stored_bytes",
     "wait_until_ready",
 ]
 

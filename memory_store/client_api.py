@@ -14,6 +14,7 @@ import numpy as np
 from memory_store.encodings import ChunkEncoding, ChunkRef, DocumentManifest, Quantization
 from memory_store.larimar import LarimarHit
 from memory_store.observed import RequestHook, observed
+from memory_store.usage import UsageClaim
 
 T = TypeVar("T")
 
@@ -128,6 +129,27 @@ class MemoryStoreClient(ABC):
 
     @abstractmethod
     async def larimar_load(self, session_id: str) -> dict[str, int]: ...
+
+    # The per-tenant usage ledger (memory_store/usage.py) ----------------------------------------
+
+    @abstractmethod
+    async def claim_usage(
+        self,
+        tenant: str,
+        item: str,
+        amounts: Mapping[str, int],
+        limits: Mapping[str, int] | None = None,
+    ) -> UsageClaim:
+        """Set `item`'s amounts in the tenant's ledger unless a growing total would pass its
+        limit (then nothing changes and `refused` names the kind)."""
+
+    @abstractmethod
+    async def release_usage(self, tenant: str, item: str) -> dict[str, int]:
+        """Drop `item` from the tenant's ledger; the totals after."""
+
+    @abstractmethod
+    async def usage(self, tenant: str) -> dict[str, int]:
+        """The tenant's totals per kind (zero kinds left out)."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""

@@ -29,6 +29,7 @@ from memory_store.keys import KeySpace
 from memory_store.larimar import LarimarHit
 from memory_store.observed import RequestHook
 from memory_store.retry import RetryPolicy, retrying
+from memory_store.usage import UsageClaim
 
 
 class _RetryableStatus(Exception):
@@ -276,6 +277,32 @@ class HttpMemoryStoreClient(MemoryStoreClient):
             "larimar_load", "POST", f"/v1/sessions/{session_id}/larimar/load"
         )
         return {k: int(v) for k, v in response.json().items()}
+
+    async def claim_usage(
+        self,
+        tenant: str,
+        item: str,
+        amounts: Mapping[str, int],
+        limits: Mapping[str, int] | None = None,
+    ) -> UsageClaim:
+        KeySpace.usage_tag(tenant)
+        body = {"item": item, "amounts": dict(amounts), "limits": dict(limits or {})}
+        response = await self._request(
+            "claim_usage", "POST", f"/v1/usage/{tenant}/claim", json=body
+        )
+        return UsageClaim.from_json(response.json())
+
+    async def release_usage(self, tenant: str, item: str) -> dict[str, int]:
+        KeySpace.usage_tag(tenant)
+        response = await self._request(
+            "release_usage", "POST", f"/v1/usage/{tenant}/release", json={"item": item}
+        )
+        return UsageClaim.from_json(response.json()).totals
+
+    async def usage(self, tenant: str) -> dict[str, int]:
+        KeySpace.usage_tag(tenant)
+        response = await self._request("usage", "GET", f"/v1/usage/{tenant}")
+        return UsageClaim.from_json(response.json()).totals
 
     async def close(self) -> None:
         await self._client.aclose()

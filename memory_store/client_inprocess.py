@@ -15,6 +15,7 @@ from memory_store.encodings import ChunkEncoding, ChunkRef, DocumentManifest, Qu
 from memory_store.larimar import LarimarConfig, LarimarHit, LarimarStore
 from memory_store.observed import RequestHook
 from memory_store.records import RecordStore
+from memory_store.usage import UsageClaim, UsageLedger
 
 
 class InProcessMemoryStoreClient(MemoryStoreClient):
@@ -36,6 +37,7 @@ class InProcessMemoryStoreClient(MemoryStoreClient):
         self.encodings = EncodingStore(backend)
         self.records = RecordStore(backend)
         self.larimar = LarimarStore(backend, encoder, larimar)
+        self.ledger = UsageLedger(backend)
 
     async def ping(self) -> None:
         await self._observe("ping", self.backend.ping)
@@ -162,6 +164,23 @@ class InProcessMemoryStoreClient(MemoryStoreClient):
             return await self.larimar.info(session_id)
 
         return await self._observe("larimar_load", load)
+
+    async def claim_usage(
+        self,
+        tenant: str,
+        item: str,
+        amounts: Mapping[str, int],
+        limits: Mapping[str, int] | None = None,
+    ) -> UsageClaim:
+        return await self._observe(
+            "claim_usage", lambda: self.ledger.claim(tenant, item, amounts, limits)
+        )
+
+    async def release_usage(self, tenant: str, item: str) -> dict[str, int]:
+        return await self._observe("release_usage", lambda: self.ledger.release(tenant, item))
+
+    async def usage(self, tenant: str) -> dict[str, int]:
+        return await self._observe("usage", lambda: self.ledger.totals(tenant))
 
     async def close(self) -> None:
         await self.backend.close()

@@ -100,6 +100,14 @@ class KeySpace:
         tag = KeySpace.namespace_tag(namespace)
         return Key(tag, KeySpace.BLOB_PREFIX + validate_id(key, "blob key"))
 
+    # Per-tenant usage ledger (memory_store/usage.py): one tag per tenant, so its counters
+    # change in one atomic step on one Redis Cluster slot.
+    USAGE = "usage"
+
+    @staticmethod
+    def usage_tag(tenant: str) -> str:
+        return f"{KeySpace.USAGE}:{validate_id(tenant, 'tenant id')}"
+
 
 REDIS_KEY_PREFIX = "longserve"
 

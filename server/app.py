@@ -60,7 +60,12 @@ def build_app(
         settings=settings,
         metrics=app_metrics,
         sessions=registry,
-        responses=ResponseStore(settings.max_stored_responses, store),
+        responses=ResponseStore(
+            settings.max_stored_responses,
+            store,
+            max_bytes=settings.max_stored_response_bytes_per_tenant,
+            on_totals=app_metrics.tenant_usage,
+        ),
     )
     app.state.sessions = registry
     app.state.memory_store = session_store

@@ -172,6 +172,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "text_prior": settings.text_prior,
         "prefix_cache_bytes": settings.prefix_cache_bytes,
         "prefix_cache_store": settings.prefix_cache_store,
+        "prefix_store_max_entries_per_tenant": settings.max_prefix_store_entries_per_tenant,
         "max_turn_encoding_bytes": settings.max_turn_encoding_bytes,
         "decode_share": settings.decode_share,
         # One store for the engine's encodings and the server's session records: the memory

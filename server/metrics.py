@@ -13,6 +13,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     PlatformCollector,
     ProcessCollector,
@@ -23,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.protocol import EngineStats, RequestStats
+from memory_store.client import stored_bytes
 
 PREFIX = "longserve:"
 
@@ -255,7 +257,16 @@ class Metrics:
             registry=r,
         )
 
-    # --- helpers the serving code calls --------------------------------------------------------
+        # --- helpers the serving code calls --------------------------------------------------------
+
+        # Per tenant, as the memory store's usage ledger last answered this replica
+        # (server/sessions/usage.py, server/serving/response_store.py).
+        self.tenant_stored_bytes = Gauge(
+            f"{PREFIX}tenant_stored_bytes",
+            "Bytes a tenant holds in the memory store (document texts, stored responses).",
+            ["tenant"],
+            registry=r,
+        )
 
     def first_token(self, seconds: float) -> None:
         self.time_to_first_token.observe(seconds)
@@ -305,6 +316,10 @@ class Metrics:
         self.memory_store_requests.labels(op=op, backend=backend, status=status).inc()
         if seconds is not None:
             self.memory_store_request_seconds.labels(op=op, backend=backend).observe(seconds)
+
+    def tenant_usage(self, tenant: str, totals: dict[str, int]) -> None:
+        """The tenant's usage ledger totals, as the store answered them."""
+        self.tenant_stored_bytes.labels(tenant=tenant).set(stored_bytes(totals))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -8,9 +8,31 @@ settings (max n, max tokens, stop list length) are checked in server/serving/, n
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+
+
+def _check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's metadata rules: at most 16 pairs, keys up to 64 chars, values up to 512."""
+    if value is None:
+        return value
+    if len(value) > MAX_METADATA_PAIRS:
+        raise ValueError(f"at most {MAX_METADATA_PAIRS} metadata pairs are allowed")
+    for key, item in value.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise ValueError(f"metadata keys are at most {MAX_METADATA_KEY_CHARS} characters")
+        if len(item) > MAX_METADATA_VALUE_CHARS:
+            raise ValueError(f"metadata values are at most {MAX_METADATA_VALUE_CHARS} characters")
+    return value
+
+
+# `metadata` wherever the API takes it (responses, sessions): strings only, bounded as above.
+Metadata = Annotated[dict[str, str] | None, AfterValidator(_check_metadata)]
 
 
 class OpenAIModel(BaseModel):
@@ -172,7 +194,7 @@ class ResponseCreateRequest(OpenAIModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata = None
     user: str | None = None
 
     # --- longserve extensions -----------------------------------------------------------------

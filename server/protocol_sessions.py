@@ -9,13 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from server.protocol import MemoryRequest, OpenAIModel
-
-MAX_METADATA_PAIRS = 16
-MAX_METADATA_KEY_CHARS = 64
-MAX_METADATA_VALUE_CHARS = 512
+from server.protocol import MemoryRequest, Metadata, OpenAIModel
 
 DocumentStatus = Literal["queued", "ingesting", "ready", "failed"]
 
@@ -23,25 +19,8 @@ DocumentStatus = Literal["queued", "ingesting", "ready", "failed"]
 class SessionCreateRequest(OpenAIModel):
     memory: MemoryRequest | None = None
     ttl_seconds: int | None = Field(default=None, ge=1)
-    metadata: dict[str, str] | None = None
+    metadata: Metadata = None
     collections: list[str] | None = None  # names to attach, as POST .../collections does
-
-    @field_validator("metadata")
-    @classmethod
-    def _check_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        """OpenAI's metadata rules: at most 16 pairs, keys up to 64 chars, values up to 512."""
-        if value is None:
-            return value
-        if len(value) > MAX_METADATA_PAIRS:
-            raise ValueError(f"at most {MAX_METADATA_PAIRS} metadata pairs are allowed")
-        for key, item in value.items():
-            if len(key) > MAX_METADATA_KEY_CHARS:
-                raise ValueError(f"metadata keys are at most {MAX_METADATA_KEY_CHARS} characters")
-            if len(item) > MAX_METADATA_VALUE_CHARS:
-                raise ValueError(
-                    f"metadata values are at most {MAX_METADATA_VALUE_CHARS} characters"
-                )
-        return value
 
 
 class SessionMemoryView(OpenAIModel):

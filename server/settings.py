@@ -71,6 +71,9 @@ class ServerSettings(BaseSettings):
     max_top_logprobs: int = Field(default=20, ge=0, le=20)
     max_schema_bytes: int = Field(default=64 * 1024, ge=2)  # response_format's JSON schema
     max_stored_responses: int = Field(default=1000, ge=0)  # per tenant, /v1/responses
+    # Bytes of stored responses per tenant, every replica's (conversation, output, tools,
+    # metadata as encoded in the store); past it store=true is a 429 (decision 058).
+    max_stored_response_bytes_per_tenant: int = Field(default=64 * 1024**2, ge=0)
 
     # Sessions and their documents (server/sessions/, server/documents.py).
     max_sessions_per_tenant: int = Field(default=32, ge=1)
@@ -117,6 +120,9 @@ class ServerSettings(BaseSettings):
     # documents are written there chunk by chunk (fp16, about 23 KB per token for the embedded
     # model, kept as uploaded documents are), and a prompt on any replica imports its prefix.
     prefix_cache_store: bool = False
+    # ... at most this many chunks per tenant, every replica's (about 4M tokens at 512-token
+    # chunks, the memory-token budget); past it long prompts are read, not written (058).
+    max_prefix_store_entries_per_tenant: int = Field(default=8192, ge=0)
     # A session turn's encodings are stored up to this size (about 46 KB per token for the
     # embedded model), so a restore needs no forward; a larger turn is stored as its tokens.
     max_turn_encoding_bytes: int = Field(default=64 * 1024**2, ge=0)

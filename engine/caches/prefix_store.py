@@ -13,6 +13,10 @@ memory configuration, reading unit, scope): tenants never share a stored memory.
 
 A store failure never fails the request: a lookup that fails reads from where it got, a write
 that fails stops this request's writes. Device thread only, except `stats`.
+
+Bounded per tenant (the scope): each chunk written is an entry in the tenant's usage ledger
+(memory_store/usage.py, `prefix_entries`, item `prefix_entry_item`), claimed before the chunk
+is put; past `max_entries` the request's writes stop, and it is answered all the same.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 
 from engine.caches.store import StoreBridge, session_fingerprint
 from engine.protocol import StoreUnavailableError
-from memory_store.client import ChunkEncoding, chain_hash
+from memory_store.client import ChunkEncoding, chain_hash, prefix_entry_item
 from memory_store.errors import NotFound
 
 if TYPE_CHECKING:
@@ -51,9 +55,12 @@ class PrefixStoreStats:
 
 
 class PrefixStore:
-    def __init__(self, bridge: StoreBridge, model_fingerprint: str) -> None:
+    def __init__(
+        self, bridge: StoreBridge, model_fingerprint: str, max_entries: int = 8192
+    ) -> None:
         self._bridge = bridge
         self._model_fingerprint = model_fingerprint
+        self.max_entries = max_entries  # per tenant (scope), across replicas
         self._hits = self._imported = self._written = self._failures = 0
         self._lock = threading.Lock()  # _written and _failures change on the bridge's loop too
 
@@ -82,7 +89,7 @@ class PrefixStore:
             return start, None
         where = self.fingerprint(memory, scope, unit)
         done = yield from self.restore(memory, ids, start, document_end, unit, where)
-        return done, (unit, ChunkWriter(self, where))
+        return done, (unit, ChunkWriter(self, where, scope))
 
     def restore(
         self,
@@ -142,26 +149,44 @@ class ChunkWriter:
     waiting for them (at most IN_FLIGHT at once: then it waits for the oldest; `flush` waits
     for all); after a failure it puts nothing more (the chain would have a hole)."""
 
-    def __init__(self, store: PrefixStore, fingerprint: str) -> None:
+    def __init__(self, store: PrefixStore, fingerprint: str, scope: str | None = None) -> None:
         self._store = store
         self._fingerprint = fingerprint
+        self._scope = scope
         self._puts: deque[Future[bool]] = deque()
         self._broken = False
+        self._full = False  # the tenant's entries are at max_entries: write no more
         self._ended: set[Future[bool]] = set()  # puts already counted
 
     def __call__(self, h: str, encoding: ChunkEncoding) -> None:
         bridge = self._store._bridge
         while self._puts and (self._puts[0].done() or len(self._puts) >= IN_FLIGHT):
             self._settle(self._puts.popleft())
-        if self._broken:
+        if self._broken or self._full:
             return
         try:
-            put = bridge.submit(partial(bridge.client.put_chunk, self._fingerprint, h, encoding))
+            put = bridge.submit(partial(self._put, h, encoding))
         except StoreUnavailableError as e:
             self._fail(e)
             return
         put.add_done_callback(self._end)
         self._puts.append(put)
+
+    async def _put(self, h: str, encoding: ChunkEncoding) -> bool:
+        """On the bridge's loop: count the entry in the tenant's ledger, then put the chunk.
+        False, and no more writes, when the tenant is at max_entries."""
+        client = self._store._bridge.client
+        if self._scope is not None:
+            claim = await client.claim_usage(
+                self._scope,
+                prefix_entry_item(self._fingerprint, h),
+                {"prefix_entries": 1},
+                {"prefix_entries": self._store.max_entries},
+            )
+            if not claim.granted:
+                self._full = True
+                return False
+        return await client.put_chunk(self._fingerprint, h, encoding)
 
     def flush(self) -> None:
         """Wait for every put still in flight (the document is read)."""

@@ -83,7 +83,7 @@ class FrameBackend:
         )
         self.prefixes = PrefixCache(config.prefix_cache_bytes)  # long prompts' reused memories
         self.prefix_store = (  # ... and the same through the memory store, for every replica
-            PrefixStore(store, model_fingerprint)
+            PrefixStore(store, model_fingerprint, config.prefix_store_max_entries_per_tenant)
             if store is not None and config.prefix_cache_store
             else None
         )

@@ -7,9 +7,12 @@ directory), so the store survives a crash mid-write and needs no server.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
+import json
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -183,3 +186,28 @@ class EmbeddedBackend(Backend):
                 raise StoreUnavailableError(f"data directory {self.root} is not writable")
 
         await self._run(check)
+
+    # For other modules' atomic steps (memory_store/usage.py) -----------------------------------
+
+    _update_lock = threading.Lock()  # threads of this process; flock keeps other processes out
+
+    async def update_json(self, tag: str, name: str, change: Callable[[dict[str, Any]], T]) -> T:
+        """Read the JSON object in file `name` of `tag`'s directory ({} when absent), let
+        `change` edit it in place, write it back atomically; one update at a time per data
+        directory, across threads and processes. Returns what `change` returned."""
+        directory = self._dir(tag)
+
+        def update() -> T:
+            directory.mkdir(parents=True, exist_ok=True)
+            path = directory / name
+            with self._update_lock, open(self.root / ".update.lock", "a+b") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                try:
+                    state = json.loads(self._read(path)) if path.is_file() else {}
+                    result = change(state)
+                    self._write_atomic(path, json.dumps(state, separators=(",", ":")).encode())
+                    return result
+                finally:
+                    fcntl.flock(lock, fcntl.LOCK_UN)
+
+        return await self._run(update)

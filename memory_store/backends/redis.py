@@ -277,3 +277,15 @@ class RedisBackend(Backend):
 
     async def close(self) -> None:
         await self._redis.close()
+
+    # For other modules' atomic steps (memory_store/usage.py) -----------------------------------
+
+    async def run_script(self, what: str, script: str, keys: list[str], args: list[Any]) -> Any:
+        """Run a Lua `script` on the primary of `keys[0]`'s slot (every key in one hash tag),
+        acknowledged as every write is (WAIT), retried as every call is."""
+
+        async def run() -> Any:
+            [result] = await self._write(keys[0], ("EVAL", script, len(keys), *keys, *args))
+            return result
+
+        return await self._do(what, run)

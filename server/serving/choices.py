@@ -122,7 +122,7 @@ class ChoiceStreams:
         store tells the server of it); its turns are counted, stored and budgeted."""
         streams = cls(ctx, jobs, session_id, memory, tenant, session, ctx.sessions.clock())
         started = time.perf_counter()
-        room = ctx.sessions.memory_room(session.tenant) if session is not None else None
+        room = await ctx.sessions.memory_room(session.tenant) if session is not None else None
         iterators: list[AsyncIterator[GenerationDelta]] = []
         try:
             for job in jobs:

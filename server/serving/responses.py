@@ -36,7 +36,7 @@ from server.serving.chat import chat_gather, chat_jobs
 from server.serving.checks import check_model, check_prompt_length
 from server.serving.choices import ChoiceStreams, UsageCounter
 from server.serving.context import ServingContext
-from server.serving.response_store import StoredResponse
+from server.serving.response_store import StoredResponse, encoded_size
 from server.serving.tools import ToolStream, plan_tools
 
 
@@ -60,6 +60,9 @@ async def create_response(
     jobs = chat_jobs(ctx, chat, response_id, tools)
     chars = sum(len(m.text()) for m in chat.messages)
     await check_prompt_length(ctx, jobs[0].prompt, chars, "input")
+    if body.store is not False:
+        conversation = {"messages": [m.model_dump() for m in [*history, *new]]}
+        await ctx.responses.check_room(tenant, encoded_size(conversation))
     base = response_base(body, response_id, model)
 
     async def keep(done: dict[str, Any], answer: ChatMessage) -> None:

@@ -12,6 +12,7 @@ from engine.protocol import EngineClient
 from server.errors import session_not_found
 from server.sessions.models import Session
 from server.sessions.records import SessionStore
+from server.sessions.usage import SessionUsage
 from server.settings import ServerSettings
 
 Lookup = Callable[[str, str], Awaitable[Session]]  # (tenant, session id): held or restored
@@ -21,12 +22,14 @@ Remove = Callable[[Session, str], Awaitable[None]]  # forget here, with the reas
 
 @dataclass(frozen=True)
 class SessionServices:
-    """The engine, the settings, the store (None: sessions live here only) and the clock."""
+    """The engine, the settings, the store (None: sessions live here only), the clock and
+    the tenants' usage ledger (usage.py)."""
 
     engine: EngineClient
     settings: ServerSettings
     store: SessionStore | None
     clock: Callable[[], float]
+    usage: SessionUsage
 
 
 class HeldSessions:

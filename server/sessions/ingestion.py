@@ -63,6 +63,8 @@ class DocumentIngestion:
         as it was."""
         services = self.services
         self._check_room(await self._lookup(tenant, session_id), 0)
+        ledger = await services.usage.totals(tenant)  # the tenant's other replicas
+        self._check_room(self._held.get(tenant, session_id), 0, ledger)
         extracted = await self._reader.read(upload, tenant)
         session = self._held.get(tenant, session_id)  # it may have gone while we read
         size = len(extracted.text.encode("utf-8", "surrogatepass"))
@@ -90,11 +92,14 @@ class DocumentIngestion:
             name=f"ingest-{doc.id}",
         )
         self._touch(session)
+        await services.usage.update(session)
         return doc
 
-    def _check_room(self, session: Session, size_bytes: int) -> None:
+    def _check_room(
+        self, session: Session, size_bytes: int, ledger: dict[str, int] | None = None
+    ) -> None:
         tenant_sessions = self._held.of(session.tenant)
-        check_document_room(self.services.settings, session, tenant_sessions, size_bytes)
+        check_document_room(self.services.settings, session, tenant_sessions, size_bytes, ledger)
 
     async def ingest(
         self, session: Session, doc: Document, previous: asyncio.Task[None] | None
@@ -110,11 +115,15 @@ class DocumentIngestion:
             iterator = services.engine.ingest(f"ingest-{doc.id}", session.engine_id, doc.text)
             last = None
             durable = True
+            reserved = False
             try:
                 async for progress in iterator:
                     last = progress
                     doc.update(tokens_total=progress.tokens_total, tokens_done=progress.tokens_done)
                     check_memory_budget(services.settings, doc, self._held.of(session.tenant))
+                    if not reserved and doc.tokens_total is not None:
+                        reserved = True
+                        await self._reserve(session, doc.tokens_total - doc.tokens_done)
                     if progress.done:
                         break
             except StoreUnavailableError as exc:
@@ -132,6 +141,7 @@ class DocumentIngestion:
             doc.saved = durable
             doc.update(status="ready", text=None)
             self._touch(session)
+            await services.usage.update(session)
         except asyncio.CancelledError:
             doc.update(status="failed", error=doc.error or "Ingestion was cancelled.", text=None)
             raise
@@ -140,11 +150,21 @@ class DocumentIngestion:
             logger.info("ingesting %s into %s failed: %s", doc.id, session.engine_id, message)
             doc.update(status="failed", error=message, text=None)
             await self._save_failed(session, doc)
+            await services.usage.update(session)  # its reservation given back
         finally:
             aclose = getattr(iterator, "aclose", None)
             if aclose is not None:
                 with contextlib.suppress(Exception):
                     await aclose()
+
+    async def _reserve(self, session: Session, tokens: int) -> None:
+        """Count the whole document's `tokens` in the tenant's ledger before they are read:
+        memory_limit (the document fails) past the budget of every replica. A ledger that
+        cannot answer leaves the local check alone, as a store that is down leaves the read."""
+        try:
+            await self.services.usage.claim(session, tokens)
+        except StoreError as exc:
+            logger.info("document of session %s not counted in the ledger: %s", session.id, exc)
 
     def count_ingest(self, progress: IngestProgress) -> None:
         """ingest_tokens_total counts what the model ran over, not what the store gave back."""

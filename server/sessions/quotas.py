@@ -1,7 +1,12 @@
 """Per-tenant and per-session limits, checked before anything changes: each raises a 429
-`limit_reached` APIError (its code names the limit) and leaves the sessions as they were."""
+`limit_reached` APIError (its code names the limit) and leaves the sessions as they were.
+
+Tenant-wide figures are the larger of this replica's view and the memory store's usage
+ledger (`ledger`, usage.py), so a tenant's other replicas count too."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from server.errors import limit_reached
 from server.sessions.models import Document, Session
@@ -23,16 +28,21 @@ def check_session_count(settings: ServerSettings, held: int) -> None:
 
 
 def check_document_room(
-    settings: ServerSettings, session: Session, tenant_sessions: list[Session], size_bytes: int
+    settings: ServerSettings,
+    session: Session,
+    tenant_sessions: list[Session],
+    size_bytes: int,
+    ledger: Mapping[str, int] | None = None,
 ) -> None:
-    """Room for one more document of `size_bytes` in `session`, among the tenant's sessions."""
+    """Room for one more document of `size_bytes` in `session`, among the tenant's sessions
+    (those of every replica, by the `ledger`'s totals)."""
     if len(session.documents) >= settings.max_documents_per_session:
         raise limit_reached(
             "document_limit",
             f"The session already holds {settings.max_documents_per_session} documents, "
             "the most allowed; start a new session.",
         )
-    used = memory_tokens(tenant_sessions)
+    used = max(memory_tokens(tenant_sessions), (ledger or {}).get("memory_tokens", 0))
     if used >= settings.max_memory_tokens_per_tenant:
         raise limit_reached(
             "memory_limit",

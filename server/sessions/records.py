@@ -341,9 +341,11 @@ class SessionStore:
     async def delete(self, tenant: str, session_id: str) -> None:
         """The session's records, texts and manifests, then its index entry (the records
         first: once they are gone no replica restores or lists the session, whatever
-        remains)."""
+        remains), then its count in the tenant's usage ledger. Every path that deletes a
+        stored session (DELETE, expiry, a sweep) goes through here."""
         await self.client.delete_session(tenant_session_id(tenant, session_id))
         await self.client.delete_record(self._index(tenant), session_id)
+        await self.client.release_usage(tenant, session_id)
 
     async def close(self) -> None:
         await self.client.close()

@@ -32,6 +32,7 @@ from server.sessions.records import SessionStore
 from server.sessions.restore import SessionRestorer
 from server.sessions.sweeper import SessionSweeper
 from server.sessions.turns import memory_room, record_turns, stale
+from server.sessions.usage import SessionUsage
 from server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,8 @@ class SessionRegistry:
         )
         # the helpers get the services and the table, never the registry; the clock is read
         # through it at each call (a test may replace it)
-        services = SessionServices(engine, settings, store, lambda: self.clock())
+        self.usage = SessionUsage(store, settings, metrics.tenant_usage)
+        services = SessionServices(engine, settings, store, lambda: self.clock(), self.usage)
         self._held = HeldSessions()
         self.documents = DocumentIngestion(
             services, self._held, metrics, self.reader, self.lookup, self.touch
@@ -111,13 +113,22 @@ class SessionRegistry:
             self.store, self._held, tenant, self.view, self.remove, self.clock
         )
 
-    def memory_room(self, tenant: str) -> int:
-        """How many tokens the tenant's sessions may still add to their memories."""
-        return memory_room(self.settings.max_memory_tokens_per_tenant, self.sessions(tenant))
+    async def memory_room(self, tenant: str) -> int:
+        """How many tokens the tenant's sessions, on every replica, may still add to their
+        memories (this replica's count alone when the ledger cannot answer)."""
+        room = memory_room(self.settings.max_memory_tokens_per_tenant, self.sessions(tenant))
+        try:
+            ledger = await self.usage.totals(tenant)
+        except StoreError:
+            return room
+        return min(
+            room, self.settings.max_memory_tokens_per_tenant - ledger.get("memory_tokens", 0)
+        )
 
     async def record_turns(self, session: Session, turns: Sequence[SessionTurn], at: float) -> None:
         """Count and store the turns a finished request carried out (turns.py)."""
         await record_turns(self.store, self.remove, session, turns, at)
+        await self.usage.update(session)  # its turns' tokens, for every replica's budget
 
     # --- finding ------------------------------------------------------------------
 
@@ -152,7 +163,8 @@ class SessionRegistry:
                 f"ttl_seconds must be at most {settings.max_session_ttl_seconds}, got {ttl}.",
                 param="ttl_seconds",
             )
-        check_session_count(settings, len(self.sessions(tenant)) + self._creating[tenant])
+        if self.store is None:  # else the ledger counts every replica's (a held copy may be stale)
+            check_session_count(settings, len(self.sessions(tenant)) + self._creating[tenant])
         memory = (
             MemorySpec(strategy=body.memory.strategy, params=body.memory.knobs())
             if body.memory
@@ -169,6 +181,7 @@ class SessionRegistry:
             last_used=now,
         )
         names = self.collections.check_names(body.collections or [], "collections[{i}]")
+        await self.usage.claim(session)  # the tenant's sessions on every replica (429)
         self._creating[tenant] += 1
         # Shielded: once the engine holds the memory, the session is registered (and so swept
         # when its TTL passes) even if the client has gone away meanwhile.
@@ -196,6 +209,10 @@ class SessionRegistry:
                         await self.engine.drop_session(session.engine_id)
                     raise
                 session.saved_last_used = session.last_used
+        except BaseException:
+            with contextlib.suppress(StoreError):  # a refused create leaves no count behind
+                await self.usage.release(session.tenant, session.id)
+            raise
         finally:
             self._creating[session.tenant] -= 1
         self.hold(session)

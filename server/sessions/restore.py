@@ -115,6 +115,14 @@ class SessionRestorer:
                 texts[doc.id] = await store.load_text(tenant, session_id, doc.id)
             except NotFound:
                 doc.update(status="failed", error="The document's text is no longer stored.")
+                continue
+            doc.size_bytes = len(texts[doc.id].encode("utf-8", "surrogatepass"))
+        # Within the tenant's limits across replicas before the engine holds anything: a
+        # session already counted is granted as it is, one the ledger lacks must fit (429).
+        ready = [d for d in record.documents if d.status == "ready"]
+        restored_tokens = sum(d.tokens or 0 for d in ready)
+        restored_tokens += record.turns[-1].turn.turn_tokens if record.turns else 0
+        await services.usage.claim(session, restored_tokens)
         await services.engine.create_session(session.engine_id, memory)
         # Ready documents, attached collections and turns, in the order they filled the memory.
         events: list[tuple[float, DocumentRecord | CollectionRecord | TurnRecord]] = [

@@ -53,6 +53,14 @@ class Replica:
         assert match, f"{name} not in /metrics"
         return float(match.group(1))
 
+    async def metric_labeled(self, name: str, key: str = API_KEY) -> float:
+        """A per-tenant series, for `key`'s tenant."""
+        text = (await self.http.get("/metrics")).text
+        series = rf'^{re.escape(name)}{{tenant="{tenant_of(key)}"}} (\S+)$'
+        match = re.search(series, text, re.M)
+        assert match, f"{name} for the tenant not in /metrics"
+        return float(match.group(1))
+
     async def chat(self, session_id: str, key: str = API_KEY) -> httpx.Response:
         return await self.http.post(
             "/v1/chat/completions",
@@ -328,8 +336,8 @@ async def test_redis_down_then_back(memory_service: MemoryService) -> None:
         assert ready.status_code == 503 and "memory store" in ready.json()["detail"]
         assert (await r.http.get("/health")).status_code == 200
         assert (
-            await r.metric(
-                'longserve:memory_store_requests_total{backend="http",op="put_record",'
+            await r.metric(  # the create's first store call: its count in the ledger
+                'longserve:memory_store_requests_total{backend="http",op="claim_usage",'
                 'status="unavailable"}'
             )
             >= 1
