@@ -72,30 +72,43 @@ async def _stream(http: httpx.AsyncClient, max_tokens: int) -> tuple[int, float,
 Outcome = tuple[int, float, float]
 
 
-async def _scenario(base: str) -> tuple[list[float], list[Outcome], list[Outcome]]:
-    """The honest key's TTFTs alone; then, under the flood, its outcomes and the flood's."""
+async def _beside(
+    flooder: httpx.AsyncClient, honest: httpx.AsyncClient, requests: int
+) -> tuple[list[Outcome], list[Outcome]]:
+    """The honest key's 3 requests, one after another, while the other key has `requests`
+    streams going; (the honest key's outcomes, the other key's)."""
+    others = [asyncio.create_task(_stream(flooder, ANSWER_TOKENS)) for _ in range(requests)]
+    await asyncio.sleep(1.0)  # they are queued and running
+    honest_outcomes = [await _stream(honest, 8) for _ in range(3)]
+    return honest_outcomes, list(await asyncio.gather(*others))
+
+
+async def _scenario(base: str) -> tuple[list[float], list[Outcome], list[Outcome], list[Outcome]]:
+    """The honest key's TTFTs alone; its outcomes beside the other key's running share (3
+    streams); then beside a flood, with the flood's outcomes."""
     async with _client(base, FLOODER) as flooder, _client(base, HONEST) as honest:
         alone = [(await _stream(honest, 8))[1] for _ in range(3)]
-        flood = [asyncio.create_task(_stream(flooder, ANSWER_TOKENS)) for _ in range(FLOOD)]
-        await asyncio.sleep(1.0)  # the flood is queued and running
-        during = [await _stream(honest, 8) for _ in range(3)]
-        flooded = await asyncio.gather(*flood)
-    return alone, during, list(flooded)
+        beside, _ = await _beside(flooder, honest, 3)
+        during, flooded = await _beside(flooder, honest, FLOOD)
+    return alone, beside, during, flooded
 
 
 @pytest.mark.timeout(1200)  # a model load on a shared CPU
 def test_a_flooding_key_gets_the_429s_and_the_other_key_is_served(two_key_server):
-    alone, during, flooded = asyncio.run(_scenario(two_key_server.base_url))
+    alone, beside, during, flooded = asyncio.run(_scenario(two_key_server.base_url))
     flood_statuses = [status for status, _, _ in flooded]
     print(
         f"honest TTFT alone {[round(t, 3) for t in alone]} s, "
-        f"under the flood {[round(t, 3) for _, t, _ in during]} s; "
+        f"beside 3 streams of the other key {[round(t, 3) for _, t, _ in beside]} s, "
+        f"under its flood {[round(t, 3) for _, t, _ in during]} s; "
         f"flood: {flood_statuses.count(200)} answered, {flood_statuses.count(429)} refused"
     )
-    assert [status for status, _, _ in during] == [200] * 3, during
+    assert [status for status, _, _ in beside + during] == [200] * 6, (beside, during)
     # the flooding key holds at most 3 running and 2 waiting; the rest of its flood is refused
     assert flood_statuses.count(429) >= FLOOD - 5 - 3, flood_statuses
     assert set(flood_statuses) <= {200, 429}, flood_statuses
-    # the honest key's first token does not wait for the flood's answers: a generous bound
+    # The flood costs the honest key no more than the other key's running share does (the
+    # device is shared either way): a generous bound, this machine's load varies by seconds.
+    worst_beside = max(t for _, t, _ in beside)
     worst_during = max(t for _, t, _ in during)
-    assert worst_during < max(5 * max(alone), 3.0), (alone, during)
+    assert worst_during < 3 * worst_beside + 2.0, (alone, beside, during)
