@@ -128,7 +128,8 @@ async def harness(base: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def serve_args(args: argparse.Namespace) -> list[str]:
     out = ["--max-model-len", str(args.max_model_len), *model_args(args)]
-    out += ["--max-running-requests", str(max(args.clients, 2))]
+    running = str(max(args.clients, 2))  # one API key per round: its share is every slot
+    out += ["--max-running-requests", running, "--max-running-requests-per-tenant", running]
     for key in api_keys(args.rounds):
         out += ["--api-key", key]
     return out

@@ -155,12 +155,12 @@ def summarize(
 
 
 def serve_args(args: argparse.Namespace) -> list[str]:
+    """One API key drives the load: its shares are the whole queue (docs/decisions/060)."""
     most = max(args.concurrency)
+    running, waiting = str(max(args.max_running_requests or 0, most)), str(max(64, most))
     return [
-        "--max-running-requests",
-        str(max(args.max_running_requests or 0, most)),
-        "--max-waiting-requests",
-        str(max(64, most)),
+        *("--max-running-requests", running, "--max-running-requests-per-tenant", running),
+        *("--max-waiting-requests", waiting, "--max-waiting-requests-per-tenant", waiting),
         *model_args(args),
     ]
 

@@ -129,7 +129,11 @@ async def run(args: argparse.Namespace) -> None:
     import openai
 
     most = max(args.concurrency)
-    serve_args = ["--max-running-requests", str(max(most, 2) + 1), *model_args(args)]
+    running = str(max(most, 2) + 1)  # one API key: its share is every slot
+    serve_args = [
+        *("--max-running-requests", running, "--max-running-requests-per-tenant", running),
+        *model_args(args),
+    ]
     docs = documents(args, args.sessions, args.doc_tokens)
     long_doc = documents(args, 1, args.read_tokens)[0] if args.read_tokens else ""
     with served(args.base_url, serve_args=serve_args, ready_timeout=args.ready_timeout) as base:

@@ -123,6 +123,8 @@ class LocalEngine:
             housekeeping=self._offload_idle_sessions if offload_after > 0 else None,
             housekeeping_interval_s=min(max(offload_after / 4, 0.01), 10.0),
             decode_share=self.config.decode_share,
+            max_waiting_per_tenant=self.config.waiting_per_tenant,
+            max_running_per_tenant=self.config.running_per_tenant,
         )
         self._frame_backend = FrameBackend(
             self.loaded.model,
@@ -201,7 +203,8 @@ class LocalEngine:
         queued_at = time.perf_counter()
         if total <= self.loaded.max_model_len:
             steps = self._kv_steps(prompt_ids, sampling, queued_at)
-            return submit(self._worker, request_id, steps, None, aborted_delta(len(prompt_ids)))
+            on_abort = aborted_delta(len(prompt_ids))
+            return submit(self._worker, request_id, steps, None, on_abort, tenant=tenant)
         check_memory_cap(total, self.config.max_memory_tokens)
         spec = memory or MemorySpec(strategy=self.config.memory_strategy)
         return self._backend_for(spec).generate_ephemeral(

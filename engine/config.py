@@ -68,6 +68,11 @@ class EngineConfig:
     the linears multiply with torch's GEMM, whose rounding depends on the number of rows.
     Under the int4 kernels (rows never mix) a step always runs as forwards of at most 8 rows,
     invariant and faster past 8 than one GEMM forward (docs/decisions/055).
+    max_waiting_requests_per_tenant / max_running_requests_per_tenant: one tenant's share of
+    the waiting queue and of the running slots (engine/scheduler/fair.py): past it, that
+    tenant's next request is refused (429) while the others' are still queued; running slots
+    go to the tenant with the fewest running first. None: a quarter of max_waiting_requests,
+    and all running slots but a quarter of them (docs/decisions/060).
     max_turn_encoding_bytes: a session turn's encodings go to the memory store up to this size
     (about 46 KB per token for SmolLM2 in fp32); a larger turn is stored as its tokens, which
     a restore reads again.
@@ -82,6 +87,8 @@ class EngineConfig:
     dtype: str = "auto"
     max_waiting_requests: int = 64
     max_running_requests: int = 8
+    max_waiting_requests_per_tenant: int | None = None
+    max_running_requests_per_tenant: int | None = None
     max_model_len: int | None = None
     max_memory_tokens: int = 2_000_000
     memory_strategy: str = "segments"
@@ -132,6 +139,12 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("max_waiting_requests_per_tenant", "max_running_requests_per_tenant"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         if self.max_model_len is not None and (
             not isinstance(self.max_model_len, int) or self.max_model_len < 2
         ):
@@ -170,3 +183,17 @@ class EngineConfig:
             raise ValueError("max_projection_bytes must be a positive integer")
         if not self.session_offload_after_s >= 0:
             raise ValueError("session_offload_after_s must be >= 0 (0 never offloads)")
+
+    @property
+    def waiting_per_tenant(self) -> int:
+        """One tenant's share of the waiting queue."""
+        if self.max_waiting_requests_per_tenant is not None:
+            return min(self.max_waiting_requests_per_tenant, self.max_waiting_requests)
+        return max(1, self.max_waiting_requests // 4)
+
+    @property
+    def running_per_tenant(self) -> int:
+        """One tenant's share of the running slots."""
+        if self.max_running_requests_per_tenant is not None:
+            return min(self.max_running_requests_per_tenant, self.max_running_requests)
+        return max(1, self.max_running_requests - self.max_running_requests // 4)

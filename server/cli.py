@@ -71,6 +71,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-waiting-requests", type=int)
     parser.add_argument("--max-running-requests", type=int)
+    parser.add_argument("--max-waiting-requests-per-tenant", type=int)
+    parser.add_argument("--max-running-requests-per-tenant", type=int)
     parser.add_argument(
         "--memory-store",
         dest="memory_store_url",
@@ -103,6 +105,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         "max_model_len",
         "max_waiting_requests",
         "max_running_requests",
+        "max_waiting_requests_per_tenant",
+        "max_running_requests_per_tenant",
         "memory_store_url",
         "data_dir",
         "projection_dir",
@@ -111,6 +115,20 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         name: getattr(args, name) for name in fields if getattr(args, name, None) is not None
     }
     return ServerSettings(**overrides)
+
+
+def tenant_shares(settings: ServerSettings) -> dict[str, int | None]:
+    """Each API key's share of the engine's queue; without keys every request is the one
+    tenant "default", which gets the whole queue (docs/decisions/060)."""
+    waiting = settings.max_waiting_requests_per_tenant
+    running = settings.max_running_requests_per_tenant
+    if not settings.api_keys:
+        waiting = waiting or settings.max_waiting_requests
+        running = running or settings.max_running_requests
+    return {
+        "max_waiting_requests_per_tenant": waiting,
+        "max_running_requests_per_tenant": running,
+    }
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -152,6 +170,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "max_model_len": settings.max_model_len,
         "max_waiting_requests": settings.max_waiting_requests,
         "max_running_requests": settings.max_running_requests,
+        **tenant_shares(settings),
         "session_offload_after_s": settings.session_offload_after_seconds,
         "collection_max_chunks": settings.collection_max_chunks,
         "collection_top_k": settings.collection_top_k,

@@ -5,20 +5,18 @@ The type comes from the declared content type, else (missing or generic) from th
 extension. Text and Markdown are kept as they are; HTML loses its markup (script and style
 dropped); PDF text comes from pypdf. Every failure is an APIError in OpenAI's shape, raised
 before anything is stored: 415 unsupported type, 400 bad encoding / unreadable / empty, 413 too
-large (bytes, pages, extracted characters, or extraction time).
+large (bytes, pages, extracted characters), 422 over the time limit.
 
-Extraction is CPU-bound and runs in worker threads, at most a few at once. A thread cannot be
-killed, so the time cap is enforced twice: the request stops waiting at the deadline, and the
-PDF loop checks the same deadline between pages. pypdf itself caps each decompressed stream
+Extraction is CPU-bound and runs in a worker process per upload (server/extraction.py), killed
+past its CPU or wall-clock limit; the PDF loop also checks the deadline between pages, to stop
+with the page count's error rather than a kill. pypdf itself caps each decompressed stream
 (pypdf.filters.ZLIB_MAX_OUTPUT_LENGTH and friends), which is what defuses zip-bomb streams.
 """
 
 from __future__ import annotations
 
-import asyncio
 import codecs
 import io
-import logging
 import posixpath
 import re
 import time
@@ -29,14 +27,13 @@ from typing import Literal
 
 from server.errors import (
     APIError,
+    document_extraction_timeout,
     document_too_large,
     empty_document,
     invalid_document,
     invalid_encoding,
     unsupported_media_type,
 )
-
-logger = logging.getLogger(__name__)
 
 DocumentKind = Literal["text", "markdown", "html", "pdf"]
 
@@ -64,7 +61,6 @@ GENERIC_CONTENT_TYPES = {"", "application/octet-stream", "binary/octet-stream"}
 
 MAX_NAME_CHARS = 255
 DEFAULT_NAME = "untitled"
-MAX_CONCURRENT_EXTRACTIONS = 2
 
 
 @dataclass(frozen=True)
@@ -258,7 +254,8 @@ def pdf_to_text(data: bytes, limits: DocumentLimits, deadline: float) -> str:
 
 
 def extract_text(upload: Upload, limits: DocumentLimits, deadline: float) -> DocumentText:
-    """The text of an upload, or an APIError. Synchronous: run it in a thread."""
+    """The text of an upload, or an APIError. Synchronous: server/extraction.py runs it in a
+    worker process."""
     if upload.text is not None:
         name = sanitize_name(upload.name)
         kind: DocumentKind = "text"
@@ -304,35 +301,4 @@ def _expands_too_far() -> APIError:
 
 
 def _too_slow(limits: DocumentLimits) -> APIError:
-    return document_too_large(
-        f"Reading the document took longer than {limits.timeout_seconds:g} seconds."
-    )
-
-
-class DocumentReader:
-    """Runs extract_text in worker threads, a few at a time, under the time cap."""
-
-    def __init__(
-        self, limits: DocumentLimits, max_concurrent: int = MAX_CONCURRENT_EXTRACTIONS
-    ) -> None:
-        self.limits = limits
-        self._slots = asyncio.Semaphore(max_concurrent)
-
-    async def read(self, upload: Upload) -> DocumentText:
-        if upload.text is not None and len(upload.text) < 65536:
-            return extract_text(upload, self.limits, time.monotonic() + self.limits.timeout_seconds)
-        await self._slots.acquire()
-        deadline = time.monotonic() + self.limits.timeout_seconds
-        work = asyncio.ensure_future(asyncio.to_thread(extract_text, upload, self.limits, deadline))
-        # The slot is held until the thread really ends, even after the caller gave up on it.
-        work.add_done_callback(self._release)
-        try:
-            return await asyncio.wait_for(asyncio.shield(work), self.limits.timeout_seconds)
-        except TimeoutError:
-            logger.warning("document extraction passed %.1fs", self.limits.timeout_seconds)
-            raise _too_slow(self.limits) from None
-
-    def _release(self, work: asyncio.Future[DocumentText]) -> None:
-        self._slots.release()
-        if not work.cancelled():
-            work.exception()  # retrieved: an abandoned failure is not "never retrieved"
+    return document_extraction_timeout(limits.timeout_seconds)

@@ -225,6 +225,25 @@ def document_too_large(message: str) -> APIError:
     return APIError(413, message, param="file", code="document_too_large")
 
 
+def document_extraction_timeout(seconds: float) -> APIError:
+    """Reading the upload passed its time limit; its worker process was killed."""
+    message = f"Reading the document took longer than {seconds:g} seconds; it was stopped."
+    return APIError(422, message, param="file", code="document_extraction_timeout")
+
+
+def document_extraction_busy(own_share: bool, retry_after: int) -> APIError:
+    """No extraction slot came free in time: 429 when the key holds its own share of them,
+    503 when other keys hold them all."""
+    if own_share:
+        message = "This API key is already reading as many documents as it may; retry shortly."
+        status = 429
+    else:
+        message = "The server is reading other documents; retry shortly."
+        status = 503
+    headers = {"Retry-After": str(retry_after)}
+    return APIError(status, message, code="document_extraction_busy", headers=headers)
+
+
 _STATUS_DESCRIPTIONS = {
     400: "Invalid request (body, parameter, or a limit such as n or max_tokens).",
     401: "Missing or incorrect API key.",
@@ -233,6 +252,7 @@ _STATUS_DESCRIPTIONS = {
     "for another model or memory configuration (collection_incompatible).",
     413: "The request body, or the document in it, is too large.",
     415: "Unsupported media type or Content-Encoding.",
+    422: "Reading the document passed its time limit (document_extraction_timeout).",
     429: "Overloaded (with Retry-After), or a per-key quota is reached.",
     431: "The request's path, query and headers are too large.",
     500: "The engine failed.",

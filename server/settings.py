@@ -53,6 +53,11 @@ class ServerSettings(BaseSettings):
     max_model_len: int | None = Field(default=None, ge=2)
     max_waiting_requests: int = Field(default=64, ge=1)
     max_running_requests: int = Field(default=8, ge=1)
+    # One API key's share of those (engine/scheduler/fair.py): past it that key gets the 429s,
+    # the others are still queued. None: a quarter of the queue, and all running slots but a
+    # quarter (16 and 6 of 64 and 8).
+    max_waiting_requests_per_tenant: int | None = Field(default=None, ge=1)
+    max_running_requests_per_tenant: int | None = Field(default=None, ge=1)
     # Float linears' decode steps as single-row forwards, so that a greedy answer does not
     # depend on other requests there too (int4 steps are so already; docs/decisions/055).
     batch_invariant: bool = False
@@ -77,6 +82,14 @@ class ServerSettings(BaseSettings):
     max_document_chars: int = Field(default=20_000_000, ge=1)  # text extracted from one upload
     max_pdf_pages: int = Field(default=2000, ge=1)
     document_extract_timeout_seconds: float = Field(default=30.0, gt=0)
+    # Each extraction runs in a worker process (server/extraction.py), killed past the timeout
+    # above (wall clock) or this much CPU time (None: the timeout, rounded up); this many at
+    # once, this many of one API key, and an upload waits at most this long for a slot
+    # (then 429 or 503 with Retry-After).
+    document_extract_cpu_seconds: int | None = Field(default=None, ge=1)
+    document_extract_slots: int = Field(default=4, ge=1)
+    document_extract_slots_per_tenant: int = Field(default=1, ge=1)
+    document_extract_queue_seconds: float = Field(default=10.0, ge=0)
     # Uploaded text waiting for ingestion sits in RAM; this bounds it per tenant.
     max_pending_document_bytes_per_tenant: int = Field(default=256 * 1024 * 1024, ge=1)
     max_memory_tokens_per_tenant: int = Field(default=4_000_000, ge=1)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from engine.protocol import GenerationDelta, RequestStats
+from engine.scheduler.fair import session_tenant
 from engine.scheduler.worker import Collector, Job, Steps, Worker
 
 T = TypeVar("T")
@@ -80,10 +81,13 @@ def submit(
     steps: Steps,
     session_id: str | None,
     on_abort: OnAbort | None,
+    tenant: str | None = None,
 ) -> OutputStream[Any]:
-    """Queue `steps` as a job on the device thread; its outputs come back through the stream."""
+    """Queue `steps` as a job on the device thread; its outputs come back through the stream.
+    tenant: whose job it is (fair share); None: the tenant its session id names."""
     collector = Collector(asyncio.get_running_loop())
-    job = Job(request_id, steps, collector, session_id=session_id, on_abort=on_abort)
+    owner = tenant if tenant is not None else session_tenant(session_id)
+    job = Job(request_id, steps, collector, session_id=session_id, on_abort=on_abort, tenant=owner)
     try:
         worker.submit(job)
     except BaseException:

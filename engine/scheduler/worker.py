@@ -1,15 +1,17 @@
 """The one thread that owns the device, and the collectors that bridge it to asyncio.
 
 Jobs are iterators: each `next()` is one unit of device work (a prefill or ingest chunk, one
-decode token). The thread admits up to max_running_requests jobs from a bounded waiting queue.
-Each iteration of its loop (vLLM-style) runs one step of one job that cannot batch (a prefill or
-ingest chunk; the least recently stepped first, so a long ingestion never starves a chat) and
-then ONE batched step of every job whose next step can batch (a decode token, on any path: the
-engine's `can_batch`), through the engine's `run_batch`. With a `decode_share`, a reading step
-of t seconds is followed by batched steps only, for t * share / (1 - share) seconds, so streams
-beside a long read get several tokens per reading chunk instead of one. Jobs that use the same session
-run one at a time, in arrival order. A job's outputs go to its `Collector`, which hands them to
-the asyncio loop with `call_soon_threadsafe`; no torch runs in async code.
+decode token). The thread admits up to max_running_requests jobs from a bounded waiting queue,
+fairly between tenants (engine/scheduler/fair.py). Each iteration of its loop (vLLM-style) runs
+one step of one job that cannot batch (a prefill or ingest chunk; of the tenant, then the job,
+least recently stepped, so a long ingestion never starves a chat nor one tenant's many reads
+another's) and then ONE batched step of every job whose next step can batch (a decode token,
+on any path: the engine's `can_batch`), through the engine's `run_batch`. With a
+`decode_share`, a reading step of t seconds is followed by batched steps only, for
+t * share / (1 - share) seconds, so streams beside a long read get several tokens per reading
+chunk instead of one. Jobs that use the same session run one at a time, in arrival order. A
+job's outputs go to its `Collector`, which hands them to the asyncio loop with
+`call_soon_threadsafe`; no torch runs in async code.
 
 Failures: an exception inside a job's step ends that job only (its consumer gets an EngineError).
 When a batched step fails as a whole, its jobs run that step again one by one, so only the job
@@ -30,7 +32,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.protocol import EngineDead, EngineError, EngineOverloaded
+from engine.protocol import EngineDead, EngineError
+from engine.scheduler.fair import ANONYMOUS, FairQueue
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +91,7 @@ class Job:
     steps: Steps
     collector: Collector
     session_id: str | None = None
+    tenant: str = ANONYMOUS  # whose job it is: the unit of fair share
     # The output to send when the job is aborted (e.g. a delta with finish_reason "abort"),
     # given the last output sent; None sends nothing and just ends the stream.
     on_abort: Callable[[Any], Any] | None = None
@@ -121,6 +125,8 @@ class Worker:
         housekeeping: Callable[[], None] | None = None,
         housekeeping_interval_s: float = 1.0,
         decode_share: float = 0.0,
+        max_waiting_per_tenant: int | None = None,
+        max_running_per_tenant: int | None = None,
     ) -> None:
         if not 0.0 <= decode_share < 1.0:
             raise ValueError("decode_share must be in [0, 1)")
@@ -137,8 +143,13 @@ class Worker:
         self._housekeeping_interval_s = housekeeping_interval_s
         self._next_housekeeping = time.monotonic() + housekeeping_interval_s
         self._turn = 0
+        self._tenant_turns: dict[str, int] = {}  # tenant -> the iteration it last ran alone
         self._cond = threading.Condition()
-        self._waiting: collections.deque[Job] = collections.deque()
+        self._waiting: FairQueue[Job] = FairQueue(
+            max_waiting,
+            max_waiting_per_tenant or max_waiting,
+            max_running_per_tenant or max_running,
+        )
         self._running: list[Job] = []
         self._jobs: dict[str, Job] = {}
         self._calls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = (
@@ -169,17 +180,14 @@ class Worker:
             raise EngineDead("engine is shut down")
 
     def submit(self, job: Job) -> None:
-        """Queue a job; raises EngineOverloaded at once when the waiting queue is full."""
+        """Queue a job; raises EngineOverloaded at once when the waiting queue, or its
+        tenant's share of it, is full."""
         with self._cond:
             self.check_alive()
-            if len(self._waiting) >= self.max_waiting:
-                raise EngineOverloaded(
-                    f"{len(self._waiting)} requests already waiting; retry shortly", retry_after=1.0
-                )
             if job.request_id in self._jobs:
                 raise EngineError(f"request id {job.request_id!r} is already in flight")
+            self._waiting.push(job, self._running, self.max_running)
             self._jobs[job.request_id] = job
-            self._waiting.append(job)
             self._cond.notify()
 
     def abort(self, request_id: str, error: BaseException | None = None) -> None:
@@ -220,20 +228,8 @@ class Worker:
     # -- device thread -------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        """Move waiting jobs to running (caller holds the lock), skipping busy sessions."""
-        busy = {j.session_id for j in self._running if j.session_id is not None}
-        kept: collections.deque[Job] = collections.deque()
-        while self._waiting:
-            job = self._waiting.popleft()
-            if job.aborted or (
-                len(self._running) < self.max_running and job.session_id not in busy
-            ):
-                self._running.append(job)
-                if job.session_id is not None:
-                    busy.add(job.session_id)
-            else:
-                kept.append(job)
-        self._waiting = kept
+        """Move waiting jobs to running (caller holds the lock), fairly between tenants."""
+        self._running.extend(self._waiting.admit(self._running, self.max_running))
 
     def _finish(self, job: Job) -> None:
         with self._cond:
@@ -369,9 +365,12 @@ class Worker:
         if not batch:
             self._batch_credit = 0.0
         if alone and self._batch_credit <= 0.0:
-            job = min(alone, key=lambda j: j.last_turn)
+            turns = self._tenant_turns
+            job = min(alone, key=lambda j: (turns.get(j.tenant, 0), j.last_turn))
             self._turn += 1
-            job.last_turn = self._turn
+            job.last_turn = turns[job.tenant] = self._turn
+            if len(turns) > 4 * (len(running) + 256):  # forget tenants gone
+                self._tenant_turns = {j.tenant: turns.get(j.tenant, 0) for j in running}
             started = time.perf_counter()
             self._step(job)
             if batch:  # decode steps are owed their share of that step's time

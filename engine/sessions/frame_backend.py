@@ -158,7 +158,8 @@ class FrameBackend:
     ) -> AsyncIterator[GenerationDelta]:
         self._check_strategy(spec)
         steps = self._ephemeral_steps(spec, prompt, prompt_ids, sampling, queued_at, scope)
-        return submit(self._worker, request_id, steps, None, aborted_delta(len(prompt_ids)))
+        on_abort = aborted_delta(len(prompt_ids))
+        return submit(self._worker, request_id, steps, None, on_abort, tenant=scope)
 
     def ingest(self, request_id: str, session_id: str, text: str) -> AsyncIterator[IngestProgress]:
         if session_id not in self.conversations:

@@ -54,6 +54,7 @@ from engine.protocol import (
     SessionTurn,
     StoreUnavailableError,
 )
+from engine.scheduler.fair import session_tenant
 from memory_store.client import (
     LarimarConfig,
     LarimarHit,
@@ -311,7 +312,8 @@ class LarimarBackend:
     ) -> AsyncIterator[GenerationDelta]:
         # the conversation never joins a Larimar memory (only documents are written to it),
         # so a request takes none of the tenant's memory budget and leaves no turn to store
-        return self._generate(request_id, prompt, sampling, session_id, self._specs[session_id])
+        spec = self._specs[session_id]
+        return self._generate(request_id, prompt, sampling, session_id, spec, None)
 
     def generate_ephemeral(
         self,
@@ -323,7 +325,7 @@ class LarimarBackend:
         queued_at: float,
         scope: str | None = None,
     ) -> AsyncIterator[GenerationDelta]:
-        return self._generate(request_id, prompt, sampling, None, spec)
+        return self._generate(request_id, prompt, sampling, None, spec, scope)
 
     def ingest(self, request_id: str, session_id: str, text: str) -> AsyncIterator[IngestProgress]:
         return self._ingest(session_id, text)
@@ -364,8 +366,11 @@ class LarimarBackend:
         sampling: SamplingParams,
         session_id: str | None,
         spec: MemorySpec,
+        tenant: str | None,
     ) -> AsyncIterator[GenerationDelta]:
         reader = self._larimar().with_spec(spec)
+        if tenant is None:
+            tenant = session_tenant(session_id)
         started = time.perf_counter()
         if session_id is None:  # a long prompt: its context goes to a throwaway memory
             session_id = f"ephemeral-{request_id}-{uuid.uuid4().hex}"
@@ -376,7 +381,7 @@ class LarimarBackend:
         except StoreError as e:
             raise StoreUnavailableError(f"larimar read failed: {e}") from e
         retrieval = time.perf_counter() - started
-        async for delta in self._engine.generate(request_id, conditioned, sampling):
+        async for delta in self._engine.generate(request_id, conditioned, sampling, tenant=tenant):
             if delta.stats is not None:
                 delta = dataclasses.replace(
                     delta,

@@ -124,7 +124,10 @@ async def list_collections(
 
 
 @router.post(
-    "/sessions/{session_id}/documents", response_model=SessionDocument, openapi_extra=DOCUMENT_BODY
+    "/sessions/{session_id}/documents",
+    response_model=SessionDocument,
+    openapi_extra=DOCUMENT_BODY,
+    responses=error_responses(422),
 )
 async def add_document(
     session_id: str, request: Request, registry: Sessions, tenant: str = Depends(require_tenant)

@@ -16,8 +16,9 @@ from collections.abc import AsyncIterator
 
 from engine.protocol import EngineError, IngestProgress, StoreUnavailableError
 from memory_store.errors import StoreError
-from server.documents import DocumentReader, Upload
+from server.documents import Upload
 from server.errors import document_not_found, from_exception
+from server.extraction import DocumentReader
 from server.metrics import Metrics
 from server.protocol_sessions import SessionDocument
 from server.sessions.context import HeldSessions, Lookup, SessionServices, Touch
@@ -64,7 +65,7 @@ class DocumentIngestion:
         self._check_room(await self._lookup(tenant, session_id), 0)
         ledger = await services.usage.totals(tenant)  # the tenant's other replicas
         self._check_room(self._held.get(tenant, session_id), 0, ledger)
-        extracted = await self._reader.read(upload)
+        extracted = await self._reader.read(upload, tenant)
         session = self._held.get(tenant, session_id)  # it may have gone while we read
         size = len(extracted.text.encode("utf-8", "surrogatepass"))
         self._check_room(session, size)

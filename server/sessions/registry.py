@@ -17,8 +17,9 @@ from fastapi import Request
 from engine.protocol import EngineClient, EngineError, MemorySpec, SessionTurn
 from memory_store.errors import StoreError
 from server.disconnect import until_disconnected
-from server.documents import DocumentLimits, DocumentReader
+from server.documents import DocumentLimits
 from server.errors import invalid_request, session_busy, session_not_found
+from server.extraction import DocumentReader, ExtractionLimits, cpu_seconds_for
 from server.metrics import Metrics
 from server.protocol_sessions import SessionCreateRequest, SessionObject
 from server.sessions.attachments import CollectionAttachments
@@ -62,7 +63,14 @@ class SessionRegistry:
                 max_chars=settings.max_document_chars,
                 max_pdf_pages=settings.max_pdf_pages,
                 timeout_seconds=settings.document_extract_timeout_seconds,
-            )
+            ),
+            ExtractionLimits(
+                slots=settings.document_extract_slots,
+                slots_per_tenant=settings.document_extract_slots_per_tenant,
+                queue_seconds=settings.document_extract_queue_seconds,
+                cpu_seconds=settings.document_extract_cpu_seconds
+                or cpu_seconds_for(settings.document_extract_timeout_seconds),
+            ),
         )
         # the helpers get the services and the table, never the registry; the clock is read
         # through it at each call (a test may replace it)
@@ -323,8 +331,9 @@ class SessionRegistry:
         self.sweeper.start()
 
     async def close(self) -> None:
-        """Stop sweeping and cancel ingestion; the engine's shutdown frees the memories."""
+        """Stop sweeping, extracting and ingesting; the engine's shutdown frees the memories."""
         await self.sweeper.stop()
+        self.reader.close()
         sessions = self.all_sessions()
         documents = [doc for session in sessions for doc in session.documents.values()]
         tasks = _cancel_ingestion(documents, "The server is shutting down.")

@@ -1,11 +1,15 @@
 """deploy/nginx.conf: `nginx -t` accepts it; the real nginx keeps a session on one replica, spreads
-the rest and moves a dead replica's sessions; it streams unbuffered and re-resolves replicas."""
+the rest and moves a dead replica's sessions; it streams unbuffered and re-resolves replicas; it
+limits each API key's (else address's) request rate and connections, with an OpenAI-shaped 429."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import re
 import subprocess
 import threading
+import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
@@ -132,10 +136,17 @@ class Proxy:
     url: str
     replicas: dict[str, Replica]
 
-    def reached(self, path: str = "/v1/models", session: str | None = None) -> str:
+    keys = itertools.count()
+
+    def reached(
+        self, path: str = "/v1/models", session: str | None = None, key: str | None = None
+    ) -> str:
         """The name of the replica that answered a GET of `path` (a POST where it carries a
-        body), sending `session` in the affinity header when given."""
-        headers = {"X-Longserve-Session": session} if session else {}
+        body), sending `session` in the affinity header when given. Each call sends an API key
+        of its own unless `key` names one, so the per-key rate limit stays out of the way."""
+        headers = {"Authorization": f"Bearer {key or f'k{next(self.keys)}'}"}
+        if session:
+            headers["X-Longserve-Session"] = session
         data = b'{"input": "x"}' if "/documents" in path or "/chat" in path else None
         request = urllib.request.Request(self.url + path, data=data, headers=headers)
         with urllib.request.urlopen(request, timeout=5) as response:
@@ -201,3 +212,35 @@ def test_proxy_moves_a_dead_replicas_sessions(proxy: Proxy) -> None:
     moved = [proxy.reached("/v1/chat/completions", "sess_A") for _ in range(5)]
     assert moved == [other] * 5
     assert proxy.reached("/v1/sessions/sess_A/documents") == other
+
+
+def test_proxy_limits_each_key_and_address() -> None:
+    text = CONFIG.read_text()
+    key_map = re.search(r"map \$http_authorization \$(\w+) \{(.*?)\}", text, re.S)
+    assert key_map and '"" $binary_remote_addr;' in key_map.group(2), "no key: the address"
+    key = key_map.group(1)
+    assert re.search(rf"limit_req_zone \${key} zone=(\w+):\d+m rate=\d+r/s;", text)
+    assert re.search(r"limit_req_zone \$binary_remote_addr zone=\w+:\d+m rate=\d+r/s;", text)
+    assert re.search(rf"limit_conn_zone \${key} zone=\w+:\d+m;", text)
+    location = text[text.index("location / {") :]
+    assert len(re.findall(r"^\s*limit_req zone=\w+ burst=\d+ nodelay;", location, re.M)) == 2
+    assert re.search(r"^\s*limit_conn \w+ \d+;", location, re.M)
+    assert "limit_req_status 429;" in text and "limit_conn_status 429;" in text
+
+
+def test_proxy_refuses_a_flooding_key_and_serves_the_others(proxy: Proxy) -> None:
+    statuses: Counter[int] = Counter()
+    refusal = None
+    for _ in range(80):  # twice the burst, far faster than 20 a second
+        try:
+            proxy.reached(key="flooding")
+            statuses[200] += 1
+        except urllib.error.HTTPError as e:
+            statuses[e.code] += 1
+            refusal = e
+    assert statuses[429] >= 20 and set(statuses) == {200, 429}, statuses
+    assert refusal is not None and refusal.headers["Retry-After"] == "1"
+    body = json.loads(refusal.read())
+    assert body["error"]["type"] == "rate_limit_error", body
+    assert body["error"]["code"] == "rate_limited"
+    assert proxy.reached(key="honest") in {"a", "b"}  # another key is still served

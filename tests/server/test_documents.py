@@ -11,7 +11,6 @@ from pypdf import PdfWriter
 from server import documents
 from server.documents import (
     DocumentLimits,
-    DocumentReader,
     Upload,
     detect_kind,
     extract_text,
@@ -19,7 +18,6 @@ from server.documents import (
     sanitize_name,
 )
 from server.errors import APIError
-from tests.helpers import wait_until_async
 
 LIMITS = DocumentLimits(max_bytes=1 << 20, max_chars=1 << 20, max_pdf_pages=10, timeout_seconds=5)
 
@@ -228,11 +226,11 @@ def test_pdf_extracted_chars_limit_stops_early() -> None:
     assert code_of(exc) == (413, "document_too_large")
 
 
-def test_pdf_past_its_deadline_is_413() -> None:
+def test_pdf_past_its_deadline_is_422() -> None:
     upload = file_upload(make_pdf(["late"]), "application/pdf")
     with pytest.raises(APIError) as exc:
         extract_text(upload, LIMITS, deadline=time.monotonic() - 1)
-    assert code_of(exc) == (413, "document_too_large")
+    assert code_of(exc) == (422, "document_extraction_timeout")
 
 
 def test_unreadable_and_blank_pdfs() -> None:
@@ -242,21 +240,3 @@ def test_unreadable_and_blank_pdfs() -> None:
     with pytest.raises(APIError) as exc:
         extract(file_upload(blank_pdf(), "application/pdf"))
     assert code_of(exc) == (400, "empty_document")
-
-
-# --- the async reader -------------------------------------------------------------------------
-
-
-async def test_reader_gives_up_at_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
-    def slow(upload: Upload, limits: DocumentLimits, deadline: float) -> None:
-        time.sleep(0.3)
-
-    monkeypatch.setattr(documents, "extract_text", slow)
-    limits = DocumentLimits(max_bytes=100, max_chars=100, max_pdf_pages=1, timeout_seconds=0.05)
-    reader = DocumentReader(limits, max_concurrent=1)
-    with pytest.raises(APIError) as exc:
-        await reader.read(file_upload(b"x", "text/plain"))
-    assert code_of(exc) == (413, "document_too_large")
-    await wait_until_async(  # the abandoned thread ends and frees its slot
-        lambda: not reader._slots.locked(), "the abandoned thread kept its slot", 5
-    )

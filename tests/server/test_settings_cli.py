@@ -8,7 +8,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from server.cli import build_parser, main, settings_from_args
+from server.cli import build_parser, main, settings_from_args, tenant_shares
 from server.settings import ServerSettings, tenant_of
 
 
@@ -92,3 +92,30 @@ def test_bench_subcommand_passes_the_rest_to_the_benchmark() -> None:
         assert callable(importlib.import_module(f"bench.{name}").main)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "nonexistent"])
+
+
+def test_per_tenant_shares_from_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LONGSERVE_MAX_WAITING_REQUESTS_PER_TENANT", "5")
+    args = build_parser().parse_args(["serve", "--max-running-requests-per-tenant", "3"])
+    settings = settings_from_args(args)
+    assert settings.max_running_requests_per_tenant == 3
+    assert settings.max_waiting_requests_per_tenant == 5
+
+
+def test_per_tenant_shares_default_to_the_engine_s_fractions() -> None:
+    settings = settings_from_args(build_parser().parse_args(["serve"]))
+    assert settings.max_running_requests_per_tenant is None
+    assert settings.max_waiting_requests_per_tenant is None
+
+
+def test_without_api_keys_the_one_tenant_gets_the_whole_queue() -> None:
+    keyless = settings_from_args(build_parser().parse_args(["serve"]))
+    assert tenant_shares(keyless) == {
+        "max_waiting_requests_per_tenant": 64,
+        "max_running_requests_per_tenant": 8,
+    }
+    keyed = settings_from_args(build_parser().parse_args(["serve", "--api-key", "k"]))
+    assert tenant_shares(keyed) == {
+        "max_waiting_requests_per_tenant": None,  # the engine's defaults: 16 and 6
+        "max_running_requests_per_tenant": None,
+    }
