@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine.protocol import InvalidRequest
+from engine.runner.tokenize import encode_text
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -102,7 +103,9 @@ def _tokenize_rendered(
             ids += tokenizer(rendered[pos : match.start()], add_special_tokens=False).input_ids
         content = contents[int(match.group(1))]
         if content:
-            ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True).input_ids
+            ids += encode_text(
+                tokenizer, content, add_special_tokens=False, split_special_tokens=True
+            )
         pos = match.end()
     if pos < len(rendered):
         ids += tokenizer(rendered[pos:], add_special_tokens=False).input_ids
@@ -154,7 +157,7 @@ def encode_document(
     document (docs/decisions/021-documents-as-turns.md); without one, its text as it is.
     Contents never become control tokens."""
     if not text or not getattr(tokenizer, "chat_template", None):
-        return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids)
+        return encode_text(tokenizer, text, add_special_tokens=False, split_special_tokens=True)
     message = {"role": "user", "content": text}
     return encode_chat(tokenizer, [message], history, generation_prompt=False)
 
