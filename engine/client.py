@@ -43,7 +43,7 @@ from engine.runner.decode_step import decoder_of
 from engine.runner.generate import Generation, running_generation, step_batch
 from engine.runner.grammar import Grammars
 from engine.runner.loader import LoadedModel, load_model
-from engine.runner.tokenize import encode_text, ids_tensor
+from engine.runner.tokenize import encode_text, ids_tensor, release_ids
 from engine.scheduler.preprocess import Preprocessor
 from engine.scheduler.stream import aborted_delta, submit
 from engine.scheduler.worker import Worker
@@ -145,9 +145,7 @@ class LocalEngine:
             self._model_fingerprint,
             self.loaded.kv_dtype,
         )
-        self._larimar_backend = LarimarBackend(
-            self, lambda text: len(self.encode_prompt(text)), self.config, store
-        )
+        self._larimar_backend = LarimarBackend(self, self._count, self.config, store)
         self._backends: tuple[SessionBackend, ...] = (self._frame_backend, self._larimar_backend)
         self._info = ModelInfo(
             id=self.loaded.model_id,
@@ -178,7 +176,15 @@ class LocalEngine:
         ids = self.encode_prompt(prompt)
         if not ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
-        return ids_tensor(ids)  # (T,)
+        tensor = ids_tensor(ids)  # (T,)
+        release_ids(ids)
+        return tensor
+
+    def _count(self, prompt: Prompt) -> int:
+        ids = self.encode_prompt(prompt)
+        count = len(ids)
+        release_ids(ids)
+        return count
 
     # -- sessions, whatever their kind ----------------------------------------------------------
 
@@ -249,7 +255,7 @@ class LocalEngine:
         )
 
     async def count_tokens(self, prompt: Prompt) -> int:
-        return await self._preprocessor.run(None, lambda: len(self.encode_prompt(prompt)))
+        return await self._preprocessor.run(None, lambda: self._count(prompt))
 
     async def abort(self, request_id: str) -> None:
         self._worker.abort(request_id)

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine.protocol import InvalidRequest
-from engine.runner.tokenize import encode_text
+from engine.runner.tokenize import encode_text, release_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -103,9 +103,11 @@ def _tokenize_rendered(
             ids += tokenizer(rendered[pos : match.start()], add_special_tokens=False).input_ids
         content = contents[int(match.group(1))]
         if content:
-            ids += encode_text(
+            piece = encode_text(
                 tokenizer, content, add_special_tokens=False, split_special_tokens=True
             )
+            ids += piece
+            release_ids(piece)
         pos = match.end()
     if pos < len(rendered):
         ids += tokenizer(rendered[pos:], add_special_tokens=False).input_ids
