@@ -37,13 +37,18 @@ from engine.protocol import (
     SessionMemoryInfo,
     SessionTurn,
 )
-from engine.runner.chat_template import assistant_turn_end, encode_chat, end_token_ids
+from engine.runner.chat_template import (
+    assistant_turn_end,
+    encode_chat,
+    encode_chat_ids,
+    end_token_ids,
+)
 from engine.runner.decode_state import KVCacheState
 from engine.runner.decode_step import decoder_of
 from engine.runner.generate import Generation, running_generation, step_batch
 from engine.runner.grammar import Grammars
 from engine.runner.loader import LoadedModel, load_model
-from engine.runner.tokenize import encode_text, ids_tensor, release_ids
+from engine.runner.tokenize import encode_ids, encode_text
 from engine.scheduler.preprocess import Preprocessor
 from engine.scheduler.stream import aborted_delta, submit
 from engine.scheduler.worker import Worker
@@ -101,6 +106,7 @@ class LocalEngine:
             self.config.preprocess_threads,
             self.config.preprocess_threads_per_tenant,
             self.config.max_preprocess_waiting_per_tenant,
+            on_start=self._thread_tokenizer,  # copied up front, not in a request's time
         )
         # structured outputs: compiled on the caller's thread, enforced on the device thread
         self._grammars = Grammars(self._tokenizer, self._tokenizer.eos_token_id)
@@ -173,18 +179,20 @@ class LocalEngine:
         return encode_chat(tokenizer, prompt)
 
     def _encode(self, prompt: Prompt) -> torch.Tensor:
-        ids = self.encode_prompt(prompt)
-        if not ids:
+        ids = self._token_ids(prompt)
+        if not len(ids):
             raise InvalidRequest("the prompt is empty", param="prompt")
-        tensor = ids_tensor(ids)  # (T,)
-        release_ids(ids)
-        return tensor
+        return ids
+
+    def _token_ids(self, prompt: Prompt) -> torch.Tensor:
+        """encode_prompt's ids (T,), never a long list of Python ints (engine/runner/tokenize.py)."""
+        tokenizer = self._thread_tokenizer()
+        if isinstance(prompt, str):
+            return encode_ids(tokenizer, prompt)
+        return encode_chat_ids(tokenizer, prompt)
 
     def _count(self, prompt: Prompt) -> int:
-        ids = self.encode_prompt(prompt)
-        count = len(ids)
-        release_ids(ids)
-        return count
+        return len(self._token_ids(prompt))
 
     # -- sessions, whatever their kind ----------------------------------------------------------
 

@@ -26,7 +26,13 @@ T = TypeVar("T")
 
 
 class Preprocessor:
-    def __init__(self, threads: int, threads_per_tenant: int, max_waiting_per_tenant: int) -> None:
+    def __init__(
+        self,
+        threads: int,
+        threads_per_tenant: int,
+        max_waiting_per_tenant: int,
+        on_start: Callable[[], Any] | None = None,
+    ) -> None:
         self._jobs: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[[], Any]]]
         self._jobs = queue.SimpleQueue()
         self._threads_per_tenant = threads_per_tenant
@@ -35,11 +41,14 @@ class Preprocessor:
         self._waiting: dict[str, int] = {}  # jobs waiting for a slot, per tenant
         self._held: dict[str, int] = {}  # slots held (jobs queued or running), per tenant
         for i in range(threads):
-            threading.Thread(
-                target=self._run, name=f"longserve-preprocess-{i}", daemon=True
-            ).start()
+            thread = threading.Thread(
+                target=self._run, args=(on_start,), name=f"longserve-preprocess-{i}", daemon=True
+            )
+            thread.start()
 
-    def _run(self) -> None:
+    def _run(self, on_start: Callable[[], Any] | None) -> None:
+        if on_start is not None:
+            on_start()  # each thread's own state (its tokenizer copy), before any request
         while True:
             future, job = self._jobs.get()
             if not future.set_running_or_notify_cancel():
