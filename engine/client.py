@@ -1,8 +1,9 @@
 """`LocalEngine`: the in-process EngineClient. Async calls in, jobs on the device thread out.
 
-Everything here that touches torch runs on the worker thread (engine/scheduler/worker.py); the async methods
-only tokenize, validate, queue and wait. Tokenizers mutate shared state while encoding (the
-special-token switch), so the asyncio side and the device thread each use their own copy.
+Everything here that touches torch runs on the worker thread (engine/scheduler/worker.py); prompts
+are tokenized and grammars compiled on the preprocessing threads (engine/scheduler/preprocess.py);
+the async methods only validate, queue and wait. Tokenizers mutate shared state while encoding
+(the special-token switch), so every thread that encodes uses its own copy.
 Sessions come in kinds behind one interface (engine/sessions/backend.py `SessionBackend`): memory sessions
 on the device, and Larimar sessions kept in the memory service (engine/sessions/larimar.py).
 """
@@ -30,17 +31,25 @@ from engine.protocol import (
     InvalidRequest,
     MemorySpec,
     ModelInfo,
+    PreparedPrompt,
     Prompt,
     SamplingParams,
     SessionMemoryInfo,
     SessionTurn,
 )
-from engine.runner.chat_template import assistant_turn_end, encode_chat, end_token_ids
+from engine.runner.chat_template import (
+    assistant_turn_end,
+    encode_chat,
+    encode_chat_ids,
+    end_token_ids,
+)
 from engine.runner.decode_state import KVCacheState
 from engine.runner.decode_step import decoder_of
 from engine.runner.generate import Generation, running_generation, step_batch
 from engine.runner.grammar import Grammars
 from engine.runner.loader import LoadedModel, load_model
+from engine.runner.tokenize import encode_ids, encode_text
+from engine.scheduler.preprocess import Preprocessor
 from engine.scheduler.stream import aborted_delta, submit
 from engine.scheduler.worker import Worker
 from engine.sessions.backend import Decoding, SessionBackend
@@ -88,9 +97,17 @@ class LocalEngine:
     ) -> None:
         self.config = config or EngineConfig()
         self.loaded = loaded or load_model(self.config)
-        self._tokenizer = self.loaded.tokenizer  # asyncio side: prompts
+        self._tokenizer = self.loaded.tokenizer  # the grammars' (llguidance's) only
         self._device_tokenizer = copy.deepcopy(self.loaded.tokenizer)  # device thread
-        self._tokenizer_lock = threading.Lock()
+        self._prompt_tokenizer = copy.deepcopy(self.loaded.tokenizer)  # copied per thread
+        self._thread_tokenizers = threading.local()
+        self._copy_lock = threading.Lock()
+        self._preprocessor = Preprocessor(
+            self.config.preprocess_threads,
+            self.config.preprocess_threads_per_tenant,
+            self.config.max_preprocess_waiting_per_tenant,
+            on_start=self._thread_tokenizer,  # copied up front, not in a request's time
+        )
         # structured outputs: compiled on the caller's thread, enforced on the device thread
         self._grammars = Grammars(self._tokenizer, self._tokenizer.eos_token_id)
         self._decoding = Decoding(
@@ -136,9 +153,7 @@ class LocalEngine:
             self._model_fingerprint,
             self.loaded.kv_dtype,
         )
-        self._larimar_backend = LarimarBackend(
-            self, lambda text: len(self.encode_prompt(text)), self.config, store
-        )
+        self._larimar_backend = LarimarBackend(self, self._count, self.config, store)
         self._backends: tuple[SessionBackend, ...] = (self._frame_backend, self._larimar_backend)
         self._info = ModelInfo(
             id=self.loaded.model_id,
@@ -147,19 +162,39 @@ class LocalEngine:
             created=int(time.time()),
         )
 
-    # -- tokenization (asyncio side) ----------------------------------------------------------
+    # -- tokenization (the preprocessing threads) ---------------------------------------------
+
+    def _thread_tokenizer(self) -> Any:
+        tokenizer = getattr(self._thread_tokenizers, "tokenizer", None)
+        if tokenizer is None:
+            with self._copy_lock:
+                tokenizer = copy.deepcopy(self._prompt_tokenizer)
+            self._thread_tokenizers.tokenizer = tokenizer
+        return tokenizer
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
-        with self._tokenizer_lock:
-            if isinstance(prompt, str):
-                return list(self._tokenizer(prompt).input_ids)
-            return encode_chat(self._tokenizer, prompt)
+        """The prompt's token ids (chat messages through the chat template); blocking, on
+        the calling thread's own tokenizer."""
+        tokenizer = self._thread_tokenizer()
+        if isinstance(prompt, str):
+            return encode_text(tokenizer, prompt)
+        return encode_chat(tokenizer, prompt)
 
     def _encode(self, prompt: Prompt) -> torch.Tensor:
-        ids = self.encode_prompt(prompt)
-        if not ids:
+        ids = self._token_ids(prompt)
+        if not len(ids):
             raise InvalidRequest("the prompt is empty", param="prompt")
-        return torch.tensor(ids, dtype=torch.long)  # (T,)
+        return ids
+
+    def _token_ids(self, prompt: Prompt) -> torch.Tensor:
+        """encode_prompt's ids (T,), never a long list of Python ints (engine/runner/tokenize.py)."""
+        tokenizer = self._thread_tokenizer()
+        if isinstance(prompt, str):
+            return encode_ids(tokenizer, prompt)
+        return encode_chat_ids(tokenizer, prompt)
+
+    def _count(self, prompt: Prompt) -> int:
+        return len(self._token_ids(prompt))
 
     # -- sessions, whatever their kind ----------------------------------------------------------
 
@@ -179,10 +214,24 @@ class LocalEngine:
     def model(self) -> ModelInfo:
         return self._info
 
+    async def prepare(
+        self, prompt: Prompt, sampling: SamplingParams, *, tenant: str | None = None
+    ) -> PreparedPrompt:
+        self._worker.check_alive()
+        _validate_sampling(sampling)
+
+        def prepare() -> PreparedPrompt:
+            if sampling.response_format is not None:
+                self._grammars.compile(sampling.response_format)  # InvalidRequest if it cannot
+            ids = self._encode(prompt)  # (T,)
+            return PreparedPrompt(prompt, len(ids), ids)
+
+        return await self._preprocessor.run(tenant, prepare)
+
     def generate(
         self,
         request_id: str,
-        prompt: Prompt,
+        prompt: Prompt | PreparedPrompt,
         sampling: SamplingParams,
         *,
         session_id: str | None = None,
@@ -192,13 +241,18 @@ class LocalEngine:
     ) -> AsyncIterator[GenerationDelta]:
         self._worker.check_alive()
         _validate_sampling(sampling)
-        if sampling.response_format is not None:
-            with self._tokenizer_lock:  # the llguidance tokenizer is built from this one
-                self._grammars.compile(sampling.response_format)  # InvalidRequest if it cannot
+        prepared: torch.Tensor | None = None
+        if isinstance(prompt, PreparedPrompt):  # tokenized, its grammar compiled
+            prepared = prompt.token_ids
+            prompt = prompt.prompt
+        elif sampling.response_format is not None:
+            self._grammars.compile(sampling.response_format)  # InvalidRequest if it cannot
         if session_id is not None:
             backend = self._backend_of(session_id)
-            return backend.generate(request_id, session_id, prompt, sampling, memory_room)
-        prompt_ids = self._encode(prompt)  # (T,)
+            return backend.generate(
+                request_id, session_id, prompt, sampling, memory_room, prompt_ids=prepared
+            )
+        prompt_ids = prepared if prepared is not None else self._encode(prompt)  # (T,)
         total = len(prompt_ids) + sampling.max_tokens
         queued_at = time.perf_counter()
         if total <= self.loaded.max_model_len:
@@ -212,7 +266,7 @@ class LocalEngine:
         )
 
     async def count_tokens(self, prompt: Prompt) -> int:
-        return len(self.encode_prompt(prompt))
+        return await self._preprocessor.run(None, lambda: self._count(prompt))
 
     async def abort(self, request_id: str) -> None:
         self._worker.abort(request_id)

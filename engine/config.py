@@ -79,6 +79,10 @@ class EngineConfig:
     projection_dir: the directory of neurocache projections clients name by id
     (`memory.projection`, engine/memory/projections.py); None: none can be named.
     max_projection_bytes: a projection file larger than this is refused.
+    preprocess_threads, preprocess_threads_per_tenant, max_preprocess_waiting_per_tenant:
+    prompts are tokenized and grammars compiled on this many threads, off the asyncio loop;
+    one tenant's on at most preprocess_threads_per_tenant of them, at most
+    max_preprocess_waiting_per_tenant more waiting (then 429; docs/decisions/057).
     """
 
     model: str | None = None
@@ -112,6 +116,9 @@ class EngineConfig:
     batch_invariant: bool = False
     projection_dir: str | None = None
     max_projection_bytes: int = 256 * 1024**2
+    preprocess_threads: int = 2
+    preprocess_threads_per_tenant: int = 1
+    max_preprocess_waiting_per_tenant: int = 16
 
     def __post_init__(self) -> None:
         if self.model is not None and not self.model.strip():
@@ -133,6 +140,9 @@ class EngineConfig:
             "max_running_requests",
             "max_memory_tokens",
             "prefill_chunk_tokens",
+            "preprocess_threads",
+            "preprocess_threads_per_tenant",
+            "max_preprocess_waiting_per_tenant",
             "collection_max_chunks",
             "collection_top_k",
         ):

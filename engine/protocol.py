@@ -129,6 +129,18 @@ class MemorySpec:
     params: Mapping[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A prompt tokenized (chat template applied) and its grammar compiled by
+    `EngineClient.prepare`, once per request and off the asyncio loop; `generate` takes it in
+    place of the prompt, for each choice. `token_ids` is the engine's own: the server reads
+    `num_tokens` only."""
+
+    prompt: Prompt
+    num_tokens: int
+    token_ids: Any = field(default=None, repr=False, compare=False)
+
+
 # ---------------------------------------------------------------------------------------------
 # Outputs.
 # ---------------------------------------------------------------------------------------------
@@ -302,10 +314,19 @@ class EngineClient(Protocol):
     @property
     def model(self) -> ModelInfo: ...
 
+    async def prepare(
+        self, prompt: Prompt, sampling: SamplingParams, *, tenant: str | None = None
+    ) -> PreparedPrompt:
+        """Tokenize the prompt and compile its grammar, off the asyncio loop, once for all of
+        a request's choices. InvalidRequest for an empty prompt or a grammar that cannot be
+        enforced; EngineOverloaded when the tenant has too many prompts being prepared.
+        Cancelling it before its turn comes leaves nothing running."""
+        ...
+
     def generate(
         self,
         request_id: str,
-        prompt: Prompt,
+        prompt: Prompt | PreparedPrompt,
         sampling: SamplingParams,
         *,
         session_id: str | None = None,
@@ -313,7 +334,8 @@ class EngineClient(Protocol):
         tenant: str | None = None,
         memory_room: int | None = None,
     ) -> AsyncIterator[GenerationDelta]:
-        """Queue a generation and stream its deltas. tenant: whose request it is; long prompts
+        """Queue a generation and stream its deltas; `prompt` as `prepare` made it (a bare
+        Prompt is tokenized on the caller's thread). tenant: whose request it is; long prompts
         reuse cached prefixes of their own tenant's earlier prompts only. memory_room: on a
         session, how many tokens its memory may still grow by (the tenant's budget left);
         MemoryBudgetExceeded, changing nothing, when the request could take more. Raises EngineOverloaded when the waiting

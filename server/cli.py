@@ -182,6 +182,9 @@ def run_serve(args: argparse.Namespace) -> int:
         "decode_share": settings.decode_share,
         "projection_dir": settings.projection_dir,
         "max_projection_bytes": settings.max_projection_bytes,
+        "preprocess_threads": settings.preprocess_threads,
+        "preprocess_threads_per_tenant": settings.preprocess_threads_per_tenant,
+        "max_preprocess_waiting_per_tenant": settings.max_preprocess_waiting_per_tenant,
         # One store for the engine's encodings and the server's session records: the memory
         # service, or the embedded store under --data-dir.
         "memory_store_url": settings.memory_store_url,

@@ -135,6 +135,15 @@ class ServerSettings(BaseSettings):
     # no request ever names a file (engine/memory/projections.py).
     projection_dir: str | None = None
     max_projection_bytes: int = Field(default=256 * 1024**2, ge=1)
+    # The event loop only does I/O (docs/decisions/057): prompts are tokenized, chat templates
+    # applied and grammars compiled on preprocess_threads, one API key's on at most
+    # preprocess_threads_per_tenant of them, max_preprocess_waiting_per_tenant more waiting
+    # (then 429). Tools are bounded like OpenAI's (128 functions) and by their JSON's size.
+    preprocess_threads: int = Field(default=2, ge=1)
+    preprocess_threads_per_tenant: int = Field(default=1, ge=1)
+    max_preprocess_waiting_per_tenant: int = Field(default=16, ge=1)
+    max_tools: int = Field(default=128, ge=0)
+    max_tools_bytes: int = Field(default=256 * 1024, ge=2)
 
     memory_store_url: str | None = None
     # The memory service's shared secret (LONGSERVE_MEMORY_STORE_TOKEN, the same on both sides).

@@ -5,6 +5,7 @@ KV-cache attention with transformers), `cpu_extensions` compiles the C++ kernels
 `decode_state` is what the model has read for one request, and `generate` runs one request as a
 generator of device steps: prefill, then one `decode_step` per token over the rows (`rows`) of
 every request decoding together, `sampling` picking the token, `grammar` constraining it,
-`detokenize` turning it into text. `chat_template` renders chat messages into ids. Nothing here
+`detokenize` turning it into text. `chat_template` renders chat messages into ids, `tokenize`
+encodes long texts in pieces so that no thread holds the GIL long. Nothing here
 knows about sessions, the store or the scheduler's queue.
 """

@@ -10,7 +10,10 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from engine.protocol import InvalidRequest
+from engine.runner.tokenize import encode_ids, encode_text
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -92,21 +95,27 @@ def _render(
 
 def _tokenize_rendered(
     tokenizer: PreTrainedTokenizerBase, rendered: str, contents: Sequence[str]
-) -> list[int]:
-    """Token ids of a rendered template: its own text with special tokens recognised, each
+) -> torch.Tensor:
+    """Token ids (T,) of a rendered template: its own text with special tokens recognised, each
     placeholder's content with split_special_tokens=True (so it never becomes control tokens)."""
-    ids: list[int] = []
+
+    def template(text: str) -> torch.Tensor:
+        return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)
+
+    parts: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long)]
     pos = 0
     for match in _PLACEHOLDER_RE.finditer(rendered):
         if match.start() > pos:
-            ids += tokenizer(rendered[pos : match.start()], add_special_tokens=False).input_ids
+            parts.append(template(rendered[pos : match.start()]))
         content = contents[int(match.group(1))]
         if content:
-            ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True).input_ids
+            parts.append(
+                encode_ids(tokenizer, content, add_special_tokens=False, split_special_tokens=True)
+            )
         pos = match.end()
     if pos < len(rendered):
-        ids += tokenizer(rendered[pos:], add_special_tokens=False).input_ids
-    return ids
+        parts.append(template(rendered[pos:]))
+    return torch.cat(parts)
 
 
 def encode_chat(
@@ -115,7 +124,17 @@ def encode_chat(
     history: Sequence[Turn] = (),
     generation_prompt: bool = True,
 ) -> list[int]:
-    """Token ids of chat messages rendered by the chat template, with a generation prompt
+    """encode_chat_ids as a list."""
+    return list(encode_chat_ids(tokenizer, messages, history, generation_prompt).tolist())
+
+
+def encode_chat_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Any],
+    history: Sequence[Turn] = (),
+    generation_prompt: bool = True,
+) -> torch.Tensor:
+    """Token ids (T,) of chat messages rendered by the chat template, with a generation prompt
     (without one for generation_prompt=False: a document read into a session as a user turn).
 
     With a history (the turns a session's memory already holds), only the continuation is
@@ -154,7 +173,7 @@ def encode_document(
     document (docs/decisions/021-documents-as-turns.md); without one, its text as it is.
     Contents never become control tokens."""
     if not text or not getattr(tokenizer, "chat_template", None):
-        return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids)
+        return encode_text(tokenizer, text, add_special_tokens=False, split_special_tokens=True)
     message = {"role": "user", "content": text}
     return encode_chat(tokenizer, [message], history, generation_prompt=False)
 

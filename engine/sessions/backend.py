@@ -46,7 +46,11 @@ class SessionBackend(Protocol):
         prompt: Prompt,
         sampling: SamplingParams,
         memory_room: int | None = None,
-    ) -> AsyncIterator[GenerationDelta]: ...
+        *,
+        prompt_ids: torch.Tensor | None = None,
+    ) -> AsyncIterator[GenerationDelta]:
+        """prompt_ids: the prompt's ids (T,) as the engine prepared them; None: encoded here."""
+        ...
 
     def generate_ephemeral(
         self,

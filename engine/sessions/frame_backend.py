@@ -129,8 +129,11 @@ class FrameBackend:
         prompt: Prompt,
         sampling: SamplingParams,
         memory_room: int | None = None,
+        *,
+        prompt_ids: torch.Tensor | None = None,
     ) -> AsyncIterator[GenerationDelta]:
-        prompt_ids = self._encode(prompt)  # (T,)
+        if prompt_ids is None:
+            prompt_ids = self._encode(prompt)  # (T,)
         total = len(prompt_ids) + sampling.max_tokens
         queued_at = time.perf_counter()
         if session_id not in self.conversations:

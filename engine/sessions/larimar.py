@@ -309,6 +309,8 @@ class LarimarBackend:
         prompt: Prompt,
         sampling: SamplingParams,
         memory_room: int | None = None,
+        *,
+        prompt_ids: torch.Tensor | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         # the conversation never joins a Larimar memory (only documents are written to it),
         # so a request takes none of the tenant's memory budget and leaves no turn to store
@@ -381,7 +383,8 @@ class LarimarBackend:
         except StoreError as e:
             raise StoreUnavailableError(f"larimar read failed: {e}") from e
         retrieval = time.perf_counter() - started
-        async for delta in self._engine.generate(request_id, conditioned, sampling, tenant=tenant):
+        prepared = await self._engine.prepare(conditioned, sampling, tenant=tenant)  # off the loop
+        async for delta in self._engine.generate(request_id, prepared, sampling, tenant=tenant):
             if delta.stats is not None:
                 delta = dataclasses.replace(
                     delta,

@@ -29,7 +29,6 @@ from server.serving.checks import (
     check_max_tokens,
     check_model,
     check_n,
-    check_prompt_length,
     sampling_params,
 )
 from server.serving.choices import (
@@ -39,6 +38,7 @@ from server.serving.choices import (
     fan_out,
     gather_choices,
     new_id,
+    prepare_jobs,
 )
 from server.serving.context import ServingContext
 from server.serving.tools import ToolPlan, ToolStream, parse_calls, plan_tools, render_messages
@@ -113,8 +113,7 @@ async def create_chat_completion(
             "joins its memory.",
             param="n",
         )
-    chars = sum(len(m.text()) for m in request.messages)
-    await check_prompt_length(ctx, jobs[0].prompt, chars, "messages")
+    jobs = await prepare_jobs(ctx, raw_request, tenant, jobs, ["messages"])
     return await answer_choices(
         ctx,
         request,

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 
-from engine.protocol import EngineClient, Prompt, SamplingParams, StructuredOutput
+from engine.protocol import EngineClient, SamplingParams, StructuredOutput
 from server.errors import APIError, invalid_request, model_not_found
 from server.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
-from server.serving.context import ServingContext
 from server.settings import ServerSettings
 
 
@@ -48,13 +47,10 @@ def check_n(settings: ServerSettings, n: int | None) -> int:
     return n
 
 
-async def check_prompt_length(ctx: ServingContext, prompt: Prompt, chars: int, param: str) -> None:
-    """Refuse prompts past max_prompt_tokens. A token holds at least one character, so short
-    prompts skip the tokenizer."""
-    limit = ctx.settings.max_prompt_tokens
-    if chars <= limit:
-        return
-    tokens = await ctx.engine.count_tokens(prompt)
+def check_prompt_tokens(settings: ServerSettings, tokens: int, param: str) -> None:
+    """Refuse prompts past max_prompt_tokens (counted after the chat template, with the tools
+    it renders)."""
+    limit = settings.max_prompt_tokens
     if tokens > limit:
         raise APIError(
             400,

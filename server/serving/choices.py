@@ -16,16 +16,21 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from fastapi import Request
+
 from engine.protocol import (
     EngineError,
     GenerationDelta,
     MemorySpec,
+    PreparedPrompt,
     Prompt,
     SamplingParams,
     TokenLogprob,
 )
 from server.auth import tenant_session_id
+from server.disconnect import until_disconnected
 from server.protocol import MemoryRequest, PromptTokensDetails, UsageInfo
+from server.serving.checks import check_prompt_tokens
 from server.serving.context import ServingContext
 from server.sessions.models import Session
 
@@ -39,7 +44,7 @@ class ChoiceRequest:
     index: int  # the choice index in the response
     prompt_index: int
     request_id: str
-    prompt: Prompt
+    prompt: Prompt | PreparedPrompt  # prepared by `prepare_jobs`, once for all its choices
     sampling: SamplingParams
 
 
@@ -71,6 +76,29 @@ def fan_out(
 
 def _with_seed(sampling: SamplingParams, seed: int | None) -> SamplingParams:
     return replace(sampling, seed=seed)
+
+
+async def prepare_jobs(
+    ctx: ServingContext,
+    raw_request: Request,
+    tenant: str,
+    jobs: list[ChoiceRequest],
+    params: Sequence[str],
+) -> list[ChoiceRequest]:
+    """The jobs with their prompts prepared by the engine (tokenized, chat template applied,
+    grammar compiled, off the event loop), once per prompt for all its choices; a prompt past
+    max_prompt_tokens is refused naming params[its index]. A client that goes away meanwhile
+    gets a 499 and leaves no preparation waiting."""
+    prepared: dict[int, PreparedPrompt] = {}
+    for job in jobs:
+        if job.prompt_index in prepared or isinstance(job.prompt, PreparedPrompt):
+            continue
+        ready = await until_disconnected(
+            raw_request, ctx.engine.prepare(job.prompt, job.sampling, tenant=tenant)
+        )
+        check_prompt_tokens(ctx.settings, ready.num_tokens, params[job.prompt_index])
+        prepared[job.prompt_index] = ready
+    return [replace(job, prompt=prepared.get(job.prompt_index, job.prompt)) for job in jobs]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,7 +22,6 @@ from server.serving.checks import (
     check_max_tokens,
     check_model,
     check_n,
-    check_prompt_length,
     sampling_params,
 )
 from server.serving.choices import (
@@ -32,6 +31,7 @@ from server.serving.choices import (
     fan_out,
     gather_choices,
     new_id,
+    prepare_jobs,
 )
 from server.serving.context import ServingContext
 
@@ -112,8 +112,8 @@ async def create_completion(
     model = check_model(ctx.engine, request.model)
     completion_id = new_id("cmpl")
     jobs = _jobs(ctx, request, completion_id)
-    for p, prompt in enumerate(_prompts(request)):
-        await check_prompt_length(ctx, prompt, len(prompt), "prompt" if p == 0 else f"prompt[{p}]")
+    params = ["prompt" if p == 0 else f"prompt[{p}]" for p in range(len(_prompts(request)))]
+    jobs = await prepare_jobs(ctx, raw_request, tenant, jobs, params)
     return await answer_choices(
         ctx,
         request,

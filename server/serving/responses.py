@@ -33,8 +33,8 @@ from server.protocol import (
 )
 from server.serving.answer import answer_choices
 from server.serving.chat import chat_gather, chat_jobs
-from server.serving.checks import check_model, check_prompt_length
-from server.serving.choices import ChoiceStreams, UsageCounter
+from server.serving.checks import check_model
+from server.serving.choices import ChoiceStreams, UsageCounter, prepare_jobs
 from server.serving.context import ServingContext
 from server.serving.response_store import StoredResponse, encoded_size
 from server.serving.tools import ToolStream, plan_tools
@@ -58,8 +58,7 @@ async def create_response(
     response_id = f"resp_{secrets.token_hex(16)}"
     tools = plan_tools(ctx.settings, chat)
     jobs = chat_jobs(ctx, chat, response_id, tools)
-    chars = sum(len(m.text()) for m in chat.messages)
-    await check_prompt_length(ctx, jobs[0].prompt, chars, "input")
+    jobs = await prepare_jobs(ctx, raw_request, tenant, jobs, ["input"])
     if body.store is not False:
         conversation = {"messages": [m.model_dump() for m in [*history, *new]]}
         await ctx.responses.check_room(tenant, encoded_size(conversation))

@@ -64,6 +64,7 @@ def plan_tools(settings: ServerSettings, request: ChatCompletionRequest) -> Tool
         if request.tool_choice not in (None, "none"):
             raise invalid_request("tool_choice needs tools.", param="tool_choice")
         return None
+    _check_tools_size(settings, request.tools)
     functions = [_function(settings, i, tool) for i, tool in enumerate(request.tools)]
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
@@ -91,6 +92,24 @@ def plan_tools(settings: ServerSettings, request: ChatCompletionRequest) -> Tool
         )
     parallel = request.parallel_tool_calls is not False
     return ToolPlan(mode, functions, _grammar(functions, mode, parallel))
+
+
+def _check_tools_size(settings: ServerSettings, tools: list[Any]) -> None:
+    """At most max_tools tools (OpenAI's limit: 128), and max_tools_bytes of JSON in all:
+    they are rendered into every prompt and stored with every response."""
+    if len(tools) > settings.max_tools:
+        raise invalid_request(
+            f"tools: at most {settings.max_tools} tools are allowed, got {len(tools)}.",
+            param="tools",
+        )
+    size = 0
+    for tool in tools:
+        size += len(json.dumps(tool, ensure_ascii=False).encode())
+        if size > settings.max_tools_bytes:
+            raise invalid_request(
+                f"tools: their JSON is over {settings.max_tools_bytes} bytes in all.",
+                param="tools",
+            )
 
 
 def _function(settings: ServerSettings, index: int, tool: Any) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import pytest
 
 from engine.client import LocalEngine
 from engine.config import EngineConfig
-from engine.protocol import InvalidRequest, MemorySpec, SamplingParams
+from engine.protocol import InvalidRequest, MemorySpec, PreparedPrompt, SamplingParams
 
 NEEDLE = "The vault combination is written on the blue card."
 
@@ -43,7 +43,8 @@ async def test_larimar_session_conditions_the_prompt_on_the_needle(engine, monke
     ]
     assert deltas[-1].finish_reason in ("stop", "length")
     assert deltas[-1].stats.strategy == "larimar"
-    conditioned = seen[-1]
+    assert isinstance(seen[-1], PreparedPrompt)  # prepared off the loop, then generated
+    conditioned = seen[-1].prompt
     assert NEEDLE in conditioned[-1]["content"]
     assert "The vault combination is what?" in conditioned[-1]["content"]
     assert "larimar" in engine.model.strategies

@@ -45,6 +45,7 @@ from engine.protocol import (
     MemoryBudgetExceeded,
     MemorySpec,
     ModelInfo,
+    PreparedPrompt,
     Prompt,
     RequestStats,
     SamplingParams,
@@ -131,15 +132,22 @@ class FakeEngine:
         self.collections: dict[str, tuple[str, int, int]] = {}
         self.collection_max_chunks = 64
         self.attached: dict[str, list[str]] = {}  # session id -> collections, in order
+        self.prepared: list[tuple[Prompt, str | None]] = []  # prepare()'s prompts and tenants
 
     @property
     def model(self) -> ModelInfo:
         return self._model
 
+    async def prepare(
+        self, prompt: Prompt, sampling: SamplingParams, *, tenant: str | None = None
+    ) -> PreparedPrompt:
+        self.prepared.append((prompt, tenant))
+        return PreparedPrompt(prompt, len(prompt_words(prompt)))
+
     def generate(
         self,
         request_id: str,
-        prompt: Prompt,
+        prompt: Prompt | PreparedPrompt,
         sampling: SamplingParams,
         *,
         session_id: str | None = None,
@@ -147,6 +155,8 @@ class FakeEngine:
         tenant: str | None = None,
         memory_room: int | None = None,
     ) -> AsyncIterator[GenerationDelta]:
+        if isinstance(prompt, PreparedPrompt):
+            prompt = prompt.prompt
         if self.dead:
             raise EngineDead("fake engine is dead")
         if self.overloaded:

@@ -1,0 +1,140 @@
+"""Text to token ids without holding the GIL for long, so that a huge prompt tokenized on a
+preprocessing thread does not stall the asyncio loop (docs/decisions/057).
+
+A fast tokenizer encodes with the GIL released, but turning its result into Python ints holds
+it: 0.5 s for the ids of a 30 MB text, 0.6 s more for `torch.tensor` of them. A long text is
+therefore encoded in pieces of about PIECE_CHARS characters, cut where the tokenizer itself
+splits (checked on a window around each cut: the window encoded whole and in two halves must
+agree), and its ids are converted piece by piece. A text with no such cut is encoded whole.
+`encode_ids` builds the tensor from the pieces without ever holding one long list of Python
+ints (the garbage collector walks such a list at every pass: 37 ms for 7.2 M ids).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+PIECE_CHARS = 1 << 18  # ids of ~60K tokens per conversion: a few ms of GIL
+_CHECK_CHARS = 256  # each side of a cut, encoded whole and in halves
+_CUT_TRIES = 16  # candidate cuts tried past each piece's end before encoding the rest whole
+_BOUNDARY = re.compile(r"(?<=\S)[ \n](?=\S)")
+
+
+def encode_text(
+    tokenizer: Any,
+    text: str,
+    *,
+    add_special_tokens: bool = True,
+    split_special_tokens: bool = False,
+) -> list[int]:
+    """`tokenizer(text, ...).input_ids`, the same ids, with short GIL holds for long texts."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if len(text) <= 2 * PIECE_CHARS or backend is None:
+        encoded = tokenizer(
+            text, add_special_tokens=add_special_tokens, split_special_tokens=split_special_tokens
+        )
+        return list(encoded.input_ids)
+    truncation = backend.truncation
+    if truncation is not None:
+        backend.no_truncation()
+    backend.encode_special_tokens = split_special_tokens
+    try:
+        head, tail = _special_ends(backend) if add_special_tokens else ([], [])
+        pieces = _pieces(backend, text)
+        encodings = backend.encode_batch(pieces, add_special_tokens=False)
+        ids = list(head)
+        for i in range(len(encodings)):  # one piece's conversion, then its freeing, at a time
+            ids.extend(encodings[i].ids)
+            encodings[i] = None
+        ids.extend(tail)
+        return ids
+    finally:
+        if truncation is not None:
+            backend.enable_truncation(**truncation)
+
+
+def encode_ids(
+    tokenizer: Any,
+    text: str,
+    *,
+    add_special_tokens: bool = True,
+    split_special_tokens: bool = False,
+) -> torch.Tensor:
+    """encode_text's ids as a tensor (T,), never held as one long list of Python ints: a list
+    of millions costs the garbage collector tens of ms at every pass while it lives."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if len(text) <= 2 * PIECE_CHARS or backend is None:
+        ids = encode_text(
+            tokenizer,
+            text,
+            add_special_tokens=add_special_tokens,
+            split_special_tokens=split_special_tokens,
+        )
+        return torch.tensor(ids, dtype=torch.long)
+    truncation = backend.truncation
+    if truncation is not None:
+        backend.no_truncation()
+    backend.encode_special_tokens = split_special_tokens
+    try:
+        head, tail = _special_ends(backend) if add_special_tokens else ([], [])
+        encodings = backend.encode_batch(_pieces(backend, text), add_special_tokens=False)
+        parts = [torch.tensor(head, dtype=torch.long)]
+        for i in range(len(encodings)):  # one piece's conversion, then its freeing, at a time
+            parts.append(torch.tensor(encodings[i].ids, dtype=torch.long))
+            encodings[i] = None
+        parts.append(torch.tensor(tail, dtype=torch.long))
+        return torch.cat(parts)  # (T,)
+    finally:
+        if truncation is not None:
+            backend.enable_truncation(**truncation)
+
+
+def _special_ends(backend: Any) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer adds before and after a text (a BOS, an EOS), if any."""
+    bare = backend.encode("a", add_special_tokens=False).ids
+    full = backend.encode("a", add_special_tokens=True).ids
+    for start in range(len(full) - len(bare) + 1):
+        if full[start : start + len(bare)] == bare:
+            return full[:start], full[start + len(bare) :]
+    return [], []
+
+
+def _pieces(backend: Any, text: str) -> list[str]:
+    """text cut into pieces of about PIECE_CHARS characters at cuts the tokenizer agrees with."""
+    pieces, start = [], 0
+    while len(text) - start > 2 * PIECE_CHARS:
+        cut = _cut_after(backend, text, start + PIECE_CHARS)
+        if cut is None:
+            break
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
+def _cut_after(backend: Any, text: str, at: int) -> int | None:
+    """A position past `at`, before whitespace that follows a non-space character, where the
+    text encodes the same cut or not (checked on a window around it); None if none is found."""
+    position = at
+    for _ in range(_CUT_TRIES):
+        cut = _next_boundary(text, position, at + PIECE_CHARS)
+        if cut is None:
+            return None
+        window = text[cut - _CHECK_CHARS : cut + _CHECK_CHARS]
+        left, right = text[cut - _CHECK_CHARS : cut], text[cut : cut + _CHECK_CHARS]
+        whole = backend.encode(window, add_special_tokens=False).ids
+        halves = [e.ids for e in backend.encode_batch([left, right], add_special_tokens=False)]
+        if whole == halves[0] + halves[1]:
+            return cut
+        position = cut + 1
+    return None
+
+
+def _next_boundary(text: str, position: int, limit: int) -> int | None:
+    """The first index in [position, limit) of a space or newline between two non-space
+    characters: where word-level pre-tokenizers start a new word."""
+    match = _BOUNDARY.search(text, position, min(limit, len(text) - _CHECK_CHARS))
+    return match.start() if match is not None else None
