@@ -166,9 +166,7 @@ class DocumentReader:
         self.extraction = extraction
         self._slots = ExtractionSlots(extraction)
         self._context = _context()
-        self._threads = concurrent.futures.ThreadPoolExecutor(
-            max_workers=extraction.slots, thread_name_prefix="longserve-extract"
-        )
+        self._threads: concurrent.futures.ThreadPoolExecutor | None = None  # made on first use
         self.running: set[_Extraction] = set()  # the processes now working (for tests)
 
     async def read(self, upload: Upload, tenant: str) -> DocumentText:
@@ -179,7 +177,7 @@ class DocumentReader:
         self.running.add(extraction)
         try:
             loop = asyncio.get_running_loop()
-            message = await loop.run_in_executor(self._threads, extraction.run)
+            message = await loop.run_in_executor(self._executor(), extraction.run)
         finally:
             extraction.kill()  # a cancelled request does not leave its process working
             self.running.discard(extraction)
@@ -197,10 +195,20 @@ class DocumentReader:
         _, status, error_message, param, code = message
         raise APIError(status, error_message, param=param, code=code)
 
+    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        # Made again after close(): an app may run its lifespan more than once (tests do).
+        if self._threads is None:
+            self._threads = concurrent.futures.ThreadPoolExecutor(
+                max_workers=self.extraction.slots, thread_name_prefix="longserve-extract"
+            )
+        return self._threads
+
     def close(self) -> None:
         for extraction in list(self.running):
             extraction.kill()
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+            self._threads = None
 
 
 def cpu_seconds_for(timeout_seconds: float) -> int:

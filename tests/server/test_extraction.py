@@ -91,17 +91,23 @@ async def new_session(http: httpx.AsyncClient) -> str:
 
 
 def extraction_processes() -> list[psutil.Process]:
-    """This process's children that run an extraction (not the forkserver, not the resource
-    tracker multiprocessing keeps)."""
-    helpers = ("forkserver", "resource_tracker")
+    """The extraction processes of this process's forkserver: its children (they carry the
+    forkserver's command line). Other suites' servers, and their forkservers, are left out."""
     found = []
-    for child in psutil.Process().children(recursive=True):
+    for child in psutil.Process().children(recursive=False):
         try:
-            if not any(h in " ".join(child.cmdline()) for h in helpers):
-                found.append(child)
+            if "multiprocessing.forkserver" in " ".join(child.cmdline()):
+                found += [p for p in child.children(recursive=True) if p.is_running()]
         except psutil.NoSuchProcess:
             continue
-    return found
+    return [p for p in found if _alive(p)]
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def assert_leaks_nothing(response: httpx.Response) -> None:
@@ -121,6 +127,7 @@ async def test_a_crafted_page_is_stopped_at_the_limit_while_another_key_is_serve
             upload(honest, honest_session, make_pdf(["An ordinary page"])), 20
         )
         ordinary_s = time.monotonic() - started
+        working = extraction_processes()  # the crafted page's process, still at it
         refused = await crafted
         refused_s = time.monotonic() - started
     print(f"ordinary upload answered after {ordinary_s:.2f} s, crafted after {refused_s:.2f} s")
@@ -130,6 +137,7 @@ async def test_a_crafted_page_is_stopped_at_the_limit_while_another_key_is_serve
     assert refused.json()["error"]["code"] == "document_extraction_timeout"
     assert_leaks_nothing(refused)
     assert refused_s < 3.0 + 5.0  # the limit, and a loaded machine's slack
+    assert len(working) == 1, working
     assert extraction_processes() == [], "the crafted page's process was not killed"
     async with asgi_client(app) as hostile:  # and the session holds no document of it
         listing = await hostile.get(f"/v1/sessions/{hostile_session}/documents")
