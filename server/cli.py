@@ -258,6 +258,7 @@ BENCHMARKS = (
     "memory_batch",
     "long_docs",
     "concurrency",
+    "store_profile",
 )
 
 
