@@ -160,6 +160,13 @@ class MemoryStoreClient(ABC):
     async def delete_blob(self, namespace: str, key: str) -> bool: ...
 
     @abstractmethod
+    async def drop_unnamed_chunks(
+        self, session_id: str, fingerprint: str, hashes: Sequence[str]
+    ) -> int:
+        """A reading of `session_id` cut short: delete the chunks it put that nothing names
+        (memory_store/reclaim.py); returns how many went."""
+
+    @abstractmethod
     async def reclaim(self, chunk_grace_s: float | None = None) -> dict[str, int]:
         """Sweep: expired sessions, then chunks nothing names idle past `chunk_grace_s` (None:
         the store's default); returns what went (`ReclaimReport.to_record()`)."""

@@ -319,6 +319,17 @@ class HttpMemoryStoreClient(MemoryStoreClient):
         response = await self._request("delete_blob", "DELETE", f"/v1/blobs/{namespace}/{key}")
         return bool(response.json()["deleted"])
 
+    async def drop_unnamed_chunks(
+        self, session_id: str, fingerprint: str, hashes: Sequence[str]
+    ) -> int:
+        for h in hashes:
+            KeySpace.chunk(fingerprint, h)  # ids checked before they travel
+        body = {"fingerprint": fingerprint, "hashes": list(hashes)}
+        response = await self._request(
+            "drop_unnamed_chunks", "POST", f"/v1/sessions/{session_id}/unnamed-chunks", json=body
+        )
+        return int(response.json()["chunks_deleted"])
+
     async def reclaim(self, chunk_grace_s: float | None = None) -> dict[str, int]:
         body = {"chunk_grace_s": chunk_grace_s}
         response = await self._request("reclaim", "POST", "/v1/reclaim", json=body)

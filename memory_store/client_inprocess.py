@@ -196,6 +196,15 @@ class InProcessMemoryStoreClient(MemoryStoreClient):
     async def delete_blob(self, namespace: str, key: str) -> bool:
         return await self._observe("delete_blob", lambda: self.records.delete_blob(namespace, key))
 
+    async def drop_unnamed_chunks(
+        self, session_id: str, fingerprint: str, hashes: Sequence[str]
+    ) -> int:
+        async def drop() -> int:
+            chunks = [(fingerprint, h) for h in hashes]
+            return (await self.reclaimer.drop_unnamed_chunks(session_id, chunks)).chunks_deleted
+
+        return await self._observe("drop_unnamed_chunks", drop)
+
     async def reclaim(self, chunk_grace_s: float | None = None) -> dict[str, int]:
         grace = DEFAULT_CHUNK_GRACE_S if chunk_grace_s is None else chunk_grace_s
 

@@ -95,6 +95,23 @@ class Reclaimer:
                 report.add(await self._delete_chunk(fingerprint, chain_hash))
         return report
 
+    async def drop_unnamed_chunks(
+        self, session_id: str, chunks: Iterable[tuple[str, str]]
+    ) -> ReclaimReport:
+        """Chunks a reading of `session_id` put and never named (cut short before its
+        manifest): those that no manifest of the tenant's sessions, this one's included, and no
+        collection names go now rather than after the grace sweep."""
+        candidates = set(chunks)
+        if not candidates:
+            return ReclaimReport()
+        tenant = tenant_of_session(session_id)
+        tags = [KeySpace.session_tag(session_id), *await self._sibling_tags(tenant, session_id)]
+        kept = await self._manifest_chunks(tags) | await self._collection_chunks()
+        report = ReclaimReport()
+        for fingerprint, chain_hash in sorted(candidates - kept):
+            report.add(await self._delete_chunk(fingerprint, chain_hash))
+        return report
+
     async def _sibling_tags(self, tenant: str | None, session_id: str) -> list[str]:
         """The tags of the sessions that may share the session's chunks: its tenant's, from the
         tenant index when that names it (a server session: no scan of the store), else by a

@@ -162,6 +162,12 @@ class StoreBridge:
     def delete_session(self, session_id: str) -> int:
         return self._call("delete_session", lambda: self.client.delete_session(session_id))
 
+    def drop_unnamed_chunks(self, session_id: str, fingerprint: str, hashes: list[str]) -> int:
+        return self._call(
+            "drop_unnamed_chunks",
+            lambda: self.client.drop_unnamed_chunks(session_id, fingerprint, list(hashes)),
+        )
+
     def close(self) -> None:
         """Close the client (when this bridge owns it) and stop the loop thread. Idempotent."""
         if self._loop.is_closed():
@@ -261,45 +267,56 @@ def ingest_steps(
     done = from_store = 0
     hashes: list[str] = []
     outage: StoreUnavailableError | None = None
-    for start in range(0, total, chunk):
-        piece = ids[start : start + chunk]
-        h = chain_hash(memory.state_hash, piece)
-        encoding = None
-        if outage is None:
-            try:
-                encoding = bridge.get_chunk(fingerprint, h)
-            except NotFound:
-                encoding = None  # not stored yet: forward and put it
-            except StoreUnavailableError as e:
-                outage = _note_outage(e, session_id)
-        if encoding is not None and list(encoding.token_ids) == piece:
-            memory.import_chunk(encoding)
-            from_store += len(piece)
-        else:
-            _, encoding = memory.ingest_chunk(
-                torch.tensor(piece, dtype=torch.long), text=decode(piece)
-            )
+    put: list[str] = []  # chunks this reading wrote and no manifest names yet
+    try:
+        for start in range(0, total, chunk):
+            piece = ids[start : start + chunk]
+            h = chain_hash(memory.state_hash, piece)
+            encoding = None
             if outage is None:
                 try:
-                    bridge.put_chunk(fingerprint, h, encoding)
+                    encoding = bridge.get_chunk(fingerprint, h)
+                except NotFound:
+                    encoding = None  # not stored yet: forward and put it
                 except StoreUnavailableError as e:
                     outage = _note_outage(e, session_id)
-        assert memory.state_hash == h
-        hashes.append(h)
-        done += len(piece)
-        last = done == total
-        if not last:
-            yield IngestProgress(
-                done, total, time.perf_counter() - started, tokens_from_store=from_store
+            if encoding is not None and list(encoding.token_ids) == piece:
+                memory.import_chunk(encoding)
+                from_store += len(piece)
+            else:
+                _, encoding = memory.ingest_chunk(
+                    torch.tensor(piece, dtype=torch.long), text=decode(piece)
+                )
+                if outage is None:
+                    try:
+                        bridge.put_chunk(fingerprint, h, encoding)
+                        put.append(h)
+                    except StoreUnavailableError as e:
+                        outage = _note_outage(e, session_id)
+            assert memory.state_hash == h
+            hashes.append(h)
+            done += len(piece)
+            last = done == total
+            if not last:
+                yield IngestProgress(
+                    done, total, time.perf_counter() - started, tokens_from_store=from_store
+                )
+        if outage is None and hashes:
+            manifest = DocumentManifest(
+                doc_id,
+                fingerprint,
+                tuple(hashes),
+                num_tokens=total,
+                meta={"strategy": memory.strategy},
             )
-    if outage is None and hashes:
-        manifest = DocumentManifest(
-            doc_id, fingerprint, tuple(hashes), num_tokens=total, meta={"strategy": memory.strategy}
-        )
-        try:
-            bridge.put_manifest(session_id, manifest)
-        except StoreUnavailableError as e:
-            outage = _note_outage(e, session_id)
+            try:
+                bridge.put_manifest(session_id, manifest)
+                put.clear()  # named now: the session's deletion reclaims them
+            except StoreUnavailableError as e:
+                outage = _note_outage(e, session_id)
+    finally:
+        if put and outage is None:  # cut short (closed, or failed): nothing will name them
+            _drop_unnamed(bridge, session_id, fingerprint, put)
     on_read()
     if outage is not None:
         raise StoreUnavailableError(
@@ -309,6 +326,15 @@ def ingest_steps(
     yield IngestProgress(
         done, total, time.perf_counter() - started, done=True, tokens_from_store=from_store
     )
+
+
+def _drop_unnamed(bridge: StoreBridge, session_id: str, fingerprint: str, put: list[str]) -> None:
+    """A reading cut short deletes the chunks it put that no manifest of its tenant names:
+    else they wait out the grace sweep, counted by no ledger (docs/decisions/061)."""
+    try:
+        bridge.drop_unnamed_chunks(session_id, fingerprint, put)
+    except (StoreError, StoreUnavailableError) as e:  # the grace sweep deletes them later
+        logger.info("dropping %d unnamed chunks of %s failed: %s", len(put), session_id, e)
 
 
 def _note_outage(error: StoreUnavailableError, session_id: str) -> StoreUnavailableError:

@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field
 
 from memory_store.encodings import DocumentManifest, embeddings_from_bytes
 from memory_store.errors import InvalidStoreRequest
+from memory_store.keys import KeySpace
 from memory_store.service import OCTET, MemoryStoreService
 
 
@@ -30,6 +31,11 @@ class CollectionAddBody(BaseModel):
     chain_hashes: list[str]
     dim: int = Field(gt=0)
     embeddings_b64: str  # little-endian float32, row-major (n, dim)
+
+
+class UnnamedChunksBody(BaseModel):
+    fingerprint: str
+    hashes: list[str] = Field(max_length=100_000)
 
 
 class CollectionSelectBody(BaseModel):
@@ -91,6 +97,16 @@ def build_router(svc: MemoryStoreService) -> APIRouter:
             report = await svc.reclaimer.delete_session(session_id)
         svc.metrics.count_reclaimed(report.to_record())
         return {"id": session_id, "deleted": report.keys_deleted, **report.to_record()}
+
+    @router.post("/v1/sessions/{session_id}/unnamed-chunks")
+    async def drop_unnamed_chunks(session_id: str, body: UnnamedChunksBody) -> dict[str, Any]:
+        async with svc.track("drop_unnamed_chunks"):
+            chunks = [(body.fingerprint, h) for h in body.hashes]
+            for fingerprint, h in chunks:
+                KeySpace.chunk(fingerprint, h)  # InvalidStoreRequest -> 400
+            report = await svc.reclaimer.drop_unnamed_chunks(session_id, chunks)
+        svc.metrics.count_reclaimed(report.to_record())
+        return report.to_record()
 
     # Collections ------------------------------------------------------------------------------
 

@@ -365,3 +365,27 @@ async def test_deleting_a_session_gives_its_bytes_back(engines, tmp_path):
     assert len(_stored_chunks(tmp_path)) > 0
     await asyncio.to_thread(engine._store.delete_session, "tenanta.s2")
     assert held() == before and _stored_chunks(tmp_path) == []
+
+
+async def test_a_reading_cut_short_leaves_no_chunk_behind(engines, tmp_path):
+    """A document's reading closed before its manifest (the session deleted meanwhile, the
+    request aborted) deletes the chunks it put: no manifest names them, no ledger counts them
+    (the hostile soak's churn, docs/decisions/061)."""
+    engine = engines()
+    await engine.create_session("tenanta.s1", SPEC)
+    await engine.create_session("tenanta.s2", SPEC)
+    await _collect(engine.ingest("d-kept", "tenanta.s2", DOC))  # named by s2's manifest
+    kept = _stored_chunks(tmp_path)
+    stream = engine.ingest("d1", "tenanta.s1", DOC.replace("4721", "9930") * 2)
+    steps = 0
+    async for _ in stream:
+        steps += 1
+        if steps == 3:
+            break
+    assert len(_stored_chunks(tmp_path)) > len(kept)  # s1 has put chunks of its own
+    await stream.aclose()
+    for _ in range(400):  # the worker closes the reading at its next step
+        if _stored_chunks(tmp_path) == kept:
+            break
+        await asyncio.sleep(0.05)
+    assert _stored_chunks(tmp_path) == kept  # its own went; those s2 names stayed
