@@ -306,3 +306,18 @@ def test_client_default_embedder_follows_the_embedder_module(
     encoder = HashingEncoder()
     monkeypatch.setattr(memory_store.embedder, "default_embedder", lambda: encoder)
     assert api.default_embedder() is encoder
+
+
+async def test_a_reading_cut_short_drops_the_chunks_nothing_names(
+    client: tuple[MemoryStoreClient, list],
+) -> None:
+    """`drop_unnamed_chunks`, in process and through the route: the chunks a cut-short reading
+    put go, unless a manifest of the tenant's sessions names them; bad ids are a clean 4xx."""
+    c, _ = client
+    for i, h in enumerate(["h-named", "h-own"]):
+        await c.put_chunk(FP, h, make_chunk(seed=i))
+    await c.put_manifest("ta.s2", "d1", DocumentManifest("d1", FP, ("h-named",)))
+    assert await c.drop_unnamed_chunks("ta.s1", FP, ["h-named", "h-own"]) == 1
+    assert await c.has_chunk(FP, "h-named") and not await c.has_chunk(FP, "h-own")
+    with pytest.raises(InvalidStoreRequest):
+        await c.drop_unnamed_chunks("ta.s1", FP, ["../x"])
