@@ -16,7 +16,7 @@ import zlib
 FONT = b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"
 
 
-def _document(objects: list[bytes]) -> bytes:
+def pdf_document(objects: list[bytes]) -> bytes:
     """A PDF of `objects` (object 1 is the catalog), with its cross-reference table."""
     out = bytearray(b"%PDF-1.4\n%\xe2\xe3\xcf\xd3\n")
     offsets = []
@@ -57,7 +57,7 @@ def _pages(count: int, content: bytes, compress: bool) -> bytes:
         _stream(content, compress),
         *([page] * count),
     ]
-    return _document(objects)
+    return pdf_document(objects)
 
 
 def many_pages(count: int) -> bytes:

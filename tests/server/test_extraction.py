@@ -16,6 +16,7 @@ import httpx
 import psutil
 import pytest
 
+from bench.crafted_pdf import pdf_document
 from server.app import build_app
 from server.settings import ServerSettings
 from tests.server.conftest import API_KEY, asgi_client
@@ -49,20 +50,7 @@ def repeated_form_pdf(draws: int, operators: int) -> bytes:
             b"/Type /XObject /Subtype /Form /BBox [0 0 612 792] /Resources << " + font + b" >>",
         ),
     ]
-    out = bytearray(b"%PDF-1.7\n")
-    offsets = []
-    for number, body in enumerate(objects, start=1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n" % number + body + b"\nendobj\n"
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
-    for offset in offsets:
-        out += b"%010d 00000 n \n" % offset
-    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (
-        len(objects) + 1,
-        xref,
-    )
-    return bytes(out)
+    return pdf_document(objects)
 
 
 CRAFTED = repeated_form_pdf(5000, 1000)
