@@ -13,6 +13,7 @@ ints (the garbage collector walks such a list at every pass: 37 ms for 7.2 M ids
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -37,23 +38,10 @@ def encode_text(
             text, add_special_tokens=add_special_tokens, split_special_tokens=split_special_tokens
         )
         return list(encoded.input_ids)
-    truncation = backend.truncation
-    if truncation is not None:
-        backend.no_truncation()
-    backend.encode_special_tokens = split_special_tokens
-    try:
-        head, tail = _special_ends(backend) if add_special_tokens else ([], [])
-        pieces = _pieces(backend, text)
-        encodings = backend.encode_batch(pieces, add_special_tokens=False)
-        ids = list(head)
-        for i in range(len(encodings)):  # one piece's conversion, then its freeing, at a time
-            ids.extend(encodings[i].ids)
-            encodings[i] = None
-        ids.extend(tail)
-        return ids
-    finally:
-        if truncation is not None:
-            backend.enable_truncation(**truncation)
+    ids: list[int] = []
+    for part in _piece_ids(backend, text, add_special_tokens, split_special_tokens):
+        ids.extend(part)
+    return ids
 
 
 def encode_ids(
@@ -74,6 +62,18 @@ def encode_ids(
             split_special_tokens=split_special_tokens,
         )
         return torch.tensor(ids, dtype=torch.long)
+    parts = [
+        torch.tensor(part, dtype=torch.long)
+        for part in _piece_ids(backend, text, add_special_tokens, split_special_tokens)
+    ]
+    return torch.cat(parts)  # (T,)
+
+
+def _piece_ids(
+    backend: Any, text: str, add_special_tokens: bool, split_special_tokens: bool
+) -> Iterator[list[int]]:
+    """The ids of a long text: the special head, each piece's (converted, then freed, one at a
+    time), the special tail. The backend's truncation is off meanwhile."""
     truncation = backend.truncation
     if truncation is not None:
         backend.no_truncation()
@@ -81,12 +81,11 @@ def encode_ids(
     try:
         head, tail = _special_ends(backend) if add_special_tokens else ([], [])
         encodings = backend.encode_batch(_pieces(backend, text), add_special_tokens=False)
-        parts = [torch.tensor(head, dtype=torch.long)]
-        for i in range(len(encodings)):  # one piece's conversion, then its freeing, at a time
-            parts.append(torch.tensor(encodings[i].ids, dtype=torch.long))
+        yield list(head)
+        for i in range(len(encodings)):
+            yield encodings[i].ids
             encodings[i] = None
-        parts.append(torch.tensor(tail, dtype=torch.long))
-        return torch.cat(parts)  # (T,)
+        yield list(tail)
     finally:
         if truncation is not None:
             backend.enable_truncation(**truncation)
