@@ -96,7 +96,7 @@ def test_the_lock_pins_every_dependency_with_a_hash_and_keeps_the_floors() -> No
     for line in (REPO / "requirements.lock").read_text().splitlines():
         if not line or line.startswith("#"):
             continue
-        match = re.fullmatch(r"([a-z0-9-]+)==(\S+) --hash=sha256:[0-9a-f]{64}", line)
+        match = re.fullmatch(r"([a-z0-9-]+)==(\S+)(?: ; [^-]+)? --hash=sha256:[0-9a-f]{64}", line)
         assert match, line
         pinned[match.group(1)] = match.group(2)
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
