@@ -56,7 +56,7 @@ def test_every_document_passes_the_kubernetes_schemas(
     rendered: dict[str, list[dict[str, Any]]], overlay: str
 ) -> None:
     kubernetes_validate = pytest.importorskip(
-        "kubernetes_validate", reason="kubernetes-validate is in the dev extra"
+        "kubernetes_validate", reason="kubernetes-validate is not installed (the dev extra has it)"
     )
     versions = [
         kubernetes_validate.latest_version() if v == "latest" else v for v in KUBERNETES_VERSIONS
