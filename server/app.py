@@ -50,7 +50,11 @@ def build_app(
 
     app = FastAPI(title="longserve", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
-    app_metrics = Metrics(engine.stats)
+    app_metrics = Metrics(
+        engine.stats,
+        model_name=engine.model.id,
+        memory_tokens_budget=settings.max_memory_tokens_per_tenant * settings.tenant_count(),
+    )
     if store is not None and store.on_request is None:
         store.on_request = app_metrics.memory_store_request
     session_store = SessionStore(store) if store is not None else None

@@ -3,6 +3,11 @@
 The only module that touches prometheus_client. Each app owns one `Metrics` (its own
 CollectorRegistry), so tests can build many apps in one process. Gauges that describe the
 engine's state are read from `engine.stats()` at scrape time.
+
+Beside them, under vLLM's own names, the three gauges that the Gateway API Inference Extension's
+endpoint picker and llm-d read from every model server ("model server protocol"):
+`vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`, each with
+vLLM's `model_name` label (docs/decisions/062-kubernetes.md).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from engine.protocol import EngineStats, RequestStats
 from memory_store.client import stored_bytes
 
 PREFIX = "longserve:"
+# The inference gateway's endpoint picker reads these names (vLLM's) by default.
+VLLM_PREFIX = "vllm:"
 
 # 1 ms .. 2 min: TTFT and e2e on a long document span four orders of magnitude.
 LATENCY_BUCKETS = (
@@ -98,15 +105,30 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 disable_created_metrics()
 
 
+def kv_cache_usage(stats: EngineStats, memory_tokens_budget: int) -> float:
+    """vLLM's KV-cache usage (0 to 1) as longserve counts it: the tokens its sessions' memories
+    hold over the most its tenants may hold (`max_memory_tokens_per_tenant` times the tenants),
+    capped at 1. Kept prefixes are left out (docs/decisions/062-kubernetes.md)."""
+    # No preallocated KV pool here: session memories are what stays and fills a replica.
+    if memory_tokens_budget <= 0:
+        return 0.0
+    return min(1.0, stats.memory_tokens / memory_tokens_budget)
+
+
 class _EngineStatsCollector(Collector):
-    def __init__(self, read_stats: Callable[[], EngineStats]) -> None:
+    def __init__(
+        self, read_stats: Callable[[], EngineStats], model_name: str, memory_tokens_budget: int
+    ) -> None:
         self._read_stats = read_stats
+        self._model_name = model_name
+        self._memory_tokens_budget = memory_tokens_budget
 
     def collect(self) -> Iterator[Metric]:
         try:
             stats = self._read_stats()
         except Exception:  # a dead engine must not break the scrape
             stats = EngineStats()
+        yield from self._inference_gateway_gauges(stats)
         yield GaugeMetricFamily(
             f"{PREFIX}num_requests_running",
             "Requests running in the engine.",
@@ -176,13 +198,47 @@ class _EngineStatsCollector(Collector):
         for name, doc, value in grammars:
             yield CounterMetricFamily(f"{PREFIX}{name}", doc, value=value)
 
+    def _inference_gateway_gauges(self, stats: EngineStats) -> Iterator[Metric]:
+        """vLLM's names, types and label for what the endpoint picker reads. Not exported:
+        `vllm:lora_requests_info` (longserve serves no LoRA adapters) and the optional
+        `vllm:cache_config_info` (its block size and block count describe a paged pool)."""
+        gauges = (
+            (
+                "num_requests_running",
+                "Requests running in the engine.",
+                stats.num_requests_running,
+            ),
+            (
+                "num_requests_waiting",
+                "Requests waiting in the engine's queue.",
+                stats.num_requests_waiting,
+            ),
+            (
+                "kv_cache_usage_perc",
+                "Memory held by sessions over the tenants' memory budget. 1 means 100 percent.",
+                kv_cache_usage(stats, self._memory_tokens_budget),
+            ),
+        )
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(f"{VLLM_PREFIX}{name}", doc, labels=["model_name"])
+            family.add_metric([self._model_name], value)
+            yield family
+
 
 class Metrics:
-    def __init__(self, read_stats: Callable[[], EngineStats]) -> None:
+    def __init__(
+        self,
+        read_stats: Callable[[], EngineStats],
+        *,
+        model_name: str,
+        memory_tokens_budget: int,
+    ) -> None:
+        """`model_name`: the served model (vLLM's label); `memory_tokens_budget`: the memory
+        tokens this server's tenants may hold in all (see `kv_cache_usage`)."""
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
-        self.registry.register(_EngineStatsCollector(read_stats))
+        self.registry.register(_EngineStatsCollector(read_stats, model_name, memory_tokens_budget))
         r = self.registry
 
         self.time_to_first_token = Histogram(

@@ -195,3 +195,7 @@ class ServerSettings(BaseSettings):
     def tenants(self) -> dict[str, str]:
         """API key -> tenant id. Empty when no key is configured (single tenant "default")."""
         return {key: tenant_of(key) for key in self.api_keys}
+
+    def tenant_count(self) -> int:
+        """How many tenants the configured API keys make (one, "default", without a key)."""
+        return max(1, len(set(self.tenants().values())))

@@ -42,6 +42,10 @@ EXPECTED = {
     "longserve:grammar_compile_seconds": "counter",
     "longserve:memory_store_requests": "counter",
     "longserve:memory_store_request_seconds": "histogram",
+    # what the Gateway API Inference Extension's endpoint picker reads, under vLLM's names
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
     "process_cpu_seconds": "counter",
     "process_resident_memory_bytes": "gauge",
 }
@@ -120,6 +124,13 @@ def test_every_metric_appears_and_moves(server):
     assert value(after, "longserve:num_requests_running") == 0
     assert value(after, "longserve:sessions_active") >= 1
     assert value(after, "longserve:memory_tokens") > 100
+    # the session's memory fills the cache the endpoint picker sees: its tokens over the one
+    # tenant's (one API key's) default budget of 4M memory tokens
+    assert value(before, "vllm:kv_cache_usage_perc") < value(after, "vllm:kv_cache_usage_perc")
+    assert value(after, "vllm:kv_cache_usage_perc", model_name=model) == pytest.approx(
+        value(after, "longserve:memory_tokens") / 4_000_000
+    )
+    assert value(after, "vllm:num_requests_running", model_name=model) == 0
 
 
 def test_promtool_finds_nothing_but_the_colon_convention(server):

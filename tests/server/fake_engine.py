@@ -129,6 +129,7 @@ class FakeEngine:
         self.store_unavailable = False
         self.forwards_by_session: dict[str, int] = {}
         self.offloaded: set[str] = set()  # sessions a test says are in host memory
+        self.memory_tokens = 123  # what stats() says the sessions' memories hold
         self.collections: dict[str, tuple[str, int, int]] = {}
         self.collection_max_chunks = 64
         self.attached: dict[str, list[str]] = {}  # session id -> collections, in order
@@ -418,7 +419,7 @@ class FakeEngine:
             num_requests_running=len(self.running),
             num_requests_waiting=0,
             sessions_active=len(self.sessions),
-            memory_tokens=123,
+            memory_tokens=self.memory_tokens,
             sessions_offloaded=len(self.offloaded & self.sessions),
             prefix_cache_hits=2,
             prefix_cache_tokens_reused=4096,

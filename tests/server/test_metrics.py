@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import MODEL
+from tests.helpers import wait_until_async
+from tests.server.conftest import MODEL, asgi_client
 from tests.server.fake_engine import FakeEngine
 
 
@@ -76,3 +80,60 @@ async def test_each_app_has_its_own_registry(client: httpx.AsyncClient) -> None:
 
     other = build_app(ServerSettings(), FakeEngine(MODEL))  # no duplicate-metric error
     assert other.state.serving.metrics.registry is not None
+
+
+def gateway_samples(text: str) -> dict[str, tuple[str, dict[str, str], float]]:
+    """The inference gateway's three vLLM gauges: name -> (type, labels, value)."""
+    found = {}
+    for family in text_string_to_metric_families(text):
+        if family.name.startswith("vllm:"):
+            (sample,) = family.samples
+            found[family.name] = (family.type, sample.labels, sample.value)
+    return found
+
+
+async def test_inference_gateway_gauges_follow_the_engine(
+    client: httpx.AsyncClient, engine: FakeEngine
+) -> None:
+    async def gauges() -> dict[str, tuple[str, dict[str, str], float]]:
+        response = await client.get("/metrics", headers={"Authorization": ""})
+        return gateway_samples(response.text)
+
+    idle = await gauges()
+    assert set(idle) == {
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+    }
+    for kind, labels, _ in idle.values():
+        assert (kind, labels) == ("gauge", {"model_name": MODEL})
+    assert idle["vllm:num_requests_running"][2] == 0
+    assert idle["vllm:num_requests_waiting"][2] == 0
+    # 123 memory tokens held, one tenant (one API key) at the default 4M tokens
+    assert idle["vllm:kv_cache_usage_perc"][2] == pytest.approx(123 / 4_000_000)
+
+    engine.gate.clear()  # requests hold before their first token
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a b c"}], "n": 2}
+    request = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+    await wait_until_async(lambda: len(engine.running) == 2, "two choices never ran")
+    engine.memory_tokens = 3_000_000
+    busy = await gauges()
+    assert busy["vllm:num_requests_running"][2] == 2
+    assert busy["vllm:kv_cache_usage_perc"][2] == pytest.approx(0.75)
+    engine.gate.set()
+    assert (await request).status_code == 200
+    assert (await gauges())["vllm:num_requests_running"][2] == 0
+
+    engine.memory_tokens = 9_000_000  # past the budget: reported as full, never above 1
+    assert (await gauges())["vllm:kv_cache_usage_perc"][2] == 1.0
+
+
+async def test_kv_cache_usage_counts_every_tenants_budget(engine: FakeEngine) -> None:
+    from server.app import build_app
+    from server.settings import ServerSettings
+
+    settings = ServerSettings(api_keys=["k1", "k2"], max_memory_tokens_per_tenant=1000)
+    engine.memory_tokens = 500
+    async with asgi_client(build_app(settings, engine), api_key="k1") as http:
+        response = await http.get("/metrics")
+    assert gateway_samples(response.text)["vllm:kv_cache_usage_perc"][2] == 0.25
