@@ -82,7 +82,7 @@ RUN mkdir -p "${TORCH_EXTENSIONS_DIR}" \
       apt-get update -qq \
    && apt-get install -y -qq --no-install-recommends g++ \
    && for cap in ${CPU_CAPABILITIES}; do \
-        ATEN_CPU_CAPABILITY="${cap}" python -P -c "from engine.runner.cpu_extensions import load_extension as f; f('decode_attention'); f('memory_step'); f('quant_matmul')"; \
+        ATEN_CPU_CAPABILITY="${cap}" python -P -c "from engine.runner.cpu_extensions import load_extension as f; assert all([f('decode_attention'), f('memory_step'), f('quant_matmul')]), 'a CPU kernel did not build'"; \
       done \
    && rm -rf /var/lib/apt/lists/*; \
     fi

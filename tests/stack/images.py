@@ -66,7 +66,8 @@ def python_base() -> Built:
     if not exists(PYTHON_IMAGE):
         _debootstrap_image(
             PYTHON_IMAGE, "bookworm",
-            ["python3", "python3-venv", "python-is-python3", "ca-certificates"],
+            # the headers too, as the official image has them: the CPU kernels build against them
+            ["python3", "python3-venv", "python-is-python3", "libpython3-dev", "ca-certificates"],
             ["ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
              "ENV LANG=C.UTF-8", 'CMD ["python3"]'],
         )  # fmt: skip
@@ -112,4 +113,3 @@ def project(log: Path) -> Built:
     if done.returncode != 0:
         raise AssertionError(f"docker build failed:\n{log.read_text(errors='replace')[-6000:]}")
     return Built(PROJECT_IMAGE, time.monotonic() - start, size(PROJECT_IMAGE))
-

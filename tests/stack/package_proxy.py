@@ -24,6 +24,7 @@ from urllib.parse import quote, unquote
 
 REGISTRY = "https://pypi.org/simple/"
 FILES = "https://files.pythonhosted.org/"
+PREFERRED_PORT = 53141
 
 
 def _normalize(name: str) -> str:
@@ -67,8 +68,17 @@ class PackageProxy:
         self._index = settings.get("index-url", REGISTRY).rstrip("/") + "/"
         wheels = _local_wheels(settings.get("find-links", ""))
         self._local = {name: wheels[name] for name in map(_normalize, local) if name in wheels}
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server = self._bind(self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @staticmethod
+    def _bind(handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
+        """The same port each run where it is free: the URL is a build arg, and docker's build
+        cache keeps a layer only while its build args are the same."""
+        try:
+            return ThreadingHTTPServer(("127.0.0.1", PREFERRED_PORT), handler)
+        except OSError:
+            return ThreadingHTTPServer(("127.0.0.1", 0), handler)
 
     @property
     def url(self) -> str:

@@ -70,6 +70,7 @@ class Stack:
         return time.monotonic() - start
 
     def down(self, volumes: bool = False) -> None:
+        self.save_logs(f"before-down-{time.strftime('%H%M%S')}")
         self.compose("down", "--remove-orphans", *(["-v"] if volumes else []))
 
     def containers(self, service: str) -> list[str]:
@@ -97,7 +98,9 @@ class Stack:
             if states and not waiting:
                 return
             if time.monotonic() > deadline:
-                raise AssertionError(f"not healthy after {timeout} s: {waiting}\n{self.logs()}")
+                raise AssertionError(
+                    f"not healthy after {timeout} s: {waiting}\n{self.logs()[-20000:]}"
+                )
             time.sleep(2)
 
     def kill(self, container: str) -> None:
@@ -109,10 +112,11 @@ class Stack:
     def logs(self, tail: int = 60) -> str:
         done = subprocess.run([*self.base, "logs", "--no-color", "--tail", str(tail)],
                               cwd=REPO, env=self.env, capture_output=True, text=True)  # fmt: skip
-        return done.stdout[-20000:]
+        return done.stdout
 
-    def save_logs(self) -> None:
-        (self.log_dir / f"{self.name}.log").write_text(self.logs(tail=2000))
+    def save_logs(self, when: str = "end") -> None:
+        """Every container's log so far (`down` removes the containers, and their logs)."""
+        (self.log_dir / f"{self.name}-{when}.log").write_text(self.logs(tail=5000))
 
     def metric(self, container: str, name: str) -> float:
         """A replica's own figure (the sum over label sets), read at its container address."""
@@ -120,5 +124,7 @@ class Stack:
         with urllib.request.urlopen(url, timeout=10) as response:
             text = response.read().decode()
         values = re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
-        assert values, f"{name} is not in {container}'s /metrics"
+        family = name.removesuffix("_total")
+        # a labelled counter has no sample before its first event (a replica that answered none)
+        assert values or f"# TYPE {family} " in text, f"{name} is not in {container}'s /metrics"
         return sum(float(v) for v in values)
