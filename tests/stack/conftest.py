@@ -12,8 +12,7 @@ import pytest
 
 from tests.stack import images
 from tests.stack.engine import ensure_engine
-
-FIGURES: dict[str, float] = {}
+from tests.stack.figures import FIGURES
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,8 @@ import pytest
 
 from tests.e2e.test_replicas import DOCUMENT
 from tests.stack import images
-from tests.stack.conftest import FIGURES
 from tests.stack.engine import run
+from tests.stack.figures import FIGURES
 from tests.stack.stack import Stack
 from tests.stack.test_stack import (
     TURNS,
