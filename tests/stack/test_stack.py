@@ -181,11 +181,9 @@ def test_killing_its_replica_keeps_the_conversation(stack: Stack, state: dict) -
     read_before = stack.metric(other, "longserve:ingest_tokens_total")
     stack.kill(state["holder"])  # SIGKILL, mid-conversation
 
-    # The first request the proxy sends to the dead replica waits out proxy_connect_timeout and
-    # gets a 504: nginx does not pass it to the next replica here (docs/decisions/063). The
-    # openai SDK retries it by default (2 retries); after that nginx knows the replica is gone.
+    # No client retry: the proxy sends the request on to the live replica itself (decision 063).
     follow = [*state["messages"], {"role": "user", "content": "Repeat your last answer."}]
-    answer = chat(stack, session_id, follow, retries=2)
+    answer = chat(stack, session_id, follow)
     after = session_object(stack, session_id).json()
     assert answer and after["turns"] == before["turns"] + 1, (before, after)
     assert stack.metric(other, "longserve:ingest_tokens_total") == read_before  # nothing re-read
