@@ -9,7 +9,6 @@ deploy/nginx.conf. Nothing here runs on a cluster."""
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ from tests.deploy.kustomize_render import (
     secrets_example,
     selects,
 )
-from tests.deploy.tools import DEPLOY, REPO, require
+from tests.deploy.tools import DEPLOY, REPO, nginx_check, require
 
 # The preStop `sleep` action is on by default from 1.30.
 KUBERNETES_VERSIONS = ("1.30", "latest")
@@ -314,16 +313,7 @@ def test_proxy_config_passes_nginx_check(tmp_path: Path) -> None:
     # Service exists here: check a copy naming addresses, all else unchanged.
     text = re.sub(r"server [\w.-]+ service=\w+ resolve weight=\d+;", "server 127.0.0.1:8000;", text)
     text = re.sub(r"resolver [\w.-]+ ", "resolver 127.0.0.1 ", text)
-    config = tmp_path / "nginx.conf"
-    config.write_text(text)
-    (tmp_path / "logs").mkdir()
-    result = subprocess.run(
-        [nginx, "-t", "-p", f"{tmp_path}/", "-e", "stderr", "-c", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = nginx_check(nginx, text, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

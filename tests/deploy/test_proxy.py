@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.tools import DEPLOY, require
+from tests.deploy.tools import DEPLOY, nginx_check, require
 from tests.helpers import HOST, free_port, wait_for_process
 
 CONFIG = DEPLOY / "nginx.conf"
@@ -60,16 +60,7 @@ def test_proxy_config_passes_nginx_check(tmp_path: Path) -> None:
         # An older nginx rejects `resolve` there, and without it resolves `server` while checking,
         # a name only Docker's DNS knows: check a copy naming an address, all else unchanged.
         text = replaced(text, SHIPPED_SERVER, "server 127.0.0.1:8000;")
-    config = tmp_path / "nginx.conf"
-    config.write_text(text)
-    (tmp_path / "logs").mkdir()
-    result = subprocess.run(
-        [nginx, "-t", "-p", f"{tmp_path}/", "-e", "stderr", "-c", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = nginx_check(nginx, text, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

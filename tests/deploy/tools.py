@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,3 +40,17 @@ def require(name: str, *extra_candidates: Path, install: str) -> str:
 
 def yaml_module() -> Any:
     return pytest.importorskip("yaml", reason="PyYAML is needed to read the YAML files")
+
+
+def nginx_check(nginx: str, text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """`nginx -t` on `text` as a config, with `tmp_path` as its prefix."""
+    config = tmp_path / "nginx.conf"
+    config.write_text(text)
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    return subprocess.run(
+        [nginx, "-t", "-p", f"{tmp_path}/", "-e", "stderr", "-c", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )

@@ -61,30 +61,31 @@ def _debootstrap_image(image: str, suite: str, packages: list[str], changes: lis
         tar.wait()
 
 
-def python_base() -> Built:
+def _base(image: str, suite: str, packages: list[str], changes: list[str]) -> Built:
+    """The image from Debian's packages, unless it is already there (then 0 seconds)."""
     start = time.monotonic()
-    if not exists(PYTHON_IMAGE):
-        _debootstrap_image(
-            PYTHON_IMAGE, "bookworm",
-            # the headers too, as the official image has them: the CPU kernels build against them
-            ["python3", "python3-venv", "python-is-python3", "libpython3-dev", "ca-certificates"],
-            ["ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-             "ENV LANG=C.UTF-8", 'CMD ["python3"]'],
-        )  # fmt: skip
-        return Built(PYTHON_IMAGE, time.monotonic() - start, size(PYTHON_IMAGE))
-    return Built(PYTHON_IMAGE, 0.0, size(PYTHON_IMAGE))
+    made = not exists(image)
+    if made:
+        _debootstrap_image(image, suite, packages, changes)
+    return Built(image, time.monotonic() - start if made else 0.0, size(image))
+
+
+def python_base() -> Built:
+    return _base(
+        PYTHON_IMAGE, "bookworm",
+        # the headers too, as the official image has them: the CPU kernels build against them
+        ["python3", "python3-venv", "python-is-python3", "libpython3-dev", "ca-certificates"],
+        ["ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+         "ENV LANG=C.UTF-8", 'CMD ["python3"]'],
+    )  # fmt: skip
 
 
 def services() -> Built:
-    start = time.monotonic()
-    if not exists(SERVICES_IMAGE):
-        _debootstrap_image(
-            SERVICES_IMAGE, "forky",
-            ["nginx-light", "redis-server", "prometheus", "wget", "ca-certificates"],
-            ["ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
-        )  # fmt: skip
-        return Built(SERVICES_IMAGE, time.monotonic() - start, size(SERVICES_IMAGE))
-    return Built(SERVICES_IMAGE, 0.0, size(SERVICES_IMAGE))
+    return _base(
+        SERVICES_IMAGE, "forky",
+        ["nginx-light", "redis-server", "prometheus", "wget", "ca-certificates"],
+        ["ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
+    )  # fmt: skip
 
 
 def cpu_capability() -> str:

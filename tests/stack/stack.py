@@ -8,27 +8,18 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import shutil
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
+from tests.deploy.compose_config import compose_command
 from tests.helpers import free_port
 from tests.stack.engine import run
 
 REPO = Path(__file__).resolve().parents[2]
 OVERRIDE = Path(__file__).with_name("compose.test.yml")
 API_KEY = "stack-test-key"
-
-
-def compose_command() -> list[str]:
-    """`docker compose` (v2) where the plugin is installed, else `docker-compose` (v1)."""
-    if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
-        return ["docker", "compose"]
-    found = shutil.which("docker-compose")
-    assert found, "neither `docker compose` nor `docker-compose` is installed"
-    return [found]
 
 
 class Stack:
