@@ -14,7 +14,7 @@ import asyncio
 import copy
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,8 @@ from engine.protocol import (
     SamplingParams,
     SessionMemoryInfo,
     SessionTurn,
+    Tokenized,
+    TokenizerInfo,
 )
 from engine.runner.chat_template import (
     assistant_turn_end,
@@ -267,6 +269,54 @@ class LocalEngine:
 
     async def count_tokens(self, prompt: Prompt) -> int:
         return await self._preprocessor.run(None, lambda: self._count(prompt))
+
+    async def tokenize(
+        self,
+        prompt: Prompt,
+        *,
+        add_special_tokens: bool = True,
+        generation_prompt: bool = True,
+        token_strings: bool = False,
+        tenant: str | None = None,
+    ) -> Tokenized:
+        def tokenize() -> Tokenized:
+            tokenizer = self._thread_tokenizer()
+            if isinstance(prompt, str):
+                ids = encode_text(tokenizer, prompt, add_special_tokens=add_special_tokens)
+            else:
+                ids = encode_chat(tokenizer, prompt, generation_prompt=generation_prompt)
+            return Tokenized(ids, tokenizer.convert_ids_to_tokens(ids) if token_strings else None)
+
+        return await self._preprocessor.run(tenant, tokenize)
+
+    async def detokenize(self, token_ids: Sequence[int], *, tenant: str | None = None) -> str:
+        def detokenize() -> str:
+            tokenizer = self._thread_tokenizer()
+            vocab = len(tokenizer)
+            for i, token in enumerate(token_ids):
+                if not 0 <= token < vocab:
+                    raise InvalidRequest(
+                        f"tokens[{i}] is {token}, not a token id of this model (0 to {vocab - 1}).",
+                        param="tokens",
+                    )
+            return str(tokenizer.decode(list(token_ids)))
+
+        return await self._preprocessor.run(tenant, detokenize)
+
+    @property
+    def tokenizer_info(self) -> TokenizerInfo:
+        tokenizer = self._tokenizer
+        return TokenizerInfo(
+            tokenizer_class=type(tokenizer).__name__,
+            vocab_size=len(tokenizer),
+            model_max_length=self.loaded.max_model_len,
+            bos_token=tokenizer.bos_token,
+            eos_token=tokenizer.eos_token,
+            pad_token=tokenizer.pad_token,
+            chat_template=tokenizer.chat_template
+            if isinstance(tokenizer.chat_template, str)
+            else None,
+        )
 
     async def abort(self, request_id: str) -> None:
         self._worker.abort(request_id)

@@ -302,6 +302,29 @@ class ModelInfo:
     created: int = 0
 
 
+@dataclass(frozen=True)
+class Tokenized:
+    """A prompt's token ids as the model reads it (chat messages through the template), and
+    each id's token string when asked for (the tokenizer's own spelling, e.g. "Ġhello")."""
+
+    ids: list[int]
+    strings: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What a client needs to count and cut prompts as the server does (vLLM's
+    /tokenizer_info): the special tokens, the chat template, the vocabulary's size."""
+
+    tokenizer_class: str
+    vocab_size: int
+    model_max_length: int
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    chat_template: str | None = None
+
+
 # ---------------------------------------------------------------------------------------------
 # The contract.
 # ---------------------------------------------------------------------------------------------
@@ -346,6 +369,28 @@ class EngineClient(Protocol):
     async def count_tokens(self, prompt: Prompt) -> int:
         """Tokens the prompt takes after chat templating (for limits and usage)."""
         ...
+
+    async def tokenize(
+        self,
+        prompt: Prompt,
+        *,
+        add_special_tokens: bool = True,
+        generation_prompt: bool = True,
+        token_strings: bool = False,
+        tenant: str | None = None,
+    ) -> Tokenized:
+        """The prompt's ids as generate would read them, off the asyncio loop within the
+        tenant's share of the preprocessing threads. add_special_tokens: for a text prompt,
+        the tokenizer's BOS/EOS (a chat template writes its own); generation_prompt: for chat
+        messages, the assistant's opening appended."""
+        ...
+
+    async def detokenize(self, token_ids: Sequence[int], *, tenant: str | None = None) -> str:
+        """The text of token ids; InvalidRequest naming the first id outside the vocabulary."""
+        ...
+
+    @property
+    def tokenizer_info(self) -> TokenizerInfo: ...
 
     async def abort(self, request_id: str) -> None:
         """Stop a request now; its iterator ends with finish_reason "abort". Idempotent."""

@@ -17,7 +17,16 @@ from server.drain import DrainGate, DrainState
 from server.errors import install_error_handlers
 from server.limits import BodySizeLimit, HeadSizeLimit, RefuseEncodedBodies
 from server.metrics import Metrics
-from server.routes import chat, completions, health, metrics, models, responses, sessions
+from server.routes import (
+    chat,
+    completions,
+    health,
+    metrics,
+    models,
+    responses,
+    sessions,
+    tokenize,
+)
 from server.serving.context import ServingContext
 from server.serving.response_store import ResponseStore
 from server.sessions import SessionRegistry
@@ -81,7 +90,7 @@ def build_app(
     app.add_middleware(RefuseEncodedBodies)
     app.add_middleware(HeadSizeLimit)
     app.add_middleware(DrainGate, state=app.state.drain)
-    for module in (health, metrics, models, chat, completions, responses, sessions):
+    for module in (health, metrics, models, chat, completions, responses, sessions, tokenize):
         app.include_router(module.router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

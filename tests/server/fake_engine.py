@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from engine.protocol import (
@@ -53,6 +53,8 @@ from engine.protocol import (
     SessionNotFound,
     SessionTurn,
     StoreUnavailableError,
+    Tokenized,
+    TokenizerInfo,
     TokenLogprob,
 )
 
@@ -134,6 +136,8 @@ class FakeEngine:
         self.collection_max_chunks = 64
         self.attached: dict[str, list[str]] = {}  # session id -> collections, in order
         self.prepared: list[tuple[Prompt, str | None]] = []  # prepare()'s prompts and tenants
+        self.tokenized: list[tuple[Prompt, str | None]] = []  # tokenize()'s
+        self.vocabulary: dict[str, int] = {}  # tokenize()'s words, by id
 
     @property
     def model(self) -> ModelInfo:
@@ -301,6 +305,39 @@ class FakeEngine:
 
     async def count_tokens(self, prompt: Prompt) -> int:
         return len(prompt_words(prompt))
+
+    async def tokenize(
+        self,
+        prompt: Prompt,
+        *,
+        add_special_tokens: bool = True,
+        generation_prompt: bool = True,
+        token_strings: bool = False,
+        tenant: str | None = None,
+    ) -> Tokenized:
+        """Words are tokens, numbered as first seen; `<s>` opens a text prompt with special
+        tokens, `<assistant>` ends chat messages with a generation prompt."""
+        self.tokenized.append((prompt, tenant))
+        words = prompt_words(prompt)
+        if isinstance(prompt, str) and add_special_tokens:
+            words.insert(0, "<s>")
+        if not isinstance(prompt, str) and generation_prompt:
+            words.append("<assistant>")
+        for word in words:
+            self.vocabulary.setdefault(word, len(self.vocabulary))
+        ids = [self.vocabulary[w] for w in words]
+        return Tokenized(ids, list(words) if token_strings else None)
+
+    async def detokenize(self, token_ids: Sequence[int], *, tenant: str | None = None) -> str:
+        words = list(self.vocabulary)
+        for i, token in enumerate(token_ids):
+            if not 0 <= token < len(words):
+                raise InvalidRequest(f"tokens[{i}] is {token}, not a token id", param="tokens")
+        return " ".join(words[t] for t in token_ids)
+
+    @property
+    def tokenizer_info(self) -> TokenizerInfo:
+        return TokenizerInfo("FakeTokenizer", len(self.vocabulary), 2048, "<s>", "</s>")
 
     async def abort(self, request_id: str) -> None:
         self._abort_requested.add(request_id)
