@@ -8,6 +8,7 @@ import json
 from engine.protocol import EngineClient, SamplingParams, StructuredOutput
 from server.errors import APIError, invalid_request, model_not_found
 from server.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
+from server.serving.schemas import bounded_numbers
 from server.settings import ServerSettings
 
 
@@ -102,10 +103,12 @@ def response_format(
         raise invalid_request(
             "response_format json_schema needs json_schema.schema.", param="response_format"
         )
-    schema = json.dumps(fmt.json_schema.json_schema, separators=(",", ":"), sort_keys=True)
+    schema = json.dumps(fmt.json_schema.json_schema, separators=(",", ":"))
     if len(schema.encode()) > settings.max_schema_bytes:
         raise invalid_request(
             f"response_format: the JSON schema is over {settings.max_schema_bytes} bytes.",
             param="response_format",
         )
-    return StructuredOutput("json_schema", schema)
+    # keys in the client's order: llguidance writes properties in it
+    bounded = bounded_numbers(fmt.json_schema.json_schema)
+    return StructuredOutput("json_schema", json.dumps(bounded, separators=(",", ":")))

@@ -34,6 +34,7 @@ from server.protocol import (
     FunctionCall,
     ToolCall,
 )
+from server.serving.schemas import bounded_numbers
 from server.settings import ServerSettings
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -148,7 +149,10 @@ def _grammar(functions: list[dict], mode: str, parallel: bool) -> StructuredOutp
     calls = [
         {
             "type": "object",
-            "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+            "properties": {
+                "name": {"const": f["name"]},
+                "arguments": bounded_numbers(f["parameters"]),
+            },
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
