@@ -1,6 +1,7 @@
 """Document extraction that cannot hang the server: each upload is read in a worker process of
-its own, under a CPU-time limit (RLIMIT_CPU, set in the child) and a wall-clock limit (the parent
-kills it), with a few slots per server and fewer per tenant.
+its own, under a CPU-time limit (RLIMIT_CPU, set in the child), an address-space limit
+(RLIMIT_AS) and a wall-clock limit (the parent kills it), with a few slots per server and fewer
+per tenant.
 
 A thread cannot be stopped, and pypdf can spend minutes inside one page (nested form XObjects
 multiply: a 2 KB page took 200 s, docs/decisions/060), so the work runs where it can be killed.
@@ -32,6 +33,7 @@ from server.errors import APIError, document_extraction_busy, document_extractio
 
 logger = logging.getLogger(__name__)
 
+UNREADABLE = ("error", 400, "The document cannot be read.", "file", "invalid_document")
 # Inline text this short is checked on the event loop: there is nothing to extract.
 INLINE_TEXT_CHARS = 65536
 
@@ -42,6 +44,7 @@ class ExtractionLimits:
     slots_per_tenant: int  # ... of one tenant
     queue_seconds: float  # how long an upload may wait for a slot
     cpu_seconds: int  # CPU time of one extraction (RLIMIT_CPU in its process)
+    memory_bytes: int | None = None  # its address space (RLIMIT_AS); None: unlimited
 
 
 def _context() -> Any:
@@ -54,7 +57,11 @@ def _context() -> Any:
 
 
 def _extract_in_child(
-    conn: Connection, upload: Upload, limits: DocumentLimits, cpu_seconds: int
+    conn: Connection,
+    upload: Upload,
+    limits: DocumentLimits,
+    cpu_seconds: int,
+    memory_bytes: int | None,
 ) -> None:
     """The worker process: one extraction, its outcome sent back as plain values (an APIError's
     fields or the text), never an exception's text."""
@@ -63,24 +70,43 @@ def _extract_in_child(
         cpu_seconds = min(cpu_seconds, hard - 1)
     # past the soft limit SIGXCPU ends it, past the hard one SIGKILL
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))
+    if memory_bytes is not None:  # past it an allocation fails: MemoryError, a 400 below
+        # on top of what the process already maps: a forkserver child starts with everything
+        # the server's main module imported (torch's libraries: gigabytes of address space)
+        limit = _address_space() + memory_bytes
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
     try:
         text = extract_text(upload, limits, time.monotonic() + limits.timeout_seconds)
         conn.send(("ok", text.name, text.kind, text.text))
     except APIError as e:
         conn.send(("error", e.status_code, e.message, e.param, e.code))
-    except BaseException:  # pypdf's own failures past those extract_text names
-        conn.send(("error", 400, "The document cannot be read.", "file", "invalid_document"))
+    except BaseException:  # pypdf's own failures past those extract_text names, MemoryError
+        conn.send(UNREADABLE)
     finally:
         conn.close()
+
+
+def _address_space() -> int:
+    """This process's mapped address space in bytes (Linux; 0 where /proc is not there)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class _Extraction:
     """One extraction's process, started and awaited on a thread; kill() from any thread."""
 
-    def __init__(self, context: Any, upload: Upload, limits: DocumentLimits, cpu: int) -> None:
+    def __init__(
+        self, context: Any, upload: Upload, limits: DocumentLimits, cpu: int, memory: int | None
+    ) -> None:
         self._receiver, self._sender = context.Pipe(duplex=False)
         self.process = context.Process(
-            target=_extract_in_child, args=(self._sender, upload, limits, cpu), daemon=True
+            target=_extract_in_child, args=(self._sender, upload, limits, cpu, memory), daemon=True
         )
         self._wall_seconds = limits.timeout_seconds
         self._lock = threading.Lock()
@@ -88,7 +114,9 @@ class _Extraction:
         self.pid: int | None = None  # while it runs
 
     def run(self) -> tuple[Any, ...] | None:
-        """The child's message, or None when it was killed or died (over a limit)."""
+        """The child's message, or None when it was killed over a time limit. A child that
+        died of anything else without a word (out of its address space where even the answer
+        could not be sent) could not read the document."""
         try:
             with self._lock:
                 if self._killed:
@@ -99,7 +127,12 @@ class _Extraction:
             if self._receiver.poll(self._wall_seconds):
                 return tuple(self._receiver.recv())
             return None
-        except (EOFError, OSError):
+        except EOFError:
+            self.process.join()
+            if self._killed or self.process.exitcode in (-signal.SIGKILL, -signal.SIGXCPU):
+                return None
+            return UNREADABLE
+        except OSError:
             return None
         finally:
             if self.process.pid is not None:
@@ -173,7 +206,10 @@ class DocumentReader:
         if upload.text is not None and len(upload.text) < INLINE_TEXT_CHARS:
             return extract_text(upload, self.limits, time.monotonic() + self.limits.timeout_seconds)
         await self._slots.acquire(tenant)
-        extraction = _Extraction(self._context, upload, self.limits, self.extraction.cpu_seconds)
+        limits = self.extraction
+        extraction = _Extraction(
+            self._context, upload, self.limits, limits.cpu_seconds, limits.memory_bytes
+        )
         self.running.add(extraction)
         try:
             loop = asyncio.get_running_loop()

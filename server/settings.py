@@ -87,6 +87,9 @@ class ServerSettings(BaseSettings):
     # once, this many of one API key, and an upload waits at most this long for a slot
     # (then 429 or 503 with Retry-After).
     document_extract_cpu_seconds: int | None = Field(default=None, ge=1)
+    # ... and this much address space past what it starts with (RLIMIT_AS; 0: unlimited): a
+    # crafted PDF whose streams expand to gigabytes fails there, not in the machine's memory.
+    document_extract_memory_bytes: int = Field(default=1024**3, ge=0)
     document_extract_slots: int = Field(default=4, ge=1)
     document_extract_slots_per_tenant: int = Field(default=1, ge=1)
     document_extract_queue_seconds: float = Field(default=10.0, ge=0)

@@ -178,3 +178,53 @@ async def test_the_cpu_limit_ends_an_extraction_before_the_wall_clock(cpu_second
     assert refused.json()["error"]["code"] == "document_extraction_timeout"
     assert elapsed < 30.0, elapsed  # far below the 60 s wall clock
     assert extraction_processes() == []
+
+
+def expanding_pages(pages: int, expanded: int) -> bytes:
+    """`pages` pages, each with its own compressed content stream expanding to `expanded`
+    bytes, under pypdf's per-stream limit (75 MB): one stream is refused by pypdf itself, many
+    such pages are not."""
+    packed = zlib.compress(b"BT /F1 12 Tf 72 720 Td (x) Tj ET\n" + b" " * expanded, 9)
+    stream = b"<< /Length %d /Filter /FlateDecode >>\nstream\n" % len(packed)
+    stream += packed + b"\nendstream"
+    first = 4
+    kids = b" ".join(b"%d 0 R" % (first + 2 * i) for i in range(pages))
+    objects = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [" + kids + b"] /Count %d >>" % pages,
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+    ]
+    for i in range(pages):
+        objects.append(
+            b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] "
+            b"/Resources << /Font << /F1 3 0 R >> >> /Contents %d 0 R >>" % (first + 2 * i + 1)
+        )
+        objects.append(stream)
+    return pdf_document(objects)
+
+
+async def test_the_memory_limit_ends_an_extraction_cleanly():
+    bomb = expanding_pages(12, 70_000_000)  # 50 KB that inflate to 840 MB in pypdf's hands
+    app = build(document_extract_timeout_seconds=60.0, document_extract_memory_bytes=512 * 1024**2)
+    async with asgi_client(app) as http:
+        session = await new_session(http)
+        refused = await upload(http, session, bomb)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["code"] == "invalid_document"
+        assert_leaks_nothing(refused)
+        assert extraction_processes() == []
+        # the same limit leaves an ordinary PDF room
+        read = await upload(http, session, make_pdf(["Page one.", "Page two."]))
+        assert read.status_code == 200, read.text
+
+
+async def test_the_memory_limit_counts_from_what_the_worker_starts_with():
+    """A worker forked from a forkserver maps what the server's main module imported (torch's
+    libraries in `longserve serve`: gigabytes); the limit is room on top of that, so a limit
+    below the worker's own size still reads an ordinary PDF (every upload failed in the
+    hostile soak when it was not)."""
+    app = build(document_extract_memory_bytes=64 * 1024**2)
+    async with asgi_client(app) as http:
+        session = await new_session(http)
+        read = await upload(http, session, make_pdf(["Page one.", "Page two."]))
+        assert read.status_code == 200, read.text
