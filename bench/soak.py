@@ -18,7 +18,10 @@ that the honest load holds a steady amount of data.
 --hostile hostile clients loop over attacks (bench/soak_hostile.py: large metadata, stored
 responses with large tools and inputs, a 24 MB prompt, floods, crafted PDFs, create-upload-
 delete loops, malformed ids), their answers counted by status; a 5xx or a broken connection
-is reported as a defect.
+is reported as a defect. With --alternate SECONDS they attack only in every other block of
+SECONDS (quiet first), and the honest TTFTs are also reported by the phase each chat started
+in, with the hostile phase's p99 over the quiet one's: both phases measured on the same
+servers in the same run, so the machine's drift over the run falls on both (decision 061).
 
 Every --interval seconds (unless --no-chaos) the chaos task kills one thing with SIGKILL and
 restarts it: the memory service, then Redis (on a cluster: a primary, which its replica
@@ -37,6 +40,7 @@ give the same honest load with and without hostile tenants:
 
     longserve bench soak --seconds 240 --clients 4 --replicas 2 --cluster
     longserve bench soak --seconds 1800 --clients 4 --hostile 2 --no-chaos --series hostile.csv
+    longserve bench soak --seconds 1800 --clients 4 --hostile 2 --no-chaos --alternate 300
 """
 
 from __future__ import annotations
@@ -48,8 +52,10 @@ import math
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack, suppress
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -83,6 +89,27 @@ async def sampling(sampler: Sampler, every: float, done: asyncio.Event) -> None:
         with suppress(TimeoutError):
             await asyncio.wait_for(done.wait(), every)
     await asyncio.to_thread(sampler.sample)
+
+
+async def alternate(
+    every: float, end: float, ledger: Ledger, start_hostile: Callable[[float], list[asyncio.Task]]
+) -> None:
+    """Blocks of `every` seconds, quiet then hostile in turn: the hostile tenants attack only
+    in theirs, and are cut off at its end (a request then in flight is dropped, not counted),
+    so that each honest chat's TTFT is counted in the phase it started in. The two phases
+    then share the machine's drift over the run."""
+    block = 0
+    while (now := time.monotonic()) < end:
+        until = min(end, now + every)
+        ledger.phase = "hostile" if block % 2 else "quiet"
+        tasks = start_hostile(until) if ledger.phase == "hostile" else []
+        await asyncio.sleep(until - now)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with suppress(asyncio.CancelledError):
+                await task  # a bug in an attack fails the run rather than hiding
+        block += 1
 
 
 def percentiles(values: list[float]) -> dict[str, float | int | None]:
@@ -136,16 +163,24 @@ async def run(args: argparse.Namespace) -> dict:
         end = started + args.seconds
         done = asyncio.Event()
         watcher = asyncio.create_task(sampling(sampler, args.sample_seconds, done))
-        hostile = [
-            asyncio.create_task(hostile_client(i, bases[i % len(bases)], key, model, payloads,
-                                               args.attacks, ledger.hostile, end))
-            for i, key in enumerate(hostile_keys)
-            if payloads is not None
-        ]  # fmt: skip
+
+        def start_hostile(until: float) -> list[asyncio.Task]:
+            return [
+                asyncio.create_task(hostile_client(i, bases[i % len(bases)], key, model,
+                                                   payloads, args.attacks, ledger.hostile, until))
+                for i, key in enumerate(hostile_keys)
+                if payloads is not None
+            ]  # fmt: skip
+
         honest = [
             client(i, bases[i % len(bases)], model, args, ledger, store, end)
             for i in range(args.clients)
         ]
+        hostile = []
+        if args.alternate:
+            honest.append(alternate(args.alternate, end, ledger, start_hostile))
+        else:
+            hostile = start_hostile(end)
         if not args.no_chaos:
             honest.append(chaos(redis, service, args.interval, end, ledger))
         await asyncio.gather(*honest)
@@ -183,6 +218,7 @@ async def run(args: argparse.Namespace) -> dict:
         "requests": sum(ledger.statuses.values()),
         "errors_by_status": dict(sorted(errors.items())),
         "honest_ttft_s": percentiles(ledger.ttft),
+        **phases(ledger),
         "hostile_requests": sum(ledger.hostile.values()),
         "hostile_by_status": dict(sorted(ledger.hostile.items())),
         "hostile_defects": defects(ledger.hostile),
@@ -192,6 +228,19 @@ async def run(args: argparse.Namespace) -> dict:
         "flatness": sampler.flatness(),
         "samples": sampler.samples,
     }
+
+
+def phases(ledger: Ledger) -> dict[str, Any]:
+    """With --alternate: the honest TTFTs of each phase, and the hostile phase's p99 over the
+    quiet one's (the same servers, the same run)."""
+    if set(ledger.ttft_by_phase) <= {"all"}:
+        return {}
+    by_phase = {phase: percentiles(values) for phase, values in ledger.ttft_by_phase.items()}
+    quiet, hostile = by_phase.get("quiet", {}), by_phase.get("hostile", {})
+    ratio = None
+    if quiet.get("p99") and hostile.get("p99"):
+        ratio = round(hostile["p99"] / quiet["p99"], 2)
+    return {"honest_ttft_s_by_phase": by_phase, "p99_ttft_hostile_over_quiet": ratio}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -212,6 +261,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--keep-sessions", type=int, default=4, help="per honest client")
     parser.add_argument("--interval", type=float, default=30.0, help="seconds between kills")
     parser.add_argument("--no-chaos", action="store_true", help="kill nothing")
+    parser.add_argument(
+        "--alternate",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="hostile tenants only in every other block of SECONDS (quiet first); TTFTs by phase",
+    )
     parser.add_argument("--sample-seconds", type=float, default=10.0)
     parser.add_argument("--series", default=None, help="also write the samples to this CSV")
     parser.add_argument("--seed", type=int, default=0)

@@ -47,6 +47,8 @@ class Ledger:
 
     statuses: Counter[str] = field(default_factory=Counter)
     ttft: list[float] = field(default_factory=list)
+    phase: str = "all"  # with --alternate: "quiet" or "hostile", the block now running
+    ttft_by_phase: dict[str, list[float]] = field(default_factory=dict)  # by the chat's start
     unchecked: dict[str, Acknowledged] = field(default_factory=dict)  # session id ->
     checked: Counter[str] = field(default_factory=Counter)  # documents/turns acknowledged/lost
     hostile: Counter[str] = field(default_factory=Counter)
@@ -88,6 +90,7 @@ async def streamed_chat(
     """Stream until one answer arrives whole (counting every try), recording the TTFT from
     the first try; None when the run ends first."""
     started = time.monotonic()
+    phase = ledger.phase
     for _ in range(retries):
         parts: list[str] = []
         first = None
@@ -113,7 +116,9 @@ async def streamed_chat(
             outcome = "transport"
         ledger.statuses[f"chat {outcome}"] += 1
         if outcome == "200":
-            ledger.ttft.append((first or time.monotonic()) - started)
+            ttft = (first or time.monotonic()) - started
+            ledger.ttft.append(ttft)
+            ledger.ttft_by_phase.setdefault(phase, []).append(ttft)
             return "".join(parts)
         if time.monotonic() > deadline:
             return None
