@@ -51,6 +51,7 @@ from engine.runner.generate import Generation, running_generation, step_batch
 from engine.runner.grammar import Grammars
 from engine.runner.loader import LoadedModel, load_model
 from engine.runner.tokenize import encode_ids, encode_text
+from engine.runner.tool_template import tool_format
 from engine.scheduler.preprocess import Preprocessor
 from engine.scheduler.stream import aborted_delta, submit
 from engine.scheduler.worker import Worker
@@ -162,6 +163,7 @@ class LocalEngine:
             max_model_len=self.loaded.max_model_len,
             strategies=self._frame_backend.strategies + self._larimar_backend.strategies,
             created=int(time.time()),
+            tool_format=tool_format(self._tokenizer),
         )
 
     # -- tokenization (the preprocessing threads) ---------------------------------------------

@@ -14,12 +14,21 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from memory_store import errors as store_errors
 
 PromptMessage = Mapping[str, Any]
-"""One chat message as OpenAI sends it: {"role": ..., "content": str | list of text parts}."""
+"""One chat message as OpenAI sends it: {"role": ..., "content": str | list of text parts}. For
+a chat template that renders tools (`ModelInfo.tool_format`), an assistant message may carry
+`tool_calls` ([{"id", "type": "function", "function": {"name", "arguments": an object}}]), a
+tool message its `tool_call_id`, and the first message the request's `tools` (OpenAI function
+tools): the template renders them in the model's own syntax."""
 
 Prompt = str | Sequence[PromptMessage]
 """A completion prompt (str, used verbatim) or chat messages (rendered by the chat template)."""
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+
+ToolFormat = Literal["hermes", "llama3_json", "mistral"]
+"""The tool-call syntax a chat template speaks (named as vLLM's parsers): "hermes"
+(Qwen2.5, Hermes 2/3: <tool_call>{"name", "arguments"}</tool_call>), "llama3_json" (Llama
+3.1-3.3: {"name", "parameters"}), "mistral" ([TOOL_CALLS][{"name", "arguments"}])."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,10 +305,15 @@ class SessionMemoryInfo:
 
 @dataclass(frozen=True)
 class ModelInfo:
+    """The served model. tool_format: the tool-call syntax its chat template renders tools
+    in, read once from the template at load; None when the template renders no tools (the
+    server then renders them itself, docs/decisions/066-tool-call-formats.md)."""
+
     id: str
     max_model_len: int
     strategies: tuple[str, ...] = ()
     created: int = 0
+    tool_format: ToolFormat | None = None
 
 
 @dataclass(frozen=True)

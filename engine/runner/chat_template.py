@@ -1,7 +1,9 @@
 """Chat messages to token ids through the model's chat template.
 
 Message contents never become control tokens: the template is rendered around placeholders and
-each content is tokenized on its own with split_special_tokens=True (see `encode_chat`).
+each content is tokenized on its own with split_special_tokens=True (see `encode_chat`). A
+template that renders tools gets them, an assistant's calls and a tool result's call id as its
+own fields (engine/runner/tool_template.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from engine.protocol import InvalidRequest
 from engine.runner.tokenize import encode_ids, encode_text
+from engine.runner.tool_template import template_tools, tool_fields
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -76,17 +79,26 @@ def message_turns(messages: Sequence[Any]) -> list[Turn]:
 
 
 def _render(
-    tokenizer: PreTrainedTokenizerBase, turns: Sequence[Turn], offset: int, generation_prompt: bool
+    tokenizer: PreTrainedTokenizerBase,
+    turns: Sequence[Turn],
+    offset: int,
+    generation_prompt: bool,
+    fields: Sequence[dict[str, Any]] = (),
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The chat template around placeholders: turn i's content is placeholder offset + i."""
-    templated = [
-        {"role": role, "content": _PLACEHOLDER.format(offset + i)}
-        for i, (role, _) in enumerate(turns)
-    ]
+    """The chat template around placeholders: turn i's content is placeholder offset + i;
+    fields[i]: turn i's tool fields (an empty content beside them is left empty, so the
+    template sees a call without text); tools: for a template that renders them."""
+    templated = []
+    for i, (role, text) in enumerate(turns):
+        extra = fields[i] if i < len(fields) else {}
+        content = _PLACEHOLDER.format(offset + i) if text or not extra else ""
+        templated.append({"role": role, "content": content, **extra})
+    options: dict[str, Any] = {} if tools is None else {"tools": tools}
     try:
         return str(
             tokenizer.apply_chat_template(
-                templated, tokenize=False, add_generation_prompt=generation_prompt
+                templated, tokenize=False, add_generation_prompt=generation_prompt, **options
             )
         )
     except Exception as e:  # templates raise on role orders they do not support
@@ -142,7 +154,9 @@ def encode_chat_ids(
     alone. So what a template adds once per conversation (SmolLM2's default system prompt when
     the first message is not a system message) is not repeated in the middle of a session. A
     template whose rendering of the history is not a prefix of the whole (one that rewrites
-    earlier turns) gets the messages rendered on their own.
+    earlier turns) gets the messages rendered on their own. The history is rendered without
+    tools: a template that puts them in front of the conversation gets the messages on their
+    own, with the tools, so the model reads them.
 
     Message contents never become control tokens: the template is rendered around placeholders,
     the template's own text is tokenized with special tokens recognised, and each content is
@@ -154,13 +168,18 @@ def encode_chat_ids(
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequest("this model has no chat template; use completions", param="messages")
     contents = [text for _, text in history] + [text for _, text in turns]
-    rendered = _render(tokenizer, [*history, *turns], 0, generation_prompt)
+    fields = [tool_fields(tokenizer, message, i) for i, message in enumerate(messages)]
+    tools = template_tools(tokenizer, messages)
+    history_fields: list[dict[str, Any]] = [{} for _ in history]
+    rendered = _render(
+        tokenizer, [*history, *turns], 0, generation_prompt, history_fields + fields, tools
+    )
     if history:
         before = _render(tokenizer, history, 0, False)
         if rendered.startswith(before):
             rendered = rendered[len(before) :]
         else:
-            rendered = _render(tokenizer, turns, len(history), generation_prompt)
+            rendered = _render(tokenizer, turns, len(history), generation_prompt, fields, tools)
     return _tokenize_rendered(tokenizer, rendered, contents)
 
 

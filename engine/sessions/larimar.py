@@ -169,6 +169,8 @@ def split_context(prompt: Prompt) -> tuple[str, Prompt]:
     kept = [dict(m) for i, m in enumerate(prompt) if i < last and m.get("role") == "system"]
     kept.append({**dict(prompt[last]), "content": sentences[-1] if sentences else ""})
     kept += [dict(m) for m in prompt[last + 1 :]]
+    if "tools" in prompt[0]:  # the template's tools ride on the first message
+        kept[0]["tools"] = prompt[0]["tools"]
     return "\n\n".join(d for d in document if d), kept
 
 

@@ -22,6 +22,7 @@ from server.protocol_tokenize import (
 )
 from server.routes.dependencies import Serving
 from server.serving.checks import check_model
+from server.serving.tool_formats import syntax_of
 from server.serving.tools import plan_tools, render_messages
 
 router = APIRouter(
@@ -62,7 +63,9 @@ async def tokenize(
             tools=body.tools,
             tool_choice=body.tool_choice,
         )
-        messages = render_messages(chat.messages, plan_tools(serving.settings, chat))
+        tool_format = engine.model.tool_format
+        plan = plan_tools(serving.settings, chat, tool_format)
+        messages = render_messages(chat.messages, plan, syntax_of(tool_format))
         tokenized = await engine.tokenize(
             messages,
             generation_prompt=body.add_generation_prompt,

@@ -41,6 +41,7 @@ from server.serving.choices import (
     prepare_jobs,
 )
 from server.serving.context import ServingContext
+from server.serving.tool_formats import syntax_of
 from server.serving.tools import ToolPlan, ToolStream, parse_calls, plan_tools, render_messages
 
 
@@ -96,7 +97,8 @@ def chat_jobs(
     )
     if tools is not None and tools.grammar is not None:
         sampling = dataclasses.replace(sampling, response_format=tools.grammar)
-    messages: list[PromptMessage] = list(render_messages(request.messages, tools))
+    syntax = syntax_of(ctx.engine.model.tool_format)
+    messages: list[PromptMessage] = list(render_messages(request.messages, tools, syntax))
     return fan_out(chat_id, [messages], n, sampling)
 
 
@@ -105,7 +107,7 @@ async def create_chat_completion(
 ) -> ChatCompletion | EventSourceResponse:
     model = check_model(ctx.engine, request.model)
     chat_id = new_id("chatcmpl")
-    tools = plan_tools(ctx.settings, request)
+    tools = plan_tools(ctx.settings, request, ctx.engine.model.tool_format)
     jobs = chat_jobs(ctx, request, chat_id, tools)
     if request.session_id and len(jobs) > 1:
         raise invalid_request(
@@ -132,7 +134,9 @@ async def chat_gather(
     choices = []
     for i in sorted(gathered):
         text, finish = gathered[i].text, gathered[i].finish_reason
-        calls = parse_calls(text) if tools is not None and tools.mode != "none" else None
+        calls = None
+        if tools is not None and tools.mode != "none":
+            calls = parse_calls(text, tools.syntax)
         message = ChatCompletionMessage(content=text)
         if calls is not None:
             message, finish = ChatCompletionMessage(content=None, tool_calls=calls), "tool_calls"

@@ -56,7 +56,7 @@ async def create_response(
     system = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
     chat = chat_request(body, [*system, *history, *new])
     response_id = f"resp_{secrets.token_hex(16)}"
-    tools = plan_tools(ctx.settings, chat)
+    tools = plan_tools(ctx.settings, chat, ctx.engine.model.tool_format)
     jobs = chat_jobs(ctx, chat, response_id, tools)
     jobs = await prepare_jobs(ctx, raw_request, tenant, jobs, ["input"])
     if body.store is not False:

@@ -1,15 +1,21 @@
 """Tool calls: OpenAI's `tools` / `tool_choice` rendered into the prompt, constrained while
-decoding, and parsed back into `tool_calls`.
+decoding, and parsed back into `tool_calls`, in the syntax the model's chat template speaks
+(server/serving/tool_formats.py; docs/decisions/066-tool-call-formats.md).
 
-The embedded model's chat template has no tool syntax, so longserve renders tools itself, in
-the Hermes/Qwen convention small models have seen: a system message lists the functions as
-JSON inside <tools></tools> and asks for `<tool_call>{"name": ..., "arguments": {...}}
-</tool_call>` blocks; an assistant message's calls are sent back as those blocks, and a tool's
-result as a `tool` message. The answer is constrained by a grammar (engine/runner/grammar.py):
+A template that renders tools (Llama 3.1, Qwen2.5, Mistral, Hermes: the engine's
+ModelInfo.tool_format) gets them as they are: the tools ride on the first message, an
+assistant's calls as `tool_calls`, a tool's result with its `tool_call_id`, and the engine's
+template renders them. A template without tools (the embedded model's) gets longserve's own
+rendering, in the Hermes/Qwen convention small models have seen: a system message lists the
+functions as JSON inside <tools></tools> and asks for `<tool_call>{"name": ...,
+"arguments": {...}}</tool_call>` blocks; an assistant message's calls are sent back as those
+blocks, and a tool's result as a `tool` message. Either way the answer is constrained by a
+grammar of that syntax (engine/runner/grammar.py):
 
     tool_choice "required" / a named function    one or more calls (one if parallel_tool_calls
                                                   is false), arguments valid for the function
-    tool_choice "auto" (the default with tools)   text that does not start with "<", or calls
+    tool_choice "auto" (the default with tools)   text that does not start as a call does, or
+                                                  calls
     tool_choice "none"                            free text; the tools are not rendered
 
 A function's parameters without `additionalProperties` get `false`: the arguments carry the
@@ -20,11 +26,10 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine.protocol import StructuredOutput
+from engine.protocol import StructuredOutput, ToolFormat
 from server.errors import invalid_request
 from server.protocol import (
     ChatCompletionRequest,
@@ -34,13 +39,12 @@ from server.protocol import (
     FunctionCall,
     ToolCall,
 )
-from server.serving.schemas import bounded_numbers
+from server.serving.tool_formats import LONGSERVE, ToolSyntax, syntax_of, tool_grammar
 from server.settings import ServerSettings
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 Mode = Literal["none", "auto", "required"]
 MODES: dict[Any, Mode] = {"none": "none", "auto": "auto", "required": "required"}
-_CALL = re.compile(re.escape(TOOL_OPEN) + r"(.*?)" + re.escape(TOOL_CLOSE), re.S)
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 PREAMBLE = (
     "You can call functions. Each one is described below as JSON:\n<tools>\n{tools}\n</tools>\n"
@@ -48,19 +52,25 @@ PREAMBLE = (
     "the function's name and its arguments:\n"
     '<tool_call>{{"name": "<function name>", "arguments": {{<its arguments>}}}}</tool_call>'
 )
+_FUNCTION_KEYS = ("name", "description", "parameters")  # a function's fields, in OpenAI's order
 
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """What a request's tools make of it: the mode, its functions, and the grammar."""
+    """What a request's tools make of it: the mode, its functions, the grammar, and the
+    syntax calls are written in."""
 
     mode: Mode
     functions: list[dict[str, Any]] = field(default_factory=list)  # name, description, parameters
     grammar: StructuredOutput | None = None
+    syntax: ToolSyntax = LONGSERVE
 
 
-def plan_tools(settings: ServerSettings, request: ChatCompletionRequest) -> ToolPlan | None:
-    """The request's ToolPlan, or None without tools; 400s for malformed tools or choices."""
+def plan_tools(
+    settings: ServerSettings, request: ChatCompletionRequest, tool_format: ToolFormat | None
+) -> ToolPlan | None:
+    """The request's ToolPlan for a model whose template speaks tool_format (None: none), or
+    None without tools; 400s for malformed tools or choices."""
     if not request.tools:
         if request.tool_choice not in (None, "none"):
             raise invalid_request("tool_choice needs tools.", param="tool_choice")
@@ -85,14 +95,16 @@ def plan_tools(settings: ServerSettings, request: ChatCompletionRequest) -> Tool
         raise invalid_request(
             "tool_choice must be none, auto, required or a named function.", param="tool_choice"
         )
+    syntax = syntax_of(tool_format)
     if mode == "none":
-        return ToolPlan("none")
+        return ToolPlan("none", syntax=syntax)
     if request.response_format is not None and request.response_format.type != "text":
         raise invalid_request(
             "response_format with tools needs tool_choice none.", param="response_format"
         )
     parallel = request.parallel_tool_calls is not False
-    return ToolPlan(mode, functions, _grammar(functions, mode, parallel))
+    grammar = StructuredOutput("lark", tool_grammar(syntax, functions, mode, parallel), "tools")
+    return ToolPlan(mode, functions, grammar, syntax)
 
 
 def _check_tools_size(settings: ServerSettings, tools: list[Any]) -> None:
@@ -144,37 +156,14 @@ def _function(settings: ServerSettings, index: int, tool: Any) -> dict[str, Any]
     return out
 
 
-def _grammar(functions: list[dict], mode: str, parallel: bool) -> StructuredOutput:
-    """A Lark grammar (llguidance's dialect, with %json for a call's object)."""
-    calls = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": f["name"]},
-                "arguments": bounded_numbers(f["parameters"]),
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for f in functions
-    ]
-    body = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    body = {"x-guidance": {"whitespace_flexible": False}, **body}
-    lines = [
-        f"calls: {'call+' if parallel else 'call'}",
-        f'call: "{TOOL_OPEN}" body "{TOOL_CLOSE}"',
-        f"body: %json {json.dumps(body)}",
-    ]
-    if mode == "auto":
-        lines = ["start: TEXT | calls", *lines, r"TEXT: /[^<][\s\S]*/"]
-    else:
-        lines = ["start: calls", *lines]
-    return StructuredOutput("lark", "\n".join(lines) + "\n", param="tools")
-
-
-def render_messages(messages: list[ChatMessage], plan: ToolPlan | None) -> list[dict[str, Any]]:
-    """The engine's chat messages: tools in a system message (unless tool_choice is none),
-    calls as <tool_call> blocks, tool results as `tool` messages."""
+def render_messages(
+    messages: list[ChatMessage], plan: ToolPlan | None, syntax: ToolSyntax
+) -> list[dict[str, Any]]:
+    """The engine's chat messages, for a model whose calls are written in syntax: for its
+    template's own rendering, or longserve's (tools in a system message, calls as
+    <tool_call> blocks, tool results as `tool` messages); tools unless tool_choice is none."""
+    if syntax.by_template:
+        return _template_messages(messages, plan)
     rendered = [{"role": m.role, "content": message_text(m)} for m in messages]
     for out, message in zip(rendered, messages, strict=True):
         if message.name:
@@ -190,18 +179,49 @@ def render_messages(messages: list[ChatMessage], plan: ToolPlan | None) -> list[
     return rendered
 
 
+def _template_messages(messages: list[ChatMessage], plan: ToolPlan | None) -> list[dict[str, Any]]:
+    """Messages as a tool-rendering template reads them: OpenAI's fields, the calls'
+    arguments as objects, and the functions on the first message as `tools`."""
+    rendered: list[dict[str, Any]] = []
+    for message in messages:
+        out: dict[str, Any] = {"role": message.role, "content": message.text()}
+        if message.name:
+            out["name"] = message.name
+        if message.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": _arguments(call)},
+                }
+                for call in message.tool_calls
+            ]
+        if message.tool_call_id is not None:
+            out["tool_call_id"] = message.tool_call_id
+        rendered.append(out)
+    if plan is not None and plan.mode != "none" and rendered:
+        rendered[0]["tools"] = [
+            {"type": "function", "function": {k: f[k] for k in _FUNCTION_KEYS if k in f}}
+            for f in plan.functions
+        ]
+    return rendered
+
+
+def _arguments(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        raise invalid_request(
+            f"tool call {call.id}: arguments are not JSON.", param="messages"
+        ) from None
+
+
 def message_text(message: ChatMessage) -> str:
     """A message's text as the model reads it; an assistant's calls as <tool_call> blocks,
     written as the grammar makes the model write them."""
     text = message.text()
     for call in message.tool_calls or ():
-        try:
-            arguments = json.loads(call.function.arguments)
-        except ValueError:
-            raise invalid_request(
-                f"tool call {call.id}: arguments are not JSON.", param="messages"
-            ) from None
-        body = compact({"name": call.function.name, "arguments": arguments})
+        body = compact({"name": call.function.name, "arguments": _arguments(call)})
         text += f"{TOOL_OPEN}{body}{TOOL_CLOSE}"
     return text
 
@@ -211,24 +231,15 @@ def compact(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
-def parse_calls(text: str) -> list[ToolCall] | None:
-    """The calls an answer made (it starts with a <tool_call> block), or None for text."""
-    if not text.lstrip().startswith(TOOL_OPEN):
+def parse_calls(text: str, syntax: ToolSyntax = LONGSERVE) -> list[ToolCall] | None:
+    """The calls an answer made in syntax (it starts as a call does), or None for text."""
+    calls = syntax.parse(text)
+    if calls is None:
         return None
-    calls = []
-    for body in _CALL.findall(text):
-        try:
-            value = json.loads(body)
-            name, arguments = value["name"], compact(value["arguments"])
-        except (ValueError, KeyError, TypeError):
-            return None  # cut by max_tokens, or not a call after all: the text is the answer
-        calls.append(
-            ToolCall(
-                id=f"call_{secrets.token_hex(12)}",
-                function=FunctionCall(name=name, arguments=arguments),
-            )
-        )
-    return calls or None
+    return [
+        ToolCall(id=syntax.new_id(), function=FunctionCall(name=name, arguments=compact(args)))
+        for name, args in calls
+    ]
 
 
 class ToolStream:
@@ -236,6 +247,7 @@ class ToolStream:
     call is held until the answer ends, then sent as delta.tool_calls."""
 
     def __init__(self, plan: ToolPlan) -> None:
+        self._syntax = plan.syntax
         self._held = ""
         self._text = plan.mode == "none"  # decided: the answer is text
         self.calls: list[ToolCall] | None = None  # the calls, once `finish` parsed them
@@ -245,7 +257,8 @@ class ToolStream:
         if self._text:
             return text
         self._held += text
-        if TOOL_OPEN.startswith(self._held) or self._held.startswith(TOOL_OPEN):
+        opening = self._syntax.opening
+        if opening.startswith(self._held) or self._held.startswith(opening):
             return ""
         self._text = True
         held, self._held = self._held, ""
@@ -253,7 +266,7 @@ class ToolStream:
 
     def finish(self) -> tuple[str, list[DeltaToolCall] | None]:
         """At the end: content still held, or the calls (kept in `calls`) as stream deltas."""
-        self.calls = calls = parse_calls(self._held) if self._held else None
+        self.calls = calls = parse_calls(self._held, self._syntax) if self._held else None
         held, self._held = self._held, ""
         if calls is None:
             return held, None

@@ -4,6 +4,7 @@ Generation: with temperature 0 (or no seed) the engine echoes the words of the l
 the prompt, one word-token per delta, and stops ("stop") after echoing them once unless
 ignore_eos; with a seed it draws words from a small vocabulary with random.Random(seed).
 Every test knob is a plain attribute: `overloaded`, `dead`, `fail_after_tokens`, `gate`.
+`tool_format`: the tool syntax its ModelInfo says the chat template speaks (None by default).
 
 Sessions: create_session refuses unknown strategies (InvalidRequest); ingest counts one token
 per word and reports progress per chunk of `ingest_chunk_tokens`, sleeping `ingest_delay` and
@@ -56,6 +57,7 @@ from engine.protocol import (
     Tokenized,
     TokenizerInfo,
     TokenLogprob,
+    ToolFormat,
 )
 
 VOCAB = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
@@ -90,9 +92,14 @@ class FakeEngine:
         model_id: str = "fake-model",
         token_delay: float = 0.0,
         encodings: dict[str, int] | None = None,
+        tool_format: ToolFormat | None = None,
     ) -> None:
         self._model = ModelInfo(
-            id=model_id, max_model_len=2048, strategies=STRATEGIES, created=1_700_000_000
+            id=model_id,
+            max_model_len=2048,
+            strategies=STRATEGIES,
+            created=1_700_000_000,
+            tool_format=tool_format,
         )
         self.token_delay = token_delay
         self.calls: list[Call] = []

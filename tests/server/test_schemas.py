@@ -86,6 +86,6 @@ def test_tool_arguments_are_bounded_too() -> None:
     request = ChatCompletionRequest.model_validate(
         {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [tool]}
     )
-    plan = plan_tools(ServerSettings(), request)
+    plan = plan_tools(ServerSettings(), request, None)
     assert plan is not None and plan.grammar is not None
     assert f'"maximum": {SAFE_INTEGER}' in (plan.grammar.schema or "")
