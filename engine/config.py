@@ -57,7 +57,8 @@ class EngineConfig:
     "float16" half of fp32, widened by the CPU decode kernels as they read them. Prefill
     attends them in the model's dtype. Memory blocks have their own knob (memory_dtype,
     engine/memory/config.py).
-    lean_decode: decode steps of plain (non-memory) requests on a Llama-family model run
+    lean_decode: decode steps of plain (non-memory) requests on a model of one of
+    engine/runner/families.py's families (Llama, Mistral, Qwen2, Qwen3, Phi-3) run
     engine/runner/decode_step.py's lean step instead of transformers' forward (the same function in
     far fewer eager ops); False keeps transformers' forward for every step.
     decode_share: while a request is being read, the share of device time the decode steps of

@@ -45,8 +45,8 @@ class ServerSettings(BaseSettings):
     # Plain requests' KV caches: "auto" (float16 under int4 linears, else "model"), "model"
     # or "float16".
     kv_dtype: str = "auto"
-    # Plain requests' decode steps on a Llama-family model skip transformers' forward
-    # (engine/runner/decode_step.py); false keeps it for every step.
+    # Plain requests' decode steps on a Llama-shaped model (Llama, Mistral, Qwen2, Qwen3, Phi-3)
+    # skip transformers' forward (engine/runner/decode_step.py); false keeps it for every step.
     lean_decode: bool = True
     # The window of one forward (vLLM's --max-model-len); a longer prompt is read into memory.
     # None: the model's max_position_embeddings.

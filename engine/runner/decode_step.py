@@ -1,4 +1,4 @@
-"""A lean decode step for Llama-family models: the next token of every decode row (plain KV
+"""A lean decode step for Llama-shaped models: the next token of every decode row (plain KV
 caches and memory frames alike, engine/runner/rows.py), without transformers' module tree.
 
 A decode token on a CPU is a few milliseconds of arithmetic wrapped in thousands of small eager
@@ -6,26 +6,33 @@ ops: transformers' forward builds masks, position embeddings and per-layer casts
 linears per layer. `LeanDecoder.forward` computes the same function directly from the model's
 own weights (docs/decisions/037-lean-decode-step.md):
 
-    per layer   rms_norm -> one q|k|v linear -> rotary (a cached cos/sin row at each row's
-                position) -> each row attends -> o linear -> residual -> rms_norm
-                -> one gate|up linear -> silu * up -> down linear -> residual
+    per layer   rms_norm -> one q|k|v linear -> [q/k norm per head] -> rotary (a cached cos/sin
+                row at each row's position) -> each row attends -> o linear -> residual
+                -> rms_norm -> one gate|up linear -> silu * up -> down linear -> residual
+
+The families it computes (Llama, Mistral, Qwen2 / Qwen2.5, Qwen3, Phi-3) and what each needs
+are engine/runner/families.py's; `unsupported` says why any other model, or a configuration the
+step cannot reproduce (sliding windows, soft-capping, length-dependent rotary), keeps
+transformers' forward (docs/decisions/065-lean-decode-families.md).
 
 Every row gets the same query, key and value transformers' forward would hand it and attends
 through its own DecodeRow: a plain row to its KVCache (engine/runner/cpu_attention.py's split-key
 kernel on a float32 CPU model, engine/runner/kv_cache.py), a memory row to its frame.
 
-With int4 linears and engine/runner/csrc/quant_matmul.cpp built, a step of at most SMALL_M rows runs
-each layer's work before attention (norm, q|k|v, rotary) and after it (o, residual, norm, gated
-MLP, residual) as one C++ call each (docs/decisions/038).
+With int4 linears and engine/runner/csrc/quant_matmul.cpp built, a step of at most SMALL_M rows of
+a model with Llama's own layer (no biases, no q/k norms, rotary over whole heads) runs each
+layer's work before attention (norm, q|k|v, rotary) and after it (o, residual, norm, gated MLP,
+residual) as one C++ call each (docs/decisions/038).
 
 The fused linears share their weights with the model's (the model's projections become views of
-the fused rows), so nothing is kept twice. Prefill, reading and every model that is not a plain
-Llama go through transformers' forward as before; `attach_decoder` decides once, at load.
+the fused rows), so nothing is kept twice. Prefill and reading go through transformers' forward
+as before; `attach_decoder` decides once, at load.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -33,35 +40,17 @@ import torch.nn.functional as F
 
 from engine.runner.attention import KV_KWARG, forward_through
 from engine.runner.cpu_attention import kernel_ready
+from engine.runner.families import Layer, layer_weights, qk_norm_weights, unsupported
 from engine.runner.rows import DecodeRow, RowBatch
-from engine.runner.weights import SMALL_M, Int4Linear, fuse_linears, quant_kernels, small_matmul
+from engine.runner.weights import SMALL_M, Int4Linear, quant_kernels, small_matmul
 
-Matmul = Callable[[torch.Tensor], torch.Tensor]
-# a layer: input norm weight, q|k|v, o, post-attention norm weight, gate|up, down
-Layer = tuple[torch.Tensor, Matmul, Matmul, torch.Tensor, Matmul, Matmul]
 DECODER_ATTR = "longserve_decoder"  # the model attribute holding its LeanDecoder, if any
-
-
-def unsupported(model: Any) -> str | None:
-    """Why `LeanDecoder` cannot reproduce this model's forward, or None if it can."""
-    cfg = model.config
-    if type(model).__name__ != "LlamaForCausalLM":
-        return f"{type(model).__name__} is not LlamaForCausalLM"
-    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
-        return "biased projections"
-    if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "pretraining_tp", 1) != 1:
-        return "an activation or tensor-parallel split other than Llama's"
-    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    if rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
-        return (
-            "rotary angles that depend on the sequence length (one cached table cannot hold them)"
-        )
-    return None
+logger = logging.getLogger(__name__)
 
 
 class LeanDecoder:
-    """One decode token for B decode rows (engine/runner/rows.py) of a LlamaForCausalLM (`unsupported`
-    is None)."""
+    """One decode token for B decode rows (engine/runner/rows.py) of a model of one of
+    engine/runner/families.py's families (`unsupported` is None)."""
 
     def __init__(self, model: Any) -> None:
         cfg, inner = model.config, model.model
@@ -72,29 +61,20 @@ class LeanDecoder:
         self.eps = float(cfg.rms_norm_eps)
         self.embed, self.rotary, self.head = inner.embed_tokens, inner.rotary_emb, model.lm_head
         self.norm = inner.norm.weight
-        self.layers: list[Layer] = []
+        self.layers: list[Layer] = layer_weights(model)
+        self.qk_norms = qk_norm_weights(model, self.heads, self.kv_heads)  # Qwen3's, else None
         self._modules = list(inner.layers)  # for their forward hooks
-        for layer in inner.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            self.layers.append(
-                (
-                    layer.input_layernorm.weight,
-                    fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj]),
-                    attn.o_proj,
-                    layer.post_attention_layernorm.weight,
-                    fuse_linears([mlp.gate_proj, mlp.up_proj]),
-                    mlp.down_proj,
-                )
-            )
         # the same layers with the int4/int8 kernels called bare, for steps of <= SMALL_M rows
         self.small: list[Layer] = [
             (a, small_matmul(b), small_matmul(c), d, small_matmul(e), small_matmul(f))
             for a, b, c, d, e, f in self.layers
         ]
         self._small_head = small_matmul(self.head)
+        self._cos = self._sin = torch.empty(0)  # (positions, rotary_dim), grown on demand
+        self._grow_table(1024)
+        self.rotary_dim = int(self._cos.shape[1])  # Phi-3's partial_rotary_factor of head_dim
         self._q4 = self._q4_layers()
         self.scaling = float(inner.layers[0].self_attn.scaling)
-        self._cos = self._sin = torch.empty(0)  # (positions, head_dim), grown on demand
         kernel_ready(self.norm)  # build the attention kernel at load, not at the first token
 
     @property
@@ -107,7 +87,11 @@ class LeanDecoder:
     def _q4_layers(self) -> tuple[Any, list[tuple]] | None:
         """The quant kernels and every layer's norm weights and 4-bit codes (codes, scales,
         mins per product), when every product is an Int4Linear in fp32 and the kernels are
-        built: then small steps run quant_matmul.cpp's pre_attention / post_attention."""
+        built, and the layer is Llama's own (no q/k norms, rotary over whole heads; a biased
+        product is no bare Int4Linear): then small steps run quant_matmul.cpp's pre_attention /
+        post_attention."""
+        if self.qk_norms is not None or self.rotary_dim != self.head_dim:
+            return None
         layers = []
         for w_in, qkv, o_proj, w_post, gate_up, down in self.layers:
             products = (qkv, o_proj, gate_up, down)
@@ -119,17 +103,29 @@ class LeanDecoder:
         kernels = quant_kernels() if layers else None  # built only for int4 models
         return None if kernels is None else (kernels, layers)
 
-    def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin rows (B, 1, head_dim) for positions (B,): x*cos + roll(x)*sin
+    def _grow_table(self, size: int) -> None:
+        """cos and signed sin (size, rotary_dim) for positions 0..size-1: x*cos + roll(x)*sin
         is transformers' x*cos + rotate_half(x)*sin."""
+        ids = torch.arange(size, device=self.norm.device).view(1, -1)
+        cos, sin = self.rotary(self.norm.new_zeros(1), ids)  # (1, size, rotary_dim)
+        half = cos.shape[-1] // 2
+        self._cos, self._sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1)
+
+    def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin rows (B, 1, rotary_dim) for positions (B,)."""
         needed = int(positions.max()) + 1
         if needed > self._cos.shape[0]:
-            size = max(needed, 2 * self._cos.shape[0], 1024)
-            ids = torch.arange(size, device=self.norm.device).view(1, -1)
-            cos, sin = self.rotary(self.norm.new_zeros(1), ids)  # (1, size, head_dim)
-            half = self.head_dim // 2
-            self._cos, self._sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1)
+            self._grow_table(max(needed, 2 * self._cos.shape[0]))
         return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x (B, heads, head_dim) turned at its rows' positions: the first rotary_dim of each
+        head, the rest as it is (Phi-3's partial rotary)."""
+        r = self.rotary_dim
+        if r == self.head_dim:
+            return torch.addcmul(x * cos, x.roll(r // 2, -1), sin)
+        turned, kept = x[..., :r], x[..., r:]
+        return torch.cat((torch.addcmul(turned * cos, turned.roll(r // 2, -1), sin), kept), -1)
 
     def _layer_hooks(
         self, layer: int, x_in: torch.Tensor, x: torch.Tensor, batch: RowBatch
@@ -191,8 +187,10 @@ class LeanDecoder:
                 qk = qkv_out[:, : heads + kv_heads]
             else:
                 qkv_out = qkv(self._rms(x, w_in)).float().view(rows, heads + 2 * kv_heads, d)
-                qk = qkv_out[:, : heads + kv_heads]
-                qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)  # (B, heads + kv_heads, d)
+                qk = qkv_out[:, : heads + kv_heads]  # (B, heads + kv_heads, d)
+                if self.qk_norms is not None:
+                    qk = self._rms(qk, self.qk_norms[layer])
+                qk = self._rotate(qk, cos, sin)
             value = qkv_out[:, heads + kv_heads :]
             out = []
             for b, row in enumerate(batch.rows):  # each row attends to its cache or frame
@@ -216,7 +214,10 @@ class LeanDecoder:
 
 def attach_decoder(model: Any) -> LeanDecoder | None:
     """Give the model a LeanDecoder (the attribute DECODER_ATTR) if it can have one."""
-    decoder = None if unsupported(model) else LeanDecoder(model)
+    reason = unsupported(model)
+    if reason is not None:
+        logger.info("decode steps keep transformers' forward: %s", reason)
+    decoder = None if reason is not None else LeanDecoder(model)
     setattr(model, DECODER_ATTR, decoder)
     return decoder
 

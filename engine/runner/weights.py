@@ -11,7 +11,7 @@ slower than fp32 (docs/decisions/033, 036).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -151,7 +151,8 @@ class Int4Linear(torch.nn.Module):
         fused.scales_and_zeros = torch.nn.Parameter(sz, requires_grad=False)
         for name in ("codes", "block_scales", "block_mins", "dense"):
             fused.register_buffer(name, torch.cat([getattr(p, name) for p in parts]))
-        fused.bias = None
+        biases: list[torch.Tensor] = [p.bias for p in parts if p.bias is not None]  # all or none
+        fused.bias = _parameter(torch.cat(biases)) if biases else None
         probe = torch.randn(1, fused.in_features, dtype=torch.bfloat16)
         want = torch.cat([p(probe) for p in parts], -1)
         if not torch.allclose(fused(probe), want, rtol=1e-2, atol=1e-2 * float(want.abs().max())):
@@ -161,6 +162,8 @@ class Int4Linear(torch.nn.Module):
             for name in ("codes", "block_scales", "block_mins", "dense"):
                 setattr(p, name, getattr(fused, name)[start : start + p.out_features])
             start += p.out_features
+        if fused.bias is not None:
+            _share(parts, "bias", fused.bias)
         return fused
 
 
@@ -269,29 +272,44 @@ def lower_linear_weights(model: torch.nn.Module, dtype: torch.dtype | str) -> in
 
 
 def fuse_linears(parts: list[torch.nn.Module]) -> torch.nn.Module:
-    """One bias-free linear whose output is the parts' outputs side by side (q|k|v, gate|up),
-    so a decode step makes one call where it made len(parts). The parts keep working and keep
-    no copy of their own: their weights become views of the fused rows. Int4 parts whose packed
-    rows do not concatenate (the CPU layout packs rows in blocks of 64) come back unfused."""
+    """One linear whose output is the parts' outputs side by side (q|k|v, gate|up), with the
+    parts' biases side by side where every part has one (Qwen2's q, k and v), so a decode step
+    makes one call where it made len(parts). The parts keep working and keep no copy of their
+    own: their weights and biases become views of the fused rows. Parts of different kinds,
+    some biased and some not, or int4 parts whose packed rows do not concatenate (the CPU
+    layout packs rows in blocks of 64) come back unfused."""
     kinds = {type(p) for p in parts}
-    if len(kinds) != 1 or any(getattr(p, "bias", None) is not None for p in parts):
+    biases = [getattr(p, "bias", None) for p in parts]
+    if len(kinds) != 1 or len({b is None for b in biases}) != 1:
         return _Concat(parts)
     kind = kinds.pop()
     if kind is Int4Linear:
         return Int4Linear.fused(parts) or _Concat(parts)  # type: ignore[arg-type]
     if kind not in (torch.nn.Linear, LowPrecisionLinear):
         return _Concat(parts)
-    weights: list[torch.Tensor] = [p.weight.detach() for p in parts]  # type: ignore[operator]
-    weight = torch.cat(weights)
-    start = 0
-    for p, w in zip(parts, weights, strict=True):
-        p.weight = torch.nn.Parameter(weight[start : start + w.shape[0]], requires_grad=False)
-        start += w.shape[0]
+    weight = torch.cat([p.weight.detach() for p in parts])  # type: ignore[operator]
+    _share(parts, "weight", weight)
     fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-    fused.weight = torch.nn.Parameter(weight, requires_grad=False)
-    if kind is LowPrecisionLinear:  # the same arithmetic: cast in, multiply, cast back
+    fused.weight = _parameter(weight)
+    if biases[0] is not None:
+        fused.bias = _parameter(torch.cat([b for b in biases if b is not None]))
+        _share(parts, "bias", fused.bias)
+    if kind is LowPrecisionLinear:  # the same arithmetic: cast in, multiply, cast back, add
         return LowPrecisionLinear(fused, weight.dtype)
     return fused
+
+
+def _parameter(tensor: torch.Tensor) -> torch.nn.Parameter:
+    return torch.nn.Parameter(tensor.detach(), requires_grad=False)
+
+
+def _share(parts: Sequence[torch.nn.Module], name: str, whole: torch.Tensor) -> None:
+    """Make each part's `name` (weight or bias) its rows of `whole`, in order: a view."""
+    start = 0
+    for p in parts:
+        rows = getattr(p, name).shape[0]
+        setattr(p, name, _parameter(whole[start : start + rows]))
+        start += rows
 
 
 class _Concat(torch.nn.Module):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from engine.runner import weights
 from engine.runner.attention import use_longserve_attention
@@ -216,8 +216,12 @@ def test_a_failed_step_changes_no_cache():
 
 
 def test_other_architectures_keep_transformers_forward():
-    model = Qwen2ForCausalLM(Qwen2Config(**SMALL)).eval()
-    assert "Qwen2ForCausalLM" in unsupported(model)
+    """The families with a lean step, and what each refuses: tests/engine/test_families.py."""
+    gpt2 = GPT2Config(
+        vocab_size=300, n_embd=128, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2
+    )
+    model = GPT2LMHeadModel(gpt2).eval()
+    assert "GPT2LMHeadModel is not one of" in unsupported(model)
     assert attach_decoder(model) is None and decoder_of(model) is None
     dynamic = {"rope_type": "dynamic", "factor": 2.0}  # angles that follow the length
     llama = LlamaForCausalLM(LlamaConfig(**SMALL, rope_scaling=dynamic))
