@@ -49,6 +49,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import tempfile
 import time
@@ -142,7 +143,10 @@ async def run(args: argparse.Namespace) -> dict:
         )
         service.start()
         stack.callback(service.kill)
-        serve = ["--memory-store", service.url, *model_args(args)]
+        # the replicas split the machine's cores (decision 061: sharing them all, their
+        # OpenMP threads spin against each other)
+        threads = args.threads or max(1, (os.cpu_count() or 1) // args.replicas)
+        serve = ["--memory-store", service.url, "--threads", str(threads), *model_args(args)]
         serve += [arg for key in honest_keys + hostile_keys for arg in ("--api-key", key)]
         bases = [
             stack.enter_context(served(None, serve_args=serve, ready_timeout=600))
@@ -210,6 +214,7 @@ async def run(args: argparse.Namespace) -> dict:
         "bench": "soak",
         "redis": redis_kind,
         "replicas": args.replicas,
+        "threads_per_replica": threads,
         "clients": args.clients,
         "hostile": args.hostile,
         "attacks": args.attacks if args.hostile else [],
@@ -256,6 +261,12 @@ def main(argv: list[str] | None = None) -> None:
         "--attacks", nargs="+", choices=ATTACKS, default=list(ATTACKS), help="what they send"
     )
     parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads per replica (default: cores / replicas)",
+    )
     parser.add_argument("--turns", type=int, default=3, choices=[1, 2, 3])
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--keep-sessions", type=int, default=4, help="per honest client")

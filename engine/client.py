@@ -427,6 +427,8 @@ def start_engine(config: EngineConfig, store: MemoryStoreClient | None = None) -
     decode step waits to wake its threads: a step took 30 ms instead of 19 ms here
     (docs/decisions/034)."""
     built: dict[str, Any] = {}
+    if config.threads:
+        torch.set_num_threads(config.threads)
 
     def build() -> None:
         try:

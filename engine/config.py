@@ -84,6 +84,8 @@ class EngineConfig:
     prompts are tokenized and grammars compiled on this many threads, off the asyncio loop;
     one tenant's on at most preprocess_threads_per_tenant of them, at most
     max_preprocess_waiting_per_tenant more waiting (then 429; docs/decisions/057).
+    threads: torch's intra-op threads for the model's arithmetic (0: torch's default, one per
+    core); set before anything runs in parallel (docs/decisions/061).
     """
 
     model: str | None = None
@@ -118,6 +120,7 @@ class EngineConfig:
     projection_dir: str | None = None
     max_projection_bytes: int = 256 * 1024**2
     preprocess_threads: int = 2
+    threads: int = 0
     preprocess_threads_per_tenant: int = 1
     max_preprocess_waiting_per_tenant: int = 16
 
@@ -156,6 +159,8 @@ class EngineConfig:
                 not isinstance(value, int) or isinstance(value, bool) or value < 1
             ):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads!r}")
         if self.max_model_len is not None and (
             not isinstance(self.max_model_len, int) or self.max_model_len < 2
         ):

@@ -82,6 +82,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--data-dir", help="where the embedded memory store persists")
     parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads for the model (default: one per core; N replicas on one machine: "
+        "cores / N each)",
+    )
+    parser.add_argument(
         "--projection-dir",
         help="neurocache projections clients name by id: <dir>/<id>.pt (default: none)",
     )
@@ -110,6 +116,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         "memory_store_url",
         "data_dir",
         "projection_dir",
+        "threads",
     )
     overrides: dict[str, Any] = {
         name: getattr(args, name) for name in fields if getattr(args, name, None) is not None
@@ -183,6 +190,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "projection_dir": settings.projection_dir,
         "max_projection_bytes": settings.max_projection_bytes,
         "preprocess_threads": settings.preprocess_threads,
+        "threads": settings.threads,
         "preprocess_threads_per_tenant": settings.preprocess_threads_per_tenant,
         "max_preprocess_waiting_per_tenant": settings.max_preprocess_waiting_per_tenant,
         # One store for the engine's encodings and the server's session records: the memory

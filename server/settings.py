@@ -143,6 +143,10 @@ class ServerSettings(BaseSettings):
     # preprocess_threads_per_tenant of them, max_preprocess_waiting_per_tenant more waiting
     # (then 429). Tools are bounded like OpenAI's (128 functions) and by their JSON's size.
     preprocess_threads: int = Field(default=2, ge=1)
+    # torch's threads for the model's arithmetic (0: torch's default, one per core). Replicas
+    # sharing a machine must split its cores: two replicas of all the cores each spin
+    # OpenMP threads against each other (4x fewer answers on 2 cores, docs/decisions/061).
+    threads: int = Field(default=0, ge=0)
     preprocess_threads_per_tenant: int = Field(default=1, ge=1)
     max_preprocess_waiting_per_tenant: int = Field(default=16, ge=1)
     max_tools: int = Field(default=128, ge=0)

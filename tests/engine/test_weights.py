@@ -77,6 +77,24 @@ async def test_start_engine_builds_off_thread_and_raises_its_errors(tiny_model_d
         start_engine(EngineConfig(model=str(tmp_path / "missing"), device="cpu"))
 
 
+async def test_start_engine_sets_torch_threads_from_the_config(tiny_model_dir):
+    """Replicas sharing a machine split its cores (decision 061): threads=N is what torch
+    then runs the model's arithmetic on; 0 leaves torch's default."""
+    from engine.client import start_engine
+
+    before = torch.get_num_threads()
+    try:
+        engine = start_engine(EngineConfig(model=str(tiny_model_dir), device="cpu", threads=1))
+        await engine.shutdown()
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(before)
+        engine = start_engine(EngineConfig(model=str(tiny_model_dir), device="cpu"))
+        await engine.shutdown()
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)
+
+
 def q4_1_weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight on a Q4_1 grid (w = q d + m per group of 32, each group holding codes 0 and
     15, d and m fp16), centred as trained weights are; and its codes."""

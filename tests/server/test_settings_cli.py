@@ -102,6 +102,14 @@ def test_per_tenant_shares_from_flags_and_env(monkeypatch: pytest.MonkeyPatch) -
     assert settings.max_waiting_requests_per_tenant == 5
 
 
+def test_threads_from_flag_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert settings_from_args(build_parser().parse_args(["serve"])).threads == 0
+    monkeypatch.setenv("LONGSERVE_THREADS", "2")
+    assert settings_from_args(build_parser().parse_args(["serve"])).threads == 2
+    args = build_parser().parse_args(["serve", "--threads", "1"])
+    assert settings_from_args(args).threads == 1
+
+
 def test_per_tenant_shares_default_to_the_engine_s_fractions() -> None:
     settings = settings_from_args(build_parser().parse_args(["serve"]))
     assert settings.max_running_requests_per_tenant is None
