@@ -171,6 +171,9 @@ class Session:
             if doc.task is not None and not doc.task.done()
         ]
 
+    def reading(self) -> bool:
+        return any(d.status in ("queued", "ingesting") for d in self.documents.values())
+
     async def wait_idle(self, timeout: float) -> bool:
         """Wait up to `timeout` for every document to be read; False if some still are."""
         deadline = time.monotonic() + timeout
@@ -209,7 +212,9 @@ class Session:
             documents=len(self.documents),
             turns=self.turns,
             memory_tokens=self.memory_tokens,
-            status="ingesting" if self.ingesting() else "ready",
+            # from the documents' own statuses, as stored_view: a task finishing its bookkeeping
+            # after its document says ready must not make the session say ingesting
+            status="ingesting" if self.reading() else "ready",
             metadata=self.metadata,
             collections=list(self.collections),
         )
