@@ -52,7 +52,7 @@ from engine.runner.grammar import Grammars
 from engine.runner.loader import LoadedModel, load_model
 from engine.runner.tokenize import encode_ids, encode_text
 from engine.runner.tool_template import tool_format
-from engine.scheduler.preprocess import Preprocessor
+from engine.scheduler.preprocess import Preprocessor, lower_thread_priority
 from engine.scheduler.stream import aborted_delta, submit
 from engine.scheduler.worker import Worker
 from engine.sessions.backend import Decoding, SessionBackend
@@ -109,7 +109,7 @@ class LocalEngine:
             self.config.preprocess_threads,
             self.config.preprocess_threads_per_tenant,
             self.config.max_preprocess_waiting_per_tenant,
-            on_start=self._thread_tokenizer,  # copied up front, not in a request's time
+            on_start=self._start_preprocessing,
         )
         # structured outputs: compiled on the caller's thread, enforced on the device thread
         self._grammars = Grammars(self._tokenizer, self._tokenizer.eos_token_id)
@@ -168,6 +168,12 @@ class LocalEngine:
 
     # -- tokenization (the preprocessing threads) ---------------------------------------------
 
+    def _start_preprocessing(self) -> None:
+        """A preprocessing thread's start: its niceness, its tokenizer copied up front (not
+        in a request's time)."""
+        lower_thread_priority(self.config.preprocess_nice)
+        self._thread_tokenizer()
+
     def _thread_tokenizer(self) -> Any:
         tokenizer = getattr(self._thread_tokenizers, "tokenizer", None)
         if tokenizer is None:
@@ -184,18 +190,19 @@ class LocalEngine:
             return encode_text(tokenizer, prompt)
         return encode_chat(tokenizer, prompt)
 
-    def _encode(self, prompt: Prompt) -> torch.Tensor:
-        ids = self._token_ids(prompt)
+    def _encode(self, prompt: Prompt, limit: int | None = None) -> torch.Tensor:
+        ids = self._token_ids(prompt, limit)
         if not len(ids):
             raise InvalidRequest("the prompt is empty", param="prompt")
         return ids
 
-    def _token_ids(self, prompt: Prompt) -> torch.Tensor:
-        """encode_prompt's ids (T,), never a long list of Python ints (engine/runner/tokenize.py)."""
+    def _token_ids(self, prompt: Prompt, limit: int | None = None) -> torch.Tensor:
+        """encode_prompt's ids (T,), never a long list of Python ints (engine/runner/tokenize.py);
+        PromptTooLong as soon as there are more than `limit`."""
         tokenizer = self._thread_tokenizer()
         if isinstance(prompt, str):
-            return encode_ids(tokenizer, prompt)
-        return encode_chat_ids(tokenizer, prompt)
+            return encode_ids(tokenizer, prompt, limit=limit)
+        return encode_chat_ids(tokenizer, prompt, limit=limit)
 
     def _count(self, prompt: Prompt) -> int:
         return len(self._token_ids(prompt))
@@ -219,7 +226,12 @@ class LocalEngine:
         return self._info
 
     async def prepare(
-        self, prompt: Prompt, sampling: SamplingParams, *, tenant: str | None = None
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams,
+        *,
+        tenant: str | None = None,
+        token_limit: int | None = None,
     ) -> PreparedPrompt:
         self._worker.check_alive()
         _validate_sampling(sampling)
@@ -227,7 +239,7 @@ class LocalEngine:
         def prepare() -> PreparedPrompt:
             if sampling.response_format is not None:
                 self._grammars.compile(sampling.response_format)  # InvalidRequest if it cannot
-            ids = self._encode(prompt)  # (T,)
+            ids = self._encode(prompt, token_limit)  # (T,)
             return PreparedPrompt(prompt, len(ids), ids)
 
         return await self._preprocessor.run(tenant, prepare)
@@ -280,13 +292,19 @@ class LocalEngine:
         generation_prompt: bool = True,
         token_strings: bool = False,
         tenant: str | None = None,
+        token_limit: int | None = None,
     ) -> Tokenized:
         def tokenize() -> Tokenized:
             tokenizer = self._thread_tokenizer()
             if isinstance(prompt, str):
-                ids = encode_text(tokenizer, prompt, add_special_tokens=add_special_tokens)
+                ids = encode_text(
+                    tokenizer, prompt, add_special_tokens=add_special_tokens, limit=token_limit
+                )
             else:
-                ids = encode_chat(tokenizer, prompt, generation_prompt=generation_prompt)
+                chat = encode_chat_ids(
+                    tokenizer, prompt, generation_prompt=generation_prompt, limit=token_limit
+                )
+                ids = chat.tolist()
             return Tokenized(ids, tokenizer.convert_ids_to_tokens(ids) if token_strings else None)
 
         return await self._preprocessor.run(tenant, tokenize)

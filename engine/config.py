@@ -83,7 +83,8 @@ class EngineConfig:
     preprocess_threads, preprocess_threads_per_tenant, max_preprocess_waiting_per_tenant:
     prompts are tokenized and grammars compiled on this many threads, off the asyncio loop;
     one tenant's on at most preprocess_threads_per_tenant of them, at most
-    max_preprocess_waiting_per_tenant more waiting (then 429; docs/decisions/057).
+    max_preprocess_waiting_per_tenant more waiting (then 429; docs/decisions/057);
+    preprocess_nice is added to those threads' niceness (decode steps come first).
     threads: torch's intra-op threads for the model's arithmetic (0: torch's default, one per
     core); set before anything runs in parallel (docs/decisions/061).
     """
@@ -123,6 +124,7 @@ class EngineConfig:
     threads: int = 0
     preprocess_threads_per_tenant: int = 1
     max_preprocess_waiting_per_tenant: int = 16
+    preprocess_nice: int = 0
 
     def __post_init__(self) -> None:
         if self.model is not None and not self.model.strip():

@@ -52,6 +52,16 @@ class PromptTooLong(InvalidRequest):
     """The prompt exceeds what the engine accepts (window, or the memory hard cap). -> 400."""
 
 
+class TooManyTokens(PromptTooLong):
+    """A prompt past the caller's token limit, its encoding stopped there: `at_least` tokens
+    counted so far (the caller names the parameter)."""
+
+    def __init__(self, at_least: int, limit: int) -> None:
+        super().__init__(f"The prompt has more than {limit} tokens ({at_least} counted).")
+        self.at_least = at_least
+        self.limit = limit
+
+
 class EngineOverloaded(EngineError):
     """The waiting queue is full. -> 429 with Retry-After."""
 
@@ -352,11 +362,18 @@ class EngineClient(Protocol):
     def model(self) -> ModelInfo: ...
 
     async def prepare(
-        self, prompt: Prompt, sampling: SamplingParams, *, tenant: str | None = None
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams,
+        *,
+        tenant: str | None = None,
+        token_limit: int | None = None,
     ) -> PreparedPrompt:
         """Tokenize the prompt and compile its grammar, off the asyncio loop, once for all of
         a request's choices. InvalidRequest for an empty prompt or a grammar that cannot be
-        enforced; EngineOverloaded when the tenant has too many prompts being prepared.
+        enforced; PromptTooLong as soon as more than token_limit tokens are counted (a huge
+        prompt is not tokenized whole to be refused); EngineOverloaded when the tenant has too
+        many prompts being prepared.
         Cancelling it before its turn comes leaves nothing running."""
         ...
 
@@ -392,9 +409,10 @@ class EngineClient(Protocol):
         generation_prompt: bool = True,
         token_strings: bool = False,
         tenant: str | None = None,
+        token_limit: int | None = None,
     ) -> Tokenized:
         """The prompt's ids as generate would read them, off the asyncio loop within the
-        tenant's share of the preprocessing threads. add_special_tokens: for a text prompt,
+        tenant's share of the preprocessing threads (PromptTooLong past token_limit). add_special_tokens: for a text prompt,
         the tokenizer's BOS/EOS (a chat template writes its own); generation_prompt: for chat
         messages, the assistant's opening appended."""
         ...

@@ -192,6 +192,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "preprocess_threads": settings.preprocess_threads,
         "threads": settings.threads,
         "preprocess_threads_per_tenant": settings.preprocess_threads_per_tenant,
+        "preprocess_nice": settings.background_nice,
         "max_preprocess_waiting_per_tenant": settings.max_preprocess_waiting_per_tenant,
         # One store for the engine's encodings and the server's session records: the memory
         # service, or the embedded store under --data-dir.

@@ -45,6 +45,7 @@ class ExtractionLimits:
     queue_seconds: float  # how long an upload may wait for a slot
     cpu_seconds: int  # CPU time of one extraction (RLIMIT_CPU in its process)
     memory_bytes: int | None = None  # its address space (RLIMIT_AS); None: unlimited
+    nice: int = 0  # added to its niceness: it takes only the CPU the decode steps leave
 
 
 def _context() -> Any:
@@ -62,9 +63,12 @@ def _extract_in_child(
     limits: DocumentLimits,
     cpu_seconds: int,
     memory_bytes: int | None,
+    nice: int = 0,
 ) -> None:
     """The worker process: one extraction, its outcome sent back as plain values (an APIError's
     fields or the text), never an exception's text."""
+    if nice:
+        os.nice(nice)
     _, hard = resource.getrlimit(resource.RLIMIT_CPU)
     if hard != resource.RLIM_INFINITY:
         cpu_seconds = min(cpu_seconds, hard - 1)
@@ -102,11 +106,19 @@ class _Extraction:
     """One extraction's process, started and awaited on a thread; kill() from any thread."""
 
     def __init__(
-        self, context: Any, upload: Upload, limits: DocumentLimits, cpu: int, memory: int | None
+        self,
+        context: Any,
+        upload: Upload,
+        limits: DocumentLimits,
+        cpu: int,
+        memory: int | None,
+        nice: int = 0,
     ) -> None:
         self._receiver, self._sender = context.Pipe(duplex=False)
         self.process = context.Process(
-            target=_extract_in_child, args=(self._sender, upload, limits, cpu, memory), daemon=True
+            target=_extract_in_child,
+            args=(self._sender, upload, limits, cpu, memory, nice),
+            daemon=True,
         )
         self._wall_seconds = limits.timeout_seconds
         self._lock = threading.Lock()
@@ -208,7 +220,12 @@ class DocumentReader:
         await self._slots.acquire(tenant)
         limits = self.extraction
         extraction = _Extraction(
-            self._context, upload, self.limits, limits.cpu_seconds, limits.memory_bytes
+            self._context,
+            upload,
+            self.limits,
+            limits.cpu_seconds,
+            limits.memory_bytes,
+            limits.nice,
         )
         self.running.add(extraction)
         try:

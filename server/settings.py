@@ -148,6 +148,9 @@ class ServerSettings(BaseSettings):
     # OpenMP threads against each other (4x fewer answers on 2 cores, docs/decisions/061).
     threads: int = Field(default=0, ge=0)
     preprocess_threads_per_tenant: int = Field(default=1, ge=1)
+    # Niceness added to the preprocessing threads and the extraction processes (0-19): a
+    # tenant's 24 MB prompt or crafted PDF gets only the CPU the decode steps leave.
+    background_nice: int = Field(default=10, ge=0, le=19)
     max_preprocess_waiting_per_tenant: int = Field(default=16, ge=1)
     max_tools: int = Field(default=128, ge=0)
     max_tools_bytes: int = Field(default=256 * 1024, ge=2)

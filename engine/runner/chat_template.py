@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.protocol import InvalidRequest
+from engine.protocol import InvalidRequest, TooManyTokens
 from engine.runner.tokenize import encode_ids, encode_text
 from engine.runner.tool_template import template_tools, tool_fields
 
@@ -106,27 +106,48 @@ def _render(
 
 
 def _tokenize_rendered(
-    tokenizer: PreTrainedTokenizerBase, rendered: str, contents: Sequence[str]
+    tokenizer: PreTrainedTokenizerBase,
+    rendered: str,
+    contents: Sequence[str],
+    limit: int | None = None,
 ) -> torch.Tensor:
     """Token ids (T,) of a rendered template: its own text with special tokens recognised, each
-    placeholder's content with split_special_tokens=True (so it never becomes control tokens)."""
+    placeholder's content with split_special_tokens=True (so it never becomes control tokens).
+    PromptTooLong as soon as they are more than `limit`."""
+    parts: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long)]
+    count = 0
+
+    def add(ids: torch.Tensor) -> None:
+        nonlocal count
+        parts.append(ids)
+        count += len(ids)
+        if limit is not None and count > limit:
+            raise TooManyTokens(count, limit)
 
     def template(text: str) -> torch.Tensor:
         return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)
 
-    parts: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long)]
     pos = 0
     for match in _PLACEHOLDER_RE.finditer(rendered):
         if match.start() > pos:
-            parts.append(template(rendered[pos : match.start()]))
+            add(template(rendered[pos : match.start()]))
         content = contents[int(match.group(1))]
         if content:
-            parts.append(
-                encode_ids(tokenizer, content, add_special_tokens=False, split_special_tokens=True)
-            )
+            room = None if limit is None else limit - count
+            try:
+                ids = encode_ids(
+                    tokenizer,
+                    content,
+                    add_special_tokens=False,
+                    split_special_tokens=True,
+                    limit=room,
+                )
+            except TooManyTokens as exc:  # counted within the room left: the whole prompt's
+                raise TooManyTokens(count + exc.at_least, limit or 0) from None
+            add(ids)
         pos = match.end()
     if pos < len(rendered):
-        parts.append(template(rendered[pos:]))
+        add(template(rendered[pos:]))
     return torch.cat(parts)
 
 
@@ -145,6 +166,7 @@ def encode_chat_ids(
     messages: Sequence[Any],
     history: Sequence[Turn] = (),
     generation_prompt: bool = True,
+    limit: int | None = None,
 ) -> torch.Tensor:
     """Token ids (T,) of chat messages rendered by the chat template, with a generation prompt
     (without one for generation_prompt=False: a document read into a session as a user turn).
@@ -180,7 +202,7 @@ def encode_chat_ids(
             rendered = rendered[len(before) :]
         else:
             rendered = _render(tokenizer, turns, len(history), generation_prompt, fields, tools)
-    return _tokenize_rendered(tokenizer, rendered, contents)
+    return _tokenize_rendered(tokenizer, rendered, contents, limit)
 
 
 def encode_document(

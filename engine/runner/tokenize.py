@@ -8,6 +8,11 @@ splits (checked on a window around each cut: the window encoded whole and in two
 agree), and its ids are converted piece by piece. A text with no such cut is encoded whole.
 `encode_ids` builds the tensor from the pieces without ever holding one long list of Python
 ints (the garbage collector walks such a list at every pass: 37 ms for 7.2 M ids).
+
+Pieces are encoded one after another on the calling thread, never in the tokenizer's own
+thread pool (which takes every core: 5.7 CPU-seconds in 3.1 s for 24 MB on 2 cores), and with
+a `limit` the encoding stops at the first piece past it (PromptTooLong): refusing a prompt
+costs what the limit allows, not what the client sent (docs/decisions/061).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from engine.protocol import TooManyTokens
 
 PIECE_CHARS = 1 << 18  # ids of ~60K tokens per conversion: a few ms of GIL
 _CHECK_CHARS = 256  # each side of a cut, encoded whole and in halves
@@ -30,17 +37,28 @@ def encode_text(
     *,
     add_special_tokens: bool = True,
     split_special_tokens: bool = False,
+    limit: int | None = None,
 ) -> list[int]:
-    """`tokenizer(text, ...).input_ids`, the same ids, with short GIL holds for long texts."""
+    """`tokenizer(text, ...).input_ids`, the same ids, with short GIL holds for long texts;
+    PromptTooLong once they are more than `limit`."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if len(text) <= 2 * PIECE_CHARS or backend is None:
         encoded = tokenizer(
             text, add_special_tokens=add_special_tokens, split_special_tokens=split_special_tokens
         )
-        return list(encoded.input_ids)
+        return check_limit(list(encoded.input_ids), limit)
     ids: list[int] = []
     for part in _piece_ids(backend, text, add_special_tokens, split_special_tokens):
         ids.extend(part)
+        check_limit(ids, limit)
+    return ids
+
+
+def check_limit(ids: Any, limit: int | None) -> Any:
+    """ids, or TooManyTokens (without a param: the caller names it) if there are more than
+    `limit` of them."""
+    if limit is not None and len(ids) > limit:
+        raise TooManyTokens(len(ids), limit)
     return ids
 
 
@@ -50,6 +68,7 @@ def encode_ids(
     *,
     add_special_tokens: bool = True,
     split_special_tokens: bool = False,
+    limit: int | None = None,
 ) -> torch.Tensor:
     """encode_text's ids as a tensor (T,), never held as one long list of Python ints: a list
     of millions costs the garbage collector tens of ms at every pass while it lives."""
@@ -60,12 +79,16 @@ def encode_ids(
             text,
             add_special_tokens=add_special_tokens,
             split_special_tokens=split_special_tokens,
+            limit=limit,
         )
         return torch.tensor(ids, dtype=torch.long)
-    parts = [
-        torch.tensor(part, dtype=torch.long)
-        for part in _piece_ids(backend, text, add_special_tokens, split_special_tokens)
-    ]
+    parts: list[torch.Tensor] = []
+    count = 0
+    for part in _piece_ids(backend, text, add_special_tokens, split_special_tokens):
+        parts.append(torch.tensor(part, dtype=torch.long))
+        count += len(part)
+        if limit is not None and count > limit:
+            raise TooManyTokens(count, limit)
     return torch.cat(parts)  # (T,)
 
 
@@ -80,11 +103,9 @@ def _piece_ids(
     backend.encode_special_tokens = split_special_tokens
     try:
         head, tail = _special_ends(backend) if add_special_tokens else ([], [])
-        encodings = backend.encode_batch(_pieces(backend, text), add_special_tokens=False)
         yield list(head)
-        for i in range(len(encodings)):
-            yield encodings[i].ids
-            encodings[i] = None
+        for piece in _pieces(backend, text):
+            yield backend.encode(piece, add_special_tokens=False).ids
         yield list(tail)
     finally:
         if truncation is not None:
@@ -101,17 +122,16 @@ def _special_ends(backend: Any) -> tuple[list[int], list[int]]:
     return [], []
 
 
-def _pieces(backend: Any, text: str) -> list[str]:
+def _pieces(backend: Any, text: str) -> Iterator[str]:
     """text cut into pieces of about PIECE_CHARS characters at cuts the tokenizer agrees with."""
-    pieces, start = [], 0
+    start = 0
     while len(text) - start > 2 * PIECE_CHARS:
         cut = _cut_after(backend, text, start + PIECE_CHARS)
         if cut is None:
             break
-        pieces.append(text[start:cut])
+        yield text[start:cut]
         start = cut
-    pieces.append(text[start:])
-    return pieces
+    yield text[start:]
 
 
 def _cut_after(backend: Any, text: str, at: int) -> int | None:
@@ -125,7 +145,7 @@ def _cut_after(backend: Any, text: str, at: int) -> int | None:
         window = text[cut - _CHECK_CHARS : cut + _CHECK_CHARS]
         left, right = text[cut - _CHECK_CHARS : cut], text[cut : cut + _CHECK_CHARS]
         whole = backend.encode(window, add_special_tokens=False).ids
-        halves = [e.ids for e in backend.encode_batch([left, right], add_special_tokens=False)]
+        halves = [backend.encode(half, add_special_tokens=False).ids for half in (left, right)]
         if whole == halves[0] + halves[1]:
             return cut
         position = cut + 1

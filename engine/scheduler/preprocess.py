@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -23,6 +25,20 @@ from typing import Any, TypeVar
 from engine.protocol import EngineOverloaded
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Add `nice` to the calling thread's niceness (Linux schedules threads one by one), so a
+    tenant's huge prompt being tokenized takes only the CPU the decode steps leave; a no-op
+    where threads cannot be reniced."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as exc:
+        logger.info("preprocessing thread keeps its priority: %s", exc)
 
 
 class Preprocessor:

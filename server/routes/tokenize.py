@@ -21,7 +21,7 @@ from server.protocol_tokenize import (
     TokenizerInfoResponse,
 )
 from server.routes.dependencies import Serving
-from server.serving.checks import check_model
+from server.serving.checks import check_model, counted_within
 from server.serving.tool_formats import syntax_of
 from server.serving.tools import plan_tools, render_messages
 
@@ -40,12 +40,14 @@ async def tokenize(
         check_model(engine, body.model)
     if body.messages is None:
         assert body.prompt is not None  # one of the two, by validation
-        tokenized = await engine.tokenize(
-            body.prompt,
-            add_special_tokens=body.add_special_tokens is not False,
-            token_strings=body.return_token_strs,
-            tenant=tenant,
-        )
+        with counted_within(serving.settings, "prompt") as limit:
+            tokenized = await engine.tokenize(
+                body.prompt,
+                add_special_tokens=body.add_special_tokens is not False,
+                token_strings=body.return_token_strs,
+                tenant=tenant,
+                token_limit=limit,
+            )
     else:
         if body.continue_final_message:
             raise invalid_request(
@@ -66,12 +68,14 @@ async def tokenize(
         tool_format = engine.model.tool_format
         plan = plan_tools(serving.settings, chat, tool_format)
         messages = render_messages(chat.messages, plan, syntax_of(tool_format))
-        tokenized = await engine.tokenize(
-            messages,
-            generation_prompt=body.add_generation_prompt,
-            token_strings=body.return_token_strs,
-            tenant=tenant,
-        )
+        with counted_within(serving.settings, "messages") as limit:
+            tokenized = await engine.tokenize(
+                messages,
+                generation_prompt=body.add_generation_prompt,
+                token_strings=body.return_token_strs,
+                tenant=tenant,
+                token_limit=limit,
+            )
     return TokenizeResponse(
         count=len(tokenized.ids),
         max_model_len=engine.model.max_model_len,

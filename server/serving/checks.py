@@ -3,9 +3,11 @@ the server's settings, and the sampling knobs both requests carry."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 
-from engine.protocol import EngineClient, SamplingParams, StructuredOutput
+from engine.protocol import EngineClient, SamplingParams, StructuredOutput, TooManyTokens
 from server.errors import APIError, invalid_request, model_not_found
 from server.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
 from server.serving.schemas import bounded_numbers
@@ -53,12 +55,28 @@ def check_prompt_tokens(settings: ServerSettings, tokens: int, param: str) -> No
     it renders)."""
     limit = settings.max_prompt_tokens
     if tokens > limit:
-        raise APIError(
-            400,
-            f"The prompt has {tokens} tokens; this server accepts at most {limit}.",
-            param=param,
-            code="context_length_exceeded",
-        )
+        raise prompt_too_long(f"The prompt has {tokens} tokens", limit, param)
+
+
+def prompt_too_long(counted: str, limit: int, param: str) -> APIError:
+    return APIError(
+        400,
+        f"{counted}; this server accepts at most {limit}.",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+@contextlib.contextmanager
+def counted_within(settings: ServerSettings, param: str) -> Iterator[int]:
+    """The token limit to hand the engine's tokenization (it stops there, TooManyTokens), that
+    exception as the 400 naming `param`."""
+    try:
+        yield settings.max_prompt_tokens
+    except TooManyTokens as exc:
+        raise prompt_too_long(
+            f"The prompt has more than {exc.limit} tokens", exc.limit, param
+        ) from None
 
 
 def top_k_of(top_k: int | None) -> int:

@@ -30,7 +30,7 @@ from engine.protocol import (
 from server.auth import tenant_session_id
 from server.disconnect import until_disconnected
 from server.protocol import MemoryRequest, PromptTokensDetails, UsageInfo
-from server.serving.checks import check_prompt_tokens
+from server.serving.checks import check_prompt_tokens, counted_within
 from server.serving.context import ServingContext
 from server.sessions.models import Session
 
@@ -93,9 +93,11 @@ async def prepare_jobs(
     for job in jobs:
         if job.prompt_index in prepared or isinstance(job.prompt, PreparedPrompt):
             continue
-        ready = await until_disconnected(
-            raw_request, ctx.engine.prepare(job.prompt, job.sampling, tenant=tenant)
-        )
+        with counted_within(ctx.settings, params[job.prompt_index]) as limit:
+            ready = await until_disconnected(
+                raw_request,
+                ctx.engine.prepare(job.prompt, job.sampling, tenant=tenant, token_limit=limit),
+            )
         check_prompt_tokens(ctx.settings, ready.num_tokens, params[job.prompt_index])
         prepared[job.prompt_index] = ready
     return [replace(job, prompt=prepared.get(job.prompt_index, job.prompt)) for job in jobs]

@@ -71,6 +71,7 @@ class SessionRegistry:
                 cpu_seconds=settings.document_extract_cpu_seconds
                 or cpu_seconds_for(settings.document_extract_timeout_seconds),
                 memory_bytes=settings.document_extract_memory_bytes or None,
+                nice=settings.background_nice,
             ),
         )
         # the helpers get the services and the table, never the registry; the clock is read

@@ -5,15 +5,23 @@ texts encoded in pieces to the same ids."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import sys
 import threading
 import time
 
 import pytest
 
-from engine.protocol import EngineOverloaded, InvalidRequest, SamplingParams, StructuredOutput
+from engine.protocol import (
+    EngineOverloaded,
+    InvalidRequest,
+    SamplingParams,
+    StructuredOutput,
+    TooManyTokens,
+)
 from engine.runner import tokenize
-from engine.scheduler.preprocess import Preprocessor
+from engine.scheduler.preprocess import Preprocessor, lower_thread_priority
 
 
 def _blocking(release: threading.Event, ran: list[str], name: str):
@@ -107,7 +115,7 @@ def test_long_texts_encode_in_pieces_to_the_same_ids(
     words = ["the", "  ", "quick", "brown\n\n", "fox.", "Ünïcode", "数字", "<|im_start|>"]
     words += ["123", "  x", "\t", "!!", "\n", "don't", " "]
     text = "".join(rnd.choice(words) + " " * (rnd.random() < 0.6) for _ in range(6000))
-    assert len(tokenize._pieces(tokenizer.backend_tokenizer, text)) > 5
+    assert len(list(tokenize._pieces(tokenizer.backend_tokenizer, text))) > 5
     expected = tokenizer(
         text, add_special_tokens=add_special_tokens, split_special_tokens=split_special_tokens
     ).input_ids
@@ -125,3 +133,68 @@ def test_long_texts_encode_in_pieces_to_the_same_ids(
         split_special_tokens=split_special_tokens,
     )
     assert ids.tolist() == got
+
+
+def _counting_pieces(monkeypatch) -> list[int]:
+    """Pieces encoded so far, in a list the test reads."""
+    seen = [0]
+    pieces = tokenize._pieces
+
+    def counted(backend, text):
+        for piece in pieces(backend, text):
+            seen[0] += 1
+            yield piece
+
+    monkeypatch.setattr(tokenize, "_pieces", counted)
+    return seen
+
+
+def test_a_text_past_the_limit_is_refused_without_encoding_the_rest(tokenizer, monkeypatch) -> None:
+    monkeypatch.setattr(tokenize, "PIECE_CHARS", 2000)
+    text = "lantern glows over the harbour. " * 20_000  # 640K characters: ~320 pieces
+    total = len(tokenizer(text).input_ids)
+    seen = _counting_pieces(monkeypatch)
+    with pytest.raises(TooManyTokens) as refused:
+        tokenize.encode_ids(tokenizer, text, limit=1500)
+    assert refused.value.limit == 1500 and 1500 < refused.value.at_least < 3000 < total
+    assert seen[0] <= 4  # stopped at the first piece past the limit, not after ~320
+    with pytest.raises(TooManyTokens):
+        tokenize.encode_text(tokenizer, text, limit=1500)
+    # a limit the text fits in changes nothing
+    assert tokenize.encode_ids(tokenizer, text, limit=total).tolist() == tokenizer(text).input_ids
+    with pytest.raises(TooManyTokens):
+        tokenize.encode_ids(tokenizer, text, limit=total - 1)
+    with pytest.raises(TooManyTokens):  # a short text, encoded whole, is counted after
+        tokenize.encode_ids(tokenizer, "a b c d", limit=2)
+
+
+async def test_engine_stops_tokenizing_a_prompt_at_the_limit(engine, monkeypatch) -> None:
+    monkeypatch.setattr(tokenize, "PIECE_CHARS", 2000)
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    text = "lantern glows over the harbour. " * 20_000
+    seen = _counting_pieces(monkeypatch)
+    messages = [{"role": "user", "content": text}]
+    with pytest.raises(TooManyTokens) as refused:
+        await engine.prepare(messages, greedy, tenant="t", token_limit=1000)
+    assert 1000 < refused.value.at_least < 2500 and seen[0] <= 4
+    with pytest.raises(TooManyTokens):
+        await engine.prepare(text, greedy, tenant="t", token_limit=1000)
+    with pytest.raises(TooManyTokens):
+        await engine.tokenize(messages, tenant="t", token_limit=1000)
+    short = [{"role": "user", "content": "Hello there"}]
+    count = (await engine.prepare(short, greedy, tenant="t")).num_tokens
+    assert (await engine.prepare(short, greedy, token_limit=count)).num_tokens == count
+    with pytest.raises(TooManyTokens):  # the template's own tokens count too
+        await engine.prepare(short, greedy, token_limit=count - 1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness")
+async def test_preprocessing_threads_run_at_a_lower_priority() -> None:
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    pool = Preprocessor(1, 1, 4, on_start=lambda: lower_thread_priority(5))
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    assert await pool.run("t", niceness) == min(19, base + 5)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the loop's thread keeps its own

@@ -58,6 +58,7 @@ from engine.protocol import (
     TokenizerInfo,
     TokenLogprob,
     ToolFormat,
+    TooManyTokens,
 )
 
 VOCAB = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
@@ -151,10 +152,18 @@ class FakeEngine:
         return self._model
 
     async def prepare(
-        self, prompt: Prompt, sampling: SamplingParams, *, tenant: str | None = None
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams,
+        *,
+        tenant: str | None = None,
+        token_limit: int | None = None,
     ) -> PreparedPrompt:
         self.prepared.append((prompt, tenant))
-        return PreparedPrompt(prompt, len(prompt_words(prompt)))
+        words = len(prompt_words(prompt))
+        if token_limit is not None and words > token_limit:
+            raise TooManyTokens(token_limit + 1, token_limit)  # stops at the first one past
+        return PreparedPrompt(prompt, words)
 
     def generate(
         self,
@@ -321,11 +330,14 @@ class FakeEngine:
         generation_prompt: bool = True,
         token_strings: bool = False,
         tenant: str | None = None,
+        token_limit: int | None = None,
     ) -> Tokenized:
         """Words are tokens, numbered as first seen; `<s>` opens a text prompt with special
         tokens, `<assistant>` ends chat messages with a generation prompt."""
         self.tokenized.append((prompt, tenant))
         words = prompt_words(prompt)
+        if token_limit is not None and len(words) > token_limit:
+            raise TooManyTokens(token_limit + 1, token_limit)
         if isinstance(prompt, str) and add_special_tokens:
             words.insert(0, "<s>")
         if not isinstance(prompt, str) and generation_prompt:

@@ -79,3 +79,27 @@ async def test_tools_are_bounded_in_number_and_size(tools, limit, path) -> None:
     assert error["param"] == "tools" and limit in error["message"]
     assert error["type"] == "invalid_request_error"
     assert engine.calls == [] and engine.prepared == []
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "word " * 200}, "prompt"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "w " * 200}]},
+            "messages",
+        ),
+        ("/tokenize", {"prompt": "word " * 200}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "w " * 200}]}, "messages"),
+    ],
+)
+async def test_the_engine_stops_counting_at_the_limit(path, body, param) -> None:
+    """The server hands its limit to the engine's tokenization, which stops past it (a 24 MB
+    prompt is not tokenized whole to be refused): a 400 naming the parameter."""
+    engine = FakeEngine(MODEL)
+    response = await _post(_settings(max_prompt_tokens=100), engine, path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == param
+    assert "more than 100 tokens" in error["message"] and engine.calls == []
