@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -447,6 +448,9 @@ def start_engine(config: EngineConfig, store: MemoryStoreClient | None = None) -
     built: dict[str, Any] = {}
     if config.threads:
         torch.set_num_threads(config.threads)
+    # tokenizers' own thread pool would take every core for one prompt, at the caller's
+    # priority, not the preprocessing thread's (docs/decisions/061); an operator may set it
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     def build() -> None:
         try:
