@@ -14,13 +14,16 @@ attacks until the run ends, every answer counted as "ATTACK STATUS".
 
 A hostile request should get a 4xx (or 429 while flooding), or a 200 where the input is within
 the limits; a 5xx or a broken connection is a defect of the server (`defects()`), except that
-while the chaos kills the store anyone may get a 503 (compare with a --no-chaos run).
+while the chaos kills the store anyone may get a 503 (compare with a --no-chaos run). A
+request broken after its client's cut-off (the end of an --alternate block) is counted as
+`cut-off`, not as a defect.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -59,15 +62,24 @@ class Hostile:
     answers."""
 
     def __init__(
-        self, http: httpx.AsyncClient, model: str, payloads: Payloads, statuses: Counter[str]
+        self,
+        http: httpx.AsyncClient,
+        model: str,
+        payloads: Payloads,
+        statuses: Counter[str],
+        end: float = math.inf,
     ) -> None:
         self.http, self.model, self.payloads, self.statuses = http, model, payloads, statuses
+        self.end = end  # the client is cut off then: what breaks after it is ours, not a defect
 
     async def send(self, attack: str, method: str, url: str, **kwargs) -> httpx.Response | None:
         try:
             response = await self.http.request(method, url, **kwargs)
         except httpx.HTTPError as exc:
-            self.statuses[f"{attack} transport:{type(exc).__name__}"] += 1
+            late = time.monotonic() >= self.end
+            self.statuses[
+                f"{attack} {'cut-off' if late else 'transport'}:{type(exc).__name__}"
+            ] += 1
             return None
         self.statuses[f"{attack} {response.status_code}"] += 1
         return response
@@ -158,7 +170,7 @@ async def hostile_client(
     async with httpx.AsyncClient(
         base_url=f"{base}/v1", timeout=300, headers=headers, limits=limits
     ) as http:
-        tenant = Hostile(http, model, payloads, statuses)
+        tenant = Hostile(http, model, payloads, statuses, end)
         turn = index
         while time.monotonic() < end:
             attack: Callable[[], Awaitable[None]] = getattr(tenant, attacks[turn % len(attacks)])
