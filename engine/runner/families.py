@@ -69,6 +69,19 @@ def unsupported(model: Any) -> str | None:
     return None
 
 
+def attention_window(cfg: Any) -> int | None:
+    """The sliding window of a model some of whose layers attend to fewer keys than it holds
+    (sliding_window < max_position_embeddings), or None."""
+    window = getattr(cfg, "sliding_window", None)
+    positions = getattr(cfg, "max_position_embeddings", None)
+    if window is None or (positions is not None and window >= positions):
+        return None
+    types = getattr(cfg, "layer_types", None)  # Mistral and Phi-3 window every layer
+    if types is not None and not any(t == "sliding_attention" for t in types):
+        return None
+    return int(window)
+
+
 def _short_window(cfg: Any) -> str | None:
     """The reason a sliding window would cut some decode row's keys, or None: a window of at
     least max_position_embeddings keys never does (transformers keeps key j for the query at i

@@ -167,15 +167,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if config.lean_decode:
         attach_decoder(model)
 
-    trained_len = getattr(model.config, "max_position_embeddings", None)
-    max_model_len = config.max_model_len or trained_len
-    if max_model_len is None:
-        raise ModelLoadError("the model config has no max_position_embeddings; set max_model_len")
-    if trained_len is not None and max_model_len > trained_len:
-        raise ModelLoadError(
-            f"max_model_len {max_model_len} exceeds the model's trained window {trained_len}; "
-            "longer inputs go through the session memory instead"
-        )
+    max_model_len = model_window(model.config, config.max_model_len)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -186,3 +178,36 @@ def load_model(config: EngineConfig) -> LoadedModel:
         linear_dtype=linear_dtype,
         kv_dtype=kv_dtype,
     )
+
+
+def model_window(cfg: Any, asked: int | None) -> int:
+    """The window of one forward: `asked` (max_model_len) or the model's trained length, no
+    longer than a sliding window (longserve's attention reads every key it holds, so a window
+    that would drop keys never may: longer inputs go through memory), and never for a model
+    whose attention soft-caps its logits."""
+    from engine.runner.families import attention_window
+
+    softcap = getattr(cfg, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise ModelLoadError(
+            f"attention logit soft-capping (attn_logit_softcapping={softcap}) is not supported: "
+            "longserve's attention is a plain softmax, and answers would differ from the model's"
+        )
+    trained_len = getattr(cfg, "max_position_embeddings", None)
+    window = attention_window(cfg)
+    limit = trained_len if window is None else window
+    max_model_len = asked or limit
+    if max_model_len is None:
+        raise ModelLoadError("the model config has no max_position_embeddings; set max_model_len")
+    if trained_len is not None and max_model_len > trained_len:
+        raise ModelLoadError(
+            f"max_model_len {max_model_len} exceeds the model's trained window {trained_len}; "
+            "longer inputs go through the session memory instead"
+        )
+    if window is not None and max_model_len > window:
+        raise ModelLoadError(
+            f"max_model_len {max_model_len} exceeds the model's sliding window {window}: "
+            "longserve's attention reads every key it holds; longer inputs go through the "
+            "session memory instead"
+        )
+    return int(max_model_len)

@@ -30,6 +30,7 @@ from transformers import (
 from engine.runner.attention import use_longserve_attention
 from engine.runner.decode_state import KVCacheState, forward_kv
 from engine.runner.decode_step import attach_decoder, decode_rows, decoder_of, unsupported
+from engine.runner.loader import ModelLoadError, model_window
 from engine.runner.weights import lower_linear_weights
 
 TINY = dict(
@@ -216,3 +217,32 @@ def test_what_the_lean_step_cannot_reproduce_keeps_transformers_forward(case):
         model = cls(config)
     assert reason in unsupported(model)
     assert attach_decoder(model) is None and decoder_of(model) is None
+
+
+WINDOWS = {  # config -> the window of one forward with no max_model_len asked
+    "llama": (LlamaConfig(**TINY), 256),
+    "mistral-short-window": (MistralConfig(**TINY, sliding_window=64), 64),
+    "qwen2-sliding-layers": (
+        Qwen2Config(**TINY, use_sliding_window=True, sliding_window=64, max_window_layers=1),
+        64,
+    ),
+    "qwen2-no-window": (Qwen2Config(**TINY), 256),
+    "gemma3": (Gemma3TextConfig(**TINY, head_dim=16, sliding_window=64), 64),
+}
+
+
+@pytest.mark.parametrize("case", WINDOWS)
+def test_a_forward_never_reaches_past_a_sliding_window(case):
+    """longserve's attention reads every key it holds: a model whose layers would drop keys
+    past a sliding window gets that window as its max_model_len (longer prompts go through
+    memory), and asking for more is refused."""
+    config, window = WINDOWS[case]
+    assert model_window(config, None) == window
+    assert model_window(config, 32) == 32
+    with pytest.raises(ModelLoadError, match="sliding window|trained window"):
+        model_window(config, window + 1)
+
+
+def test_soft_capped_attention_is_refused_at_load():
+    with pytest.raises(ModelLoadError, match="attn_logit_softcapping=50.0"):
+        model_window(Gemma2Config(**TINY, head_dim=16), None)
