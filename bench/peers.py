@@ -31,6 +31,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import httpx
@@ -123,6 +124,61 @@ def transformers_tokens(model: Any, ids: list[int], n: int):
     thread.join()
 
 
+def llama_model(gguf: str, threads: int) -> Any:
+    """llama.cpp on `gguf` in this process (imported only here: no build, no peer)."""
+    from llama_cpp import Llama
+
+    return Llama(
+        model_path=gguf,
+        n_ctx=8192,
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_batch=512,
+        verbose=False,
+    )
+
+
+def time_peers(
+    peers: dict[str, Callable[[list[int]], Iterable[Any]]],
+    tokenizer: Any,
+    contexts: Sequence[int],
+    rounds: int,
+) -> Iterator[dict]:
+    """Warm every peer once, then per context and round time each peer in turn on the same
+    prompt ids: one line per measurement (context, round, peer and `timed`'s figures)."""
+    warm = prompt_ids(tokenizer, 64)
+    for tokens_of in peers.values():
+        list(tokens_of(warm))
+    for context in contexts:
+        ids = prompt_ids(tokenizer, context)
+        for round_ in range(rounds):
+            for peer, tokens_of in peers.items():
+                line = {"context": len(ids), "round": round_, "peer": peer}
+                yield {**line, **timed(tokens_of(ids), len(ids))}
+
+
+def summarize(lines: list[dict], peers: Sequence[str]) -> list[dict]:
+    """Per context: each peer's median prefill and decode tokens/s, and longserve's ratios to
+    every other peer (`longserve/<peer>_<figure>`)."""
+    out = []
+    for context in sorted({x["context"] for x in lines}):
+        med: dict[str, dict[str, float]] = {}
+        for peer in peers:
+            rows = [x for x in lines if x["context"] == context and x["peer"] == peer]
+            med[peer] = {
+                key: statistics.median(r[key] for r in rows if r[key])
+                for key in ("prefill_tok_s", "decode_tok_s")
+            }
+        ratios = {
+            f"longserve/{peer}_{key}": round(med["longserve"][key] / med[peer][key], 2)
+            for peer in peers
+            if peer != "longserve" and "longserve" in med
+            for key in ("prefill_tok_s", "decode_tok_s")
+        }
+        out.append({"context": context, "median": med, **ratios})
+    return out
+
+
 def run(args: argparse.Namespace) -> None:
     import torch
 
@@ -147,43 +203,16 @@ def run(args: argparse.Namespace) -> None:
             ),
             "transformers": lambda ids: transformers_tokens(loaded.model, ids, args.max_tokens),
         }
-        if "llama.cpp" in args.peers:  # imported only when asked for: no build, no peer
-            every["llama.cpp"] = llama_peer(gguf, args)
+        if "llama.cpp" in args.peers:
+            llm = llama_model(gguf, args.threads)
+            every["llama.cpp"] = lambda ids: llama_tokens(llm, ids, args.max_tokens)
         peers = {name: every[name] for name in args.peers}
-        warm = prompt_ids(loaded.tokenizer, 64)
-        for tokens_of in peers.values():
-            list(tokens_of(warm))
-        for context in args.contexts:
-            ids = prompt_ids(loaded.tokenizer, context)
-            for round_ in range(args.rounds):
-                for peer, tokens_of in peers.items():
-                    line = {"bench": "peers", "context": len(ids), "round": round_, "peer": peer}
-                    line.update(timed(tokens_of(ids), len(ids)))
-                    print(json.dumps(line), flush=True)
-                    lines.append(line)
-    others = [p for p in args.peers if p != "longserve"]
-    for context in sorted({x["context"] for x in lines}):
-        med: dict[str, dict[str, float]] = {}
-        for peer in args.peers:
-            rows = [x for x in lines if x["context"] == context and x["peer"] == peer]
-            med[peer] = {
-                key: statistics.median(r[key] for r in rows if r[key])
-                for key in ("prefill_tok_s", "decode_tok_s")
-            }
-        ratios = {
-            f"longserve/{peer}_{key}": round(med["longserve"][key] / med[peer][key], 2)
-            for peer in others
-            for key in ("prefill_tok_s", "decode_tok_s")
-            if "longserve" in med
-        }
-        print(json.dumps({"bench": "peers", "context": context, "median": med, **ratios}))
-
-
-def llama_peer(gguf: str, args: argparse.Namespace):
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=gguf, n_ctx=8192, n_threads=args.threads, n_batch=512, verbose=False)
-    return lambda ids: llama_tokens(llm, ids, args.max_tokens)
+        for line in time_peers(peers, loaded.tokenizer, args.contexts, args.rounds):
+            line = {"bench": "peers", **line}
+            print(json.dumps(line), flush=True)
+            lines.append(line)
+    for summary in summarize(lines, args.peers):
+        print(json.dumps({"bench": "peers", **summary}))
 
 
 def main(argv: list[str] | None = None) -> None:
