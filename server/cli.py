@@ -268,6 +268,7 @@ BENCHMARKS = (
     "long_docs",
     "concurrency",
     "store_profile",
+    "gguf_types",
 )
 
 
