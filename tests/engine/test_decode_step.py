@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from engine.runner import weights
+from engine.runner import quant_linears
 from engine.runner.attention import use_longserve_attention
 from engine.runner.cpu_attention import decode_attention, load_kernel
 from engine.runner.decode_state import KVCacheState, forward_kv
@@ -22,8 +22,9 @@ from engine.runner.decode_step import (
     unsupported,
 )
 from engine.runner.kv_cache import KVCache
+from engine.runner.quant_linears import Int4Linear
 from engine.runner.rows import KVRow
-from engine.runner.weights import Int4Linear, _Concat, fuse_linears, lower_linear_weights
+from engine.runner.weights import _Concat, fuse_linears, lower_linear_weights
 
 SMALL = dict(
     vocab_size=300,
@@ -114,10 +115,10 @@ def test_fused_linears_share_the_models_weights():
 def test_int4_parts_fuse_where_their_codes_concatenate(monkeypatch, ours):
     """With engine/runner/csrc/quant_matmul.cpp, any int4 parts fuse (its codes are plain rows);
     with torch's int4 kernel only parts whose packed rows concatenate do."""
-    if ours and weights.quant_kernels() is None:
+    if ours and quant_linears.quant_kernels() is None:
         pytest.skip("no C++ compiler or ninja to build the kernel")
     if not ours:
-        monkeypatch.setattr(weights, "quant_kernels", lambda: None)
+        monkeypatch.setattr(quant_linears, "quant_kernels", lambda: None)
     torch.manual_seed(0)
     x = torch.randn(3, 128)
     whole = [Int4Linear(torch.nn.Linear(128, n, bias=False)) for n in (128, 64)]
@@ -167,7 +168,7 @@ def test_a_bfloat16_model_steps_as_transformers_does():
             assert (got - want).abs().max() <= 0.05 * want.abs().max()
 
 
-@pytest.mark.skipif(weights.quant_kernels() is None, reason="no C++ compiler or ninja")
+@pytest.mark.skipif(quant_linears.quant_kernels() is None, reason="no C++ compiler or ninja")
 def test_int4_layers_in_one_call_each_step_as_the_python_layers():
     """quant_matmul.cpp's pre_attention / post_attention (norm, q|k|v, rotary; o, norm, gated
     MLP, residuals) give the step the layers written out in torch ops give, for a batch."""
