@@ -265,7 +265,7 @@ BENCHMARKS = (
     "soak",
     "decode_floor",
     "decode_agreement",
-    "gguf_types",
+    "gguf_products",
     "memory_batch",
     "long_docs",
     "concurrency",

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.gguf_types import random_blocks
+from bench.gguf_products import random_blocks
 from engine.config import EngineConfig
 from engine.protocol import SamplingParams
 from engine.runner.gguf_grids import KEPT_TYPES, decode, rope_rows
