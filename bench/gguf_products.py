@@ -154,8 +154,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--requantize", nargs=2, metavar=("TYPE", "OUT"))
     parser.add_argument(
-        "--threads", type=int, default=0, help="torch's threads (0: its default; 1 is steadier "
-        "on a shared machine, where a product's threads wait for each other's time slices)"
+        "--threads",
+        type=int,
+        default=0,
+        help="torch's threads (0: its default; 1 is steadier "
+        "on a shared machine, where a product's threads wait for each other's time slices)",
     )
     args = parser.parse_args(argv)
     if args.threads:
