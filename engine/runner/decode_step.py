@@ -22,8 +22,8 @@ kernel on a float32 CPU model, engine/runner/kv_cache.py), a memory row to its f
 With int4 linears and engine/runner/csrc/quant_matmul.cpp built, a step of at most SMALL_M rows of
 a model with Llama's own layer (no biases, no q/k norms, rotary over whole heads) runs each
 layer's work before attention (norm, q|k|v, rotary) and after it (o, residual, norm, gated MLP,
-residual) as one C++ call each (docs/decisions/038), wherever those products are all int4 (a
-GGUF may keep some linears in other types: docs/decisions/067).
+residual) as one C++ call each (docs/decisions/038), wherever those products are int4 or int8
+kernel products (a GGUF keeps its linears in several types: docs/decisions/067).
 
 The fused linears share their weights with the model's (the model's projections become views of
 the fused rows), so nothing is kept twice. Prefill and reading go through transformers' forward
@@ -42,7 +42,14 @@ import torch.nn.functional as F
 from engine.runner.attention import KV_KWARG, forward_through
 from engine.runner.cpu_attention import kernel_ready
 from engine.runner.families import Layer, layer_weights, qk_norm_weights, unsupported
-from engine.runner.quant_linears import SMALL_M, Int4Linear, Int8Linear, quant_kernels, small_matmul
+from engine.runner.quant_linears import (
+    GROUP,
+    SMALL_M,
+    Int4Linear,
+    Int8Linear,
+    quant_kernels,
+    small_matmul,
+)
 from engine.runner.rows import DecodeRow, RowBatch
 
 DECODER_ATTR = "longserve_decoder"  # the model attribute holding its LeanDecoder, if any
@@ -97,17 +104,21 @@ class LeanDecoder:
     def _q4_layers(self) -> tuple[Any, list[tuple[tuple | None, tuple | None]]] | None:
         """The quant kernels and, per layer, the arguments of quant_matmul.cpp's pre_attention
         (q|k|v's codes, scales and mins) and of its post_attention (o's, gate|up's and down's),
-        each None where one of its products is not a bare Int4Linear (a GGUF keeping that
-        linear in another type, a biased product): small steps run the layer's work before and
-        after attention in one call each where it is not None. None where no layer has either,
+        each None where one of its products is not a bare Int4Linear or Int8Linear (a linear
+        kept in float, parts of different kinds, a biased product): small steps run the
+        layer's work before and after attention in one call each where it is not None. None where no layer has either,
         the kernels are not built, the norms are not fp32, or the layer is not Llama's own (q/k
         norms, rotary over part of a head)."""
         if self.qk_norms is not None or self.rotary_dim != self.head_dim:
             return None
 
         def codes(*products: Any) -> tuple | None:
-            if all(isinstance(m, Int4Linear) and m.bias is None for m in products):
-                return tuple((m.codes, m.block_scales, m.block_mins) for m in products)
+            if all(_one_call_product(m) for m in products):
+                empty = torch.empty(0)  # an int8 product without minimums
+                return tuple(
+                    (m.codes, m.block_scales, empty if m.block_mins is None else m.block_mins)
+                    for m in products
+                )
             return None
 
         layers = []
@@ -118,7 +129,7 @@ class LeanDecoder:
             layers.append((None if pre is None else pre[0], codes(o_proj, gate_up, down)))
         if all(pre is None and post is None for pre, post in layers):
             return None
-        kernels = quant_kernels()  # built only for models with int4 linears
+        kernels = quant_kernels()  # built only for models with quantized linears
         return None if kernels is None else (kernels, layers)
 
     def _grow_table(self, size: int) -> None:
@@ -225,6 +236,14 @@ class LeanDecoder:
                 x = self._layer_hooks(layer, x_in, x, batch).contiguous()
         head = self._small_head if small else self.head
         return head(self._rms(x, self.norm)).float()  # (B, vocab)
+
+
+def _one_call_product(m: Any) -> bool:
+    """Whether quant_matmul.cpp's layer calls can multiply `m`: an unbiased Int4Linear, or an
+    unbiased Int8Linear with scales per 32 or 16 inputs."""
+    if isinstance(m, Int4Linear):
+        return m.bias is None
+    return isinstance(m, Int8Linear) and m.bias is None and m.group in (GROUP, GROUP // 2)
 
 
 def attach_decoder(model: Any) -> LeanDecoder | None:

@@ -365,6 +365,55 @@ void check_q4(const torch::Tensor& codes, const torch::Tensor& scales, const tor
               "scales and mins: (N, K/32) contiguous");
 }
 
+void check_q8(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& mins,
+              int64_t K) {
+  const int64_t N = codes.size(0);
+  TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.is_contiguous() && codes.size(1) == K,
+              "codes: int8 (N, K)");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.dim() == 2 &&
+                  scales.size(0) == N &&
+                  (scales.size(1) == K / QK || scales.size(1) == 2 * (K / QK)) &&
+                  scales.is_contiguous(),
+              "scales: (N, K/32) or (N, K/16) float32");
+  TORCH_CHECK(mins.numel() == 0 ||
+                  (mins.scalar_type() == torch::kFloat32 && mins.dim() == 2 &&
+                   mins.size(0) == N && mins.size(1) == K / QK && mins.is_contiguous()),
+              "mins: (N, K/32) float32, or empty");
+}
+
+// y (M, N) = x (M, K) times int8 codes (N, K) with scales per 32 or 16 and mins per 32 or none.
+void q8_into(const float* x, int64_t M, const torch::Tensor& codes, const torch::Tensor& scales,
+             const torch::Tensor& mins, float* y) {
+  const int64_t N = codes.size(0), K = codes.size(1);
+  const Quantized xq = quantize(x, M, K);
+  const Q8Weights w{codes.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                    mins.numel() > 0 ? mins.data_ptr<float>() : nullptr,
+                    scales.size(1) == 2 * (K / QK)};
+  at::parallel_for(0, N, grain(N), [&](int64_t n0, int64_t n1) {
+    q8_rows(w, xq.q.data(), xq.d.data(), xq.s.data(), M, N, K, n0, n1, y);
+  });
+}
+
+// A product of the layer calls below: 4-bit codes (uint8, q4) or int8 codes (q8), told apart
+// by the codes' dtype, so a GGUF's int8 linears (Q5, Q6, Q8 types) take the one-call path too.
+void check_product(const torch::Tensor& codes, const torch::Tensor& scales,
+                   const torch::Tensor& mins, int64_t K) {
+  if (codes.scalar_type() == torch::kUInt8) {
+    check_q4(codes, scales, mins, K);
+  } else {
+    check_q8(codes, scales, mins, K);
+  }
+}
+
+void product_into(const float* x, int64_t M, const torch::Tensor& codes,
+                  const torch::Tensor& scales, const torch::Tensor& mins, float* y) {
+  if (codes.scalar_type() == torch::kUInt8) {
+    q4_into(x, M, codes, scales, mins, y);
+  } else {
+    q8_into(x, M, codes, scales, mins, y);
+  }
+}
+
 }  // namespace
 
 // x (M, K) float32; codes (N, K/2) uint8; scales, mins (N, K/32) float32 -> (M, N) float32.
@@ -386,30 +435,14 @@ torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
   const int64_t N = codes.size(0), K = codes.size(1);
   x = x.contiguous();
   check_x(x, K);
-  TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.is_contiguous(), "codes: int8");
-  const bool half = scales.dim() == 2 && scales.size(1) == 2 * (K / QK);
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.dim() == 2 &&
-                  scales.size(0) == N && (scales.size(1) == K / QK || half) &&
-                  scales.is_contiguous(),
-              "scales: (N, K/32) or (N, K/16) float32");
-  const bool has_mins = mins.numel() > 0;
-  TORCH_CHECK(!has_mins || (mins.scalar_type() == torch::kFloat32 && mins.dim() == 2 &&
-                            mins.size(0) == N && mins.size(1) == K / QK && mins.is_contiguous()),
-              "mins: (N, K/32) float32, or empty");
-  const int64_t M = x.size(0);
-  auto y = torch::empty({M, N}, x.options());
-  const Quantized xq = quantize(x.data_ptr<float>(), M, K);
-  const Q8Weights w{codes.data_ptr<int8_t>(), scales.data_ptr<float>(),
-                    has_mins ? mins.data_ptr<float>() : nullptr, half};
-  float* out = y.data_ptr<float>();
-  at::parallel_for(0, N, grain(N), [&](int64_t n0, int64_t n1) {
-    q8_rows(w, xq.q.data(), xq.d.data(), xq.s.data(), M, N, K, n0, n1, out);
-  });
+  check_q8(codes, scales, mins, K);
+  auto y = torch::empty({x.size(0), N}, x.options());
+  q8_into(x.data_ptr<float>(), x.size(0), codes, scales, mins, y.data_ptr<float>());
   return y;
 }
 
 // The decode layer's work before attention, for rows x (M, K) of the residual stream:
-// RMSNorm (weight norm_w), the fused q|k|v product (4-bit codes), and rotary on the first
+// RMSNorm (weight norm_w), the fused q|k|v product (4-bit or int8 codes), and rotary on the first
 // `rotated` columns, head by head: y*cos + roll(y, d/2)*sin, sin signed (-sin | +sin) and
 // cos (M, d) per row. -> (M, N) float32.
 torch::Tensor pre_attention(torch::Tensor x, torch::Tensor norm_w, double eps, torch::Tensor codes,
@@ -417,7 +450,7 @@ torch::Tensor pre_attention(torch::Tensor x, torch::Tensor norm_w, double eps, t
                             torch::Tensor sin, int64_t rotated) {
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), d = cos.size(1);
   check_x(x, K);
-  check_q4(codes, scales, mins, K);
+  check_product(codes, scales, mins, K);
   TORCH_CHECK(x.is_contiguous() && norm_w.is_contiguous() && norm_w.numel() == K, "x, norm_w");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == M &&
                   sin.sizes() == cos.sizes() && d % 2 == 0 && rotated % d == 0 && rotated <= N,
@@ -427,7 +460,7 @@ torch::Tensor pre_attention(torch::Tensor x, torch::Tensor norm_w, double eps, t
            normed.data());
   auto y = torch::empty({M, N}, x.options());
   float* out = y.data_ptr<float>();
-  q4_into(normed.data(), M, codes, scales, mins, out);
+  product_into(normed.data(), M, codes, scales, mins, out);
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const int64_t half = d / 2;
   std::vector<float> head(d);
@@ -443,7 +476,8 @@ torch::Tensor pre_attention(torch::Tensor x, torch::Tensor norm_w, double eps, t
 }
 
 // The decode layer's work after attention: x + o(attn), then + down(silu(gate) * up) of its
-// RMSNorm (weight norm_w) with gate|up fused (gate first). All products from 4-bit codes.
+// RMSNorm (weight norm_w) with gate|up fused (gate first). Each product from 4-bit or int8
+// codes (check_product).
 // x (M, K), attn (M, heads * d) -> the layer's output (M, K) float32.
 torch::Tensor post_attention(torch::Tensor x, torch::Tensor attn, torch::Tensor o_codes,
                              torch::Tensor o_scales, torch::Tensor o_mins, torch::Tensor norm_w,
@@ -454,32 +488,32 @@ torch::Tensor post_attention(torch::Tensor x, torch::Tensor attn, torch::Tensor 
   check_x(x, K);
   attn = attn.contiguous();
   check_x(attn, A);
-  check_q4(o_codes, o_scales, o_mins, A);
-  check_q4(gu_codes, gu_scales, gu_mins, K);
-  check_q4(down_codes, down_scales, down_mins, I);
+  check_product(o_codes, o_scales, o_mins, A);
+  check_product(gu_codes, gu_scales, gu_mins, K);
+  check_product(down_codes, down_scales, down_mins, I);
   TORCH_CHECK(x.is_contiguous() && norm_w.is_contiguous() && norm_w.numel() == K &&
                   o_codes.size(0) == K && down_codes.size(0) == K && attn.size(0) == M,
               "post_attention: shapes do not match");
   auto y = torch::empty({M, K}, x.options());
   float* out = y.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
-  q4_into(attn.data_ptr<float>(), M, o_codes, o_scales, o_mins, out);
+  product_into(attn.data_ptr<float>(), M, o_codes, o_scales, o_mins, out);
   for (int64_t i = 0; i < M * K; ++i) out[i] += xp[i];  // x + o(attn)
   std::vector<float> normed(M * K), gu(M * 2 * I), hidden(M * I), down(M * K);
   rms_rows(out, norm_w.data_ptr<float>(), static_cast<float>(eps), M, K, normed.data());
-  q4_into(normed.data(), M, gu_codes, gu_scales, gu_mins, gu.data());
+  product_into(normed.data(), M, gu_codes, gu_scales, gu_mins, gu.data());
   for (int64_t r = 0; r < M; ++r) {
     const float *g = gu.data() + r * 2 * I, *u = g + I;
     for (int64_t i = 0; i < I; ++i) hidden[r * I + i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
   }
-  q4_into(hidden.data(), M, down_codes, down_scales, down_mins, down.data());
+  product_into(hidden.data(), M, down_codes, down_scales, down_mins, down.data());
   for (int64_t i = 0; i < M * K; ++i) out[i] += down[i];
   return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pre_attention", &pre_attention, "RMSNorm, q|k|v from 4-bit codes, rotary (CPU)");
-  m.def("post_attention", &post_attention, "o, residual, RMSNorm, gated MLP from 4-bit codes");
+  m.def("pre_attention", &pre_attention, "RMSNorm, q|k|v from 4-bit or int8 codes, rotary (CPU)");
+  m.def("post_attention", &post_attention, "o, residual, RMSNorm, gated MLP from 4-bit or int8 codes");
   m.def("q4_matmul", &q4_matmul, "4-bit block codes times float rows (CPU)");
   m.def("q8_matmul", &q8_matmul, "int8 block codes times float rows (CPU)");
 }
