@@ -11,16 +11,23 @@ per weight the product reads against the file's.
 
 --requantize TYPE OUT: the embedded model with its decoder linears re-quantized by gguf-py to
 TYPE (Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0; gguf-py has no K-quant quantizer), every other tensor and
-all metadata as the embedded file holds them: a real model in that type, for decode_floor
-(--dtypes float32+auto-linears) and decode_agreement (--linear-dtypes auto).
+all metadata as the embedded file holds them: a real model in that type, for --check,
+decode_floor (--dtypes float32+auto-linears) and decode_agreement (--linear-dtypes auto).
+
+--check FILE...: each GGUF loaded as the engine keeps it and as the fp32 reference
+(--linear-dtype float32): its layers by kind, the largest decode product error per kind (one
+random row per layer) and the last token's logits after a 9-token prefill, against the
+reference.
 
     longserve bench gguf_products
     longserve bench gguf_products --requantize Q8_0 /tmp/smollm2-q8_0.gguf
+    longserve bench gguf_products --check /tmp/smollm2-q8_0.gguf
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -145,6 +152,48 @@ def requantize(kind: str, out: Path) -> None:
     writer.close()
 
 
+def check_file(path: str) -> dict:
+    """The GGUF at `path` loaded as the engine keeps it and as the fp32 reference: the layers
+    kept, by kind, the largest decode product error per kind (one random row per layer) and
+    the last token's logits after a 9-token prefill (the dense copies), against the reference."""
+    from engine.config import EngineConfig
+    from engine.runner.loader import load_model
+    from engine.runner.quant_linears import Int8Linear
+
+    config = EngineConfig(model=path, device="cpu", lean_decode=False)
+    reference = load_model(dataclasses.replace(config, linear_dtype="float32")).model
+    kept = load_model(config)
+    weights = dict(reference.named_modules())
+    kinds: dict[str, int] = {}
+    errors: dict[str, float] = {}
+    for name, m in kept.model.named_modules():
+        if isinstance(m, Int4Linear | Int8Linear):
+            mins = (
+                " with minimums" if isinstance(m, Int8Linear) and m.block_mins is not None else ""
+            )
+            kind = f"{type(m).__name__} per {m.group}{mins}"
+            x = torch.randn(1, m.in_features)
+            want = x @ weights[name].weight.detach().t()
+            error = float((small_matmul(m)(x) - want).norm() / want.norm())
+            errors[kind] = max(errors.get(kind, 0.0), error)
+        elif isinstance(m, torch.nn.Linear):
+            kind = "float"
+        else:
+            continue
+        kinds[kind] = kinds.get(kind, 0) + 1
+    ids = torch.arange(9)[None] * 97 + 100
+    with torch.inference_mode():
+        a, b = reference(input_ids=ids).logits[0, -1], kept.model(input_ids=ids).logits[0, -1]
+    return {
+        "bench": "gguf_products",
+        "file": path,
+        "linear_dtype": kept.linear_dtype,
+        "layers": kinds,
+        "largest_decode_rel_error": {k: float(f"{v:.2e}") for k, v in errors.items()},
+        "prefill_logits_rel_error": float(f"{float((a - b).norm() / a.norm()):.2e}"),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--types", nargs="+", default=list(KEPT_TYPES))
@@ -153,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill-rows", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--requantize", nargs=2, metavar=("TYPE", "OUT"))
+    parser.add_argument("--check", nargs="+", metavar="FILE", help="GGUF files to check")
     parser.add_argument(
         "--threads",
         type=int,
@@ -171,6 +221,10 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"bench": "gguf_products", "requantized": kind, "out": out}))
         return
     torch.manual_seed(0)
+    for path in args.check or []:
+        print(json.dumps(check_file(path)), flush=True)
+    if args.check:
+        return
     for kind in args.types:
         print(json.dumps(measure(kind, args)), flush=True)
 
