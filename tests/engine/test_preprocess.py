@@ -210,7 +210,7 @@ async def test_a_token_id_prompt_reads_its_ids_as_they_are(engine) -> None:
     by_text = [d async for d in engine.generate("text", "Hello there", greedy)]
     assert [d.token_ids for d in by_ids] == [d.token_ids for d in by_text]
     vocab = len(engine._tokenizer)
-    with pytest.raises(InvalidRequest, match=r"prompt\[1\] is %d" % vocab):
+    with pytest.raises(InvalidRequest, match=rf"prompt\[1\] is {vocab}"):
         await engine.prepare(TokenPrompt((ids[0], vocab)), greedy)
     with pytest.raises(InvalidRequest, match="empty"):
         await engine.prepare(TokenPrompt(()), greedy)
