@@ -35,7 +35,8 @@ from engine.runner.decode_state import KVCacheState, forward_kv
 from engine.runner.decode_step import decoder_of
 from engine.runner.kv_cache import KVCache
 from engine.runner.loader import load_model
-from engine.runner.weights import Int4Linear, LowPrecisionLinear, quant_kernels, small_matmul
+from engine.runner.quant_linears import Int4Linear, quant_kernels, small_matmul
+from engine.runner.weights import LowPrecisionLinear
 
 
 def bare_matmul(m: Any) -> Callable[[], torch.Tensor]:

@@ -39,6 +39,7 @@ from engine.protocol import (
     SessionTurn,
     Tokenized,
     TokenizerInfo,
+    TokenPrompt,
 )
 from engine.runner.chat_template import (
     assistant_turn_end,
@@ -51,7 +52,7 @@ from engine.runner.decode_step import decoder_of
 from engine.runner.generate import Generation, running_generation, step_batch
 from engine.runner.grammar import Grammars
 from engine.runner.loader import LoadedModel, load_model
-from engine.runner.tokenize import encode_ids, encode_text
+from engine.runner.tokenize import checked_ids, encode_ids, encode_text
 from engine.runner.tool_template import tool_format
 from engine.scheduler.preprocess import Preprocessor, lower_thread_priority
 from engine.scheduler.stream import aborted_delta, submit
@@ -205,6 +206,16 @@ class LocalEngine:
             return encode_ids(tokenizer, prompt, limit=limit)
         return encode_chat_ids(tokenizer, prompt, limit=limit)
 
+    def _token_prompt(self, prompt: TokenPrompt, limit: int | None) -> PreparedPrompt:
+        """Token ids read as they are; their text is what memory queries read (the prior, a
+        larimar question)."""
+        if not prompt.ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        tokenizer = self._thread_tokenizer()
+        ids = checked_ids(tokenizer, prompt.ids, "prompt", limit)
+        text = str(tokenizer.decode(ids))
+        return PreparedPrompt(text, len(ids), torch.tensor(ids, dtype=torch.long))
+
     def _count(self, prompt: Prompt) -> int:
         return len(self._token_ids(prompt))
 
@@ -228,7 +239,7 @@ class LocalEngine:
 
     async def prepare(
         self,
-        prompt: Prompt,
+        prompt: Prompt | TokenPrompt,
         sampling: SamplingParams,
         *,
         tenant: str | None = None,
@@ -240,6 +251,8 @@ class LocalEngine:
         def prepare() -> PreparedPrompt:
             if sampling.response_format is not None:
                 self._grammars.compile(sampling.response_format)  # InvalidRequest if it cannot
+            if isinstance(prompt, TokenPrompt):
+                return self._token_prompt(prompt, token_limit)
             ids = self._encode(prompt, token_limit)  # (T,)
             return PreparedPrompt(prompt, len(ids), ids)
 
@@ -313,14 +326,7 @@ class LocalEngine:
     async def detokenize(self, token_ids: Sequence[int], *, tenant: str | None = None) -> str:
         def detokenize() -> str:
             tokenizer = self._thread_tokenizer()
-            vocab = len(tokenizer)
-            for i, token in enumerate(token_ids):
-                if not 0 <= token < vocab:
-                    raise InvalidRequest(
-                        f"tokens[{i}] is {token}, not a token id of this model (0 to {vocab - 1}).",
-                        param="tokens",
-                    )
-            return str(tokenizer.decode(list(token_ids)))
+            return str(tokenizer.decode(checked_ids(tokenizer, token_ids, "tokens")))
 
         return await self._preprocessor.run(tenant, detokenize)
 

@@ -45,15 +45,17 @@ class EngineConfig:
     prefix_store_max_entries_per_tenant: the chunks one tenant's long prompts may write there,
     counted across replicas in the store's usage ledger; past it they are read, not written.
     linear_dtype: the precision the linear layers keep their weights in and multiply in
-    (engine/runner/weights.py). "auto": a GGUF whose linears are Q4_1 (the embedded one), run on the
-    CPU, keeps them as the file holds them, i.e. "int4"; anything else keeps the model's dtype
-    (engine/runner/loader.py's resolve_precision). "float32" forces the dequantized fp32 reference;
+    (engine/runner/weights.py). "auto": a GGUF run on the CPU keeps each linear whose type is
+    Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K or Q8_0 as the file holds it (resolved "gguf":
+    engine/runner/gguf_linears.py), the others in the model's dtype; anything else keeps the
+    model's dtype (engine/runner/loader.py's resolve_precision). "float32" forces the
+    dequantized fp32 reference;
     "bfloat16" on a float32 CPU model halves the bytes a decode step reads; "int4" keeps 4-bit
     groups of 32 (Q4_1's grid; CPU only) and the output head in int8 rows (the GGUF's Q8_0);
     everything else stays in the model's dtype.
     kv_dtype: what KV caches hold keys and values in (plain requests' caches, and the sinks
     and local window of memory frames): "auto" is "float16" where the linears resolve to int4
-    (as llama.cpp caches the same file) and "model" elsewhere; "model" the model's dtype;
+    or gguf (quantized linears kept, as llama.cpp caches the same file) and "model" elsewhere; "model" the model's dtype;
     "float16" half of fp32, widened by the CPU decode kernels as they read them. Prefill
     attends them in the model's dtype. Memory blocks have their own knob (memory_dtype,
     engine/memory/config.py).

@@ -23,6 +23,15 @@ tools): the template renders them in the model's own syntax."""
 Prompt = str | Sequence[PromptMessage]
 """A completion prompt (str, used verbatim) or chat messages (rendered by the chat template)."""
 
+
+@dataclass(frozen=True)
+class TokenPrompt:
+    """A completion prompt given as token ids (OpenAI's `prompt: [int, ...]`), read as they
+    are; `EngineClient.prepare` checks them against the vocabulary."""
+
+    ids: tuple[int, ...]
+
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 ToolFormat = Literal["hermes", "llama3_json", "mistral"]
@@ -363,7 +372,7 @@ class EngineClient(Protocol):
 
     async def prepare(
         self,
-        prompt: Prompt,
+        prompt: Prompt | TokenPrompt,
         sampling: SamplingParams,
         *,
         tenant: str | None = None,
@@ -373,7 +382,8 @@ class EngineClient(Protocol):
         a request's choices. InvalidRequest for an empty prompt or a grammar that cannot be
         enforced; PromptTooLong as soon as more than token_limit tokens are counted (a huge
         prompt is not tokenized whole to be refused); EngineOverloaded when the tenant has too
-        many prompts being prepared.
+        many prompts being prepared. A TokenPrompt is read as its ids (InvalidRequest naming
+        one outside the vocabulary); the prepared prompt then holds their text.
         Cancelling it before its turn comes leaves nothing running."""
         ...
 

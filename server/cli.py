@@ -49,13 +49,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", help="auto, float32, bfloat16, float16")
     parser.add_argument(
         "--linear-dtype",
-        help="the linear layers' weight precision: auto (a Q4_1 GGUF on CPU: int4, else the "
-        "model's), float32, bfloat16, int4 (CPU)",
+        help="the linear layers' weight precision: auto (a GGUF on CPU: each linear as the file "
+        "holds it, Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0; else the model's), float32, bfloat16, "
+        "int4 (CPU)",
     )
     parser.add_argument(
         "--kv-dtype",
-        help="plain requests' KV caches: auto (float16 under int4 linears, else model), model, "
-        "float16",
+        help="plain requests' KV caches: auto (float16 under quantized linears, else model), "
+        "model, float16",
     )
     parser.add_argument(
         "--api-key",
@@ -264,6 +265,7 @@ BENCHMARKS = (
     "soak",
     "decode_floor",
     "decode_agreement",
+    "gguf_products",
     "memory_batch",
     "long_docs",
     "concurrency",

@@ -39,10 +39,11 @@ class ServerSettings(BaseSettings):
     served_model_name: str | None = None
     device: str = "auto"
     dtype: str = "auto"
-    # Linear layers' weights in this precision ("auto": a Q4_1 GGUF on the CPU keeps its 4-bit
-    # codes, "int4"; anything else the model's dtype; "float32" the dequantized reference).
+    # Linear layers' weights in this precision ("auto": a GGUF on the CPU keeps each linear of
+    # a quantized type it reads as the file holds it, "gguf"; anything else the model's dtype;
+    # "float32" the dequantized reference).
     linear_dtype: str = "auto"
-    # Plain requests' KV caches: "auto" (float16 under int4 linears, else "model"), "model"
+    # Plain requests' KV caches: "auto" (float16 under quantized linears, else "model"), "model"
     # or "float16".
     kv_dtype: str = "auto"
     # Plain requests' decode steps on a Llama-shaped model (Llama, Mistral, Qwen2, Qwen3, Phi-3)

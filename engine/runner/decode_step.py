@@ -22,7 +22,8 @@ kernel on a float32 CPU model, engine/runner/kv_cache.py), a memory row to its f
 With int4 linears and engine/runner/csrc/quant_matmul.cpp built, a step of at most SMALL_M rows of
 a model with Llama's own layer (no biases, no q/k norms, rotary over whole heads) runs each
 layer's work before attention (norm, q|k|v, rotary) and after it (o, residual, norm, gated MLP,
-residual) as one C++ call each (docs/decisions/038).
+residual) as one C++ call each (docs/decisions/038), wherever those products are int4 or int8
+kernel products (a GGUF keeps its linears in several types: docs/decisions/067).
 
 The fused linears share their weights with the model's (the model's projections become views of
 the fused rows), so nothing is kept twice. Prefill and reading go through transformers' forward
@@ -41,8 +42,15 @@ import torch.nn.functional as F
 from engine.runner.attention import KV_KWARG, forward_through
 from engine.runner.cpu_attention import kernel_ready
 from engine.runner.families import Layer, layer_weights, qk_norm_weights, unsupported
+from engine.runner.quant_linears import (
+    GROUP,
+    SMALL_M,
+    Int4Linear,
+    Int8Linear,
+    quant_kernels,
+    small_matmul,
+)
 from engine.runner.rows import DecodeRow, RowBatch
-from engine.runner.weights import SMALL_M, Int4Linear, quant_kernels, small_matmul
 
 DECODER_ATTR = "longserve_decoder"  # the model attribute holding its LeanDecoder, if any
 logger = logging.getLogger(__name__)
@@ -74,33 +82,54 @@ class LeanDecoder:
         self._grow_table(1024)
         self.rotary_dim = int(self._cos.shape[1])  # Phi-3's partial_rotary_factor of head_dim
         self._q4 = self._q4_layers()
+        self._quantized = self._all_quantized()
         self.scaling = float(inner.layers[0].self_attn.scaling)
         kernel_ready(self.norm)  # build the attention kernel at load, not at the first token
 
     @property
     def invariant_rows(self) -> int:
         """The most rows one forward may take with every row's arithmetic independent of the
-        others: the int4 kernels quantize and accumulate each row on its own up to SMALL_M
-        rows; torch's GEMM may reduce in another order for another number of rows."""
-        return SMALL_M if self._q4 is not None else 1
+        others: the int4 and int8 kernels quantize and accumulate each row on its own up to
+        SMALL_M rows; torch's GEMM may reduce in another order for another number of rows."""
+        return SMALL_M if self._quantized else 1
 
-    def _q4_layers(self) -> tuple[Any, list[tuple]] | None:
-        """The quant kernels and every layer's norm weights and 4-bit codes (codes, scales,
-        mins per product), when every product is an Int4Linear in fp32 and the kernels are
-        built, and the layer is Llama's own (no q/k norms, rotary over whole heads; a biased
-        product is no bare Int4Linear): then small steps run quant_matmul.cpp's pre_attention /
-        post_attention."""
+    def _all_quantized(self) -> bool:
+        """Whether every product of a step (the layers' and the head) is an Int4Linear or
+        Int8Linear multiplied by quant_matmul.cpp, so that small steps never reach a GEMM."""
+        products = [m for layer in self.layers for m in layer[1:3] + layer[4:]] + [self.head]
+        if not all(isinstance(m, (Int4Linear, Int8Linear)) for m in products):
+            return False
+        return quant_kernels() is not None
+
+    def _q4_layers(self) -> tuple[Any, list[tuple[tuple | None, tuple | None]]] | None:
+        """The quant kernels and, per layer, the arguments of quant_matmul.cpp's pre_attention
+        (q|k|v's codes, scales and mins) and of its post_attention (o's, gate|up's and down's),
+        each None where one of its products is not a bare Int4Linear or Int8Linear (a linear
+        kept in float, parts of different kinds, a biased product): small steps run the
+        layer's work before and after attention in one call each where it is not None. None where no layer has either,
+        the kernels are not built, the norms are not fp32, or the layer is not Llama's own (q/k
+        norms, rotary over part of a head)."""
         if self.qk_norms is not None or self.rotary_dim != self.head_dim:
             return None
+
+        def codes(*products: Any) -> tuple | None:
+            if all(_one_call_product(m) for m in products):
+                empty = torch.empty(0)  # an int8 product without minimums
+                return tuple(
+                    (m.codes, m.block_scales, empty if m.block_mins is None else m.block_mins)
+                    for m in products
+                )
+            return None
+
         layers = []
         for w_in, qkv, o_proj, w_post, gate_up, down in self.layers:
-            products = (qkv, o_proj, gate_up, down)
-            int4 = [m for m in products if isinstance(m, Int4Linear) and m.bias is None]
-            if len(int4) != len(products) or w_in.dtype != torch.float32:
+            if w_in.dtype != torch.float32 or w_post.dtype != torch.float32:
                 return None
-            codes = [(m.codes, m.block_scales, m.block_mins) for m in int4]
-            layers.append((w_in, codes[0], codes[1], w_post, codes[2], codes[3]))
-        kernels = quant_kernels() if layers else None  # built only for int4 models
+            pre = codes(qkv)
+            layers.append((None if pre is None else pre[0], codes(o_proj, gate_up, down)))
+        if all(pre is None and post is None for pre, post in layers):
+            return None
+        kernels = quant_kernels()  # built only for models with quantized linears
         return None if kernels is None else (kernels, layers)
 
     def _grow_table(self, size: int) -> None:
@@ -169,21 +198,18 @@ class LeanDecoder:
         x = self.embed(ids)  # (B, hidden)
         small = rows <= SMALL_M
         q4 = self._q4 if small and x.dtype == torch.float32 else None
+        kernels: Any = None if q4 is None else q4[0]
         if q4 is not None:
             cos_rows, sin_rows = cos.view(rows, d), sin.view(rows, d)
         for layer, (w_in, qkv, o_proj, w_post, gate_up, down) in enumerate(
             self.small if small else self.layers
         ):
             x_in = x  # the layer's input, for its forward hooks
-            if q4 is not None:  # norm, q|k|v and rotary in one call
-                q4_layer = q4[1][layer]
-                qkv_out = (
-                    q4[0]
-                    .pre_attention(
-                        x, w_in, self.eps, *q4_layer[1], cos_rows, sin_rows, (heads + kv_heads) * d
-                    )
-                    .view(rows, heads + 2 * kv_heads, d)
-                )
+            pre, post = (None, None) if q4 is None else q4[1][layer]
+            if pre is not None:  # norm, q|k|v and rotary in one call
+                qkv_out = kernels.pre_attention(
+                    x, w_in, self.eps, *pre, cos_rows, sin_rows, (heads + kv_heads) * d
+                ).view(rows, heads + 2 * kv_heads, d)
                 qk = qkv_out[:, : heads + kv_heads]
             else:
                 qkv_out = qkv(self._rms(x, w_in)).float().view(rows, heads + 2 * kv_heads, d)
@@ -197,9 +223,9 @@ class LeanDecoder:
                 q, k, v = (t.view(1, -1, 1, d) for t in (qk[b, :heads], qk[b, heads:], value[b]))
                 out.append(row.attend(layer, q, k, v, self.scaling).reshape(1, heads * d))
             attn = out[0] if rows == 1 else torch.cat(out)
-            if q4 is not None:  # o, residual, norm, gated MLP, residual in one call
-                _, _, o_codes, _, gu_codes, down_codes = q4_layer
-                x = q4[0].post_attention(
+            if post is not None:  # o, residual, norm, gated MLP, residual in one call
+                o_codes, gu_codes, down_codes = post
+                x = kernels.post_attention(
                     x, attn, *o_codes, w_post, self.eps, *gu_codes, *down_codes
                 )
             else:
@@ -210,6 +236,14 @@ class LeanDecoder:
                 x = self._layer_hooks(layer, x_in, x, batch).contiguous()
         head = self._small_head if small else self.head
         return head(self._rms(x, self.norm)).float()  # (B, vocab)
+
+
+def _one_call_product(m: Any) -> bool:
+    """Whether quant_matmul.cpp's layer calls can multiply `m`: an unbiased Int4Linear, or an
+    unbiased Int8Linear with scales per 32 or 16 inputs."""
+    if isinstance(m, Int4Linear):
+        return m.bias is None
+    return isinstance(m, Int8Linear) and m.bias is None and m.group in (GROUP, GROUP // 2)
 
 
 def attach_decoder(model: Any) -> LeanDecoder | None:

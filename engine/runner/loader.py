@@ -36,7 +36,9 @@ class LoadedModel:
     max_model_len: int
     device: torch.device
     dtype: torch.dtype
-    linear_dtype: str = "auto"  # EngineConfig.linear_dtype resolved ("auto": the model's kept)
+    # EngineConfig.linear_dtype resolved ("auto": the model's kept; "gguf": each linear on its
+    # file's grid where engine/runner/gguf_grids.py reads its type)
+    linear_dtype: str = "auto"
     kv_dtype: str = "model"  # plain requests' KV caches: "model" or "float16"
 
 
@@ -69,37 +71,30 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-# The decoder linears a GGUF must hold as Q4_1 for "auto" to keep them as 4-bit codes.
-_GGUF_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+def gguf_kept_types(path: Path) -> set[str]:
+    """The types of the GGUF at `path` that its decoder linears are held in and that
+    engine/runner/gguf_grids.py keeps as the file holds them (empty: none, or an unreadable
+    header)."""
+    from engine.runner.gguf_grids import HEAD, KEPT_TYPES, linear_types
 
-
-def gguf_linears_are_q4_1(path: Path) -> bool:
-    """Whether every decoder linear of the GGUF at `path` is stored as Q4_1 (the grid
-    engine/runner/weights.py's int4 codes hold exactly)."""
-    try:
-        from gguf import GGUFReader
-
-        tensors = GGUFReader(path).tensors
-    except Exception as e:  # an unreadable header: keep the model's dtype
-        logger.warning("cannot read the tensor types of %s: %s", path, e)
-        return False
-    kinds = {t.tensor_type.name for t in tensors if t.name.split(".")[-2] in _GGUF_LINEARS}
-    return kinds == {"Q4_1"}
+    types = linear_types(path)
+    return {kind for module, kind in types.items() if module != HEAD and kind in KEPT_TYPES}
 
 
 def resolve_precision(
     config: EngineConfig, source: str, kwargs: dict[str, Any], device: torch.device
 ) -> tuple[str, str]:
-    """(linear_dtype, kv_dtype) for `config`'s "auto" values. A GGUF whose linears are Q4_1,
-    run on the CPU, keeps them as the file holds them (int4, the head in int8) and caches keys
-    and values in float16, as llama.cpp runs the same file; anything else keeps the model's
-    dtype. Explicit values pass through ("model" for the model's dtype)."""
+    """(linear_dtype, kv_dtype) for `config`'s "auto" values. A GGUF run on the CPU with any
+    decoder linear in a type engine/runner/gguf_grids.py reads keeps each such linear as the
+    file holds it ("gguf": engine/runner/gguf_linears.py) and caches keys and values in
+    float16, as llama.cpp runs the same file; anything else keeps the model's dtype. Explicit
+    values pass through ("model" for the model's dtype)."""
     linear, kv = config.linear_dtype, config.kv_dtype
     gguf = Path(source) / kwargs["gguf_file"] if "gguf_file" in kwargs else None
-    if linear == "auto" and device.type == "cpu" and gguf and gguf_linears_are_q4_1(gguf):
-        linear = "int4"
+    if linear == "auto" and device.type == "cpu" and gguf and gguf_kept_types(gguf):
+        linear = "gguf"
     if kv == "auto":
-        kv = "float16" if linear == "int4" else "model"
+        kv = "float16" if linear in ("int4", "gguf") else "model"
     return linear, kv
 
 
@@ -145,6 +140,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
     from engine.runner.attention import use_longserve_attention
     from engine.runner.decode_step import attach_decoder
+    from engine.runner.gguf_linears import keep_gguf_linears
     from engine.runner.weights import lower_linear_weights
 
     source, kwargs, default_id = _source(config.model)
@@ -157,7 +153,11 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if config.linear_dtype == "int4" and device.type != "cpu":
         raise ModelLoadError("linear_dtype int4 runs on the CPU only (torch's CPU int4 kernel)")
     linear_dtype, kv_dtype = resolve_precision(config, source, kwargs, device)
-    if linear_dtype not in ("auto", str(dtype).removeprefix("torch.")):
+    if linear_dtype == "gguf":
+        kept = keep_gguf_linears(model, Path(source) / kwargs["gguf_file"])
+        counts = ", ".join(f"{kind} {n}" for kind, n in sorted(kept.items()))
+        logger.info("linear layers kept as the GGUF holds them: %s", counts)
+    elif linear_dtype not in ("auto", str(dtype).removeprefix("torch.")):
         target = "int4" if linear_dtype == "int4" else _DTYPES[linear_dtype]
         lowered = lower_linear_weights(model, target)
         logger.info("%d linear layers keep their weights in %s", lowered, linear_dtype)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from engine.protocol import TooManyTokens
+from engine.protocol import InvalidRequest, TooManyTokens
 
 PIECE_CHARS = 1 << 18  # ids of ~60K tokens per conversion: a few ms of GIL
 _CHECK_CHARS = 256  # each side of a cut, encoded whole and in halves
@@ -159,3 +159,16 @@ def _next_boundary(text: str, position: int, limit: int) -> int | None:
     characters: where word-level pre-tokenizers start a new word."""
     match = _BOUNDARY.search(text, position, min(limit, len(text) - _CHECK_CHARS))
     return match.start() if match is not None else None
+
+
+def checked_ids(tokenizer: Any, ids: Any, param: str, limit: int | None = None) -> list[int]:
+    """ids as a list, each a token id of `tokenizer`'s vocabulary (InvalidRequest naming
+    param[i] otherwise), no more than `limit` of them (TooManyTokens)."""
+    vocab = len(tokenizer)
+    for i, token in enumerate(ids):
+        if not 0 <= token < vocab:
+            raise InvalidRequest(
+                f"{param}[{i}] is {token}, not a token id of this model (0 to {vocab - 1}).",
+                param=param,
+            )
+    return check_limit(list(ids), limit)

@@ -26,6 +26,7 @@ from engine.protocol import (
     Prompt,
     SamplingParams,
     TokenLogprob,
+    TokenPrompt,
 )
 from server.auth import tenant_session_id
 from server.disconnect import until_disconnected
@@ -44,7 +45,8 @@ class ChoiceRequest:
     index: int  # the choice index in the response
     prompt_index: int
     request_id: str
-    prompt: Prompt | PreparedPrompt  # prepared by `prepare_jobs`, once for all its choices
+    # prepared by `prepare_jobs`, once for all its choices (token ids only ever so)
+    prompt: Prompt | TokenPrompt | PreparedPrompt
     sampling: SamplingParams
 
 
@@ -61,7 +63,7 @@ def engine_memory(
 
 
 def fan_out(
-    base_id: str, prompts: Sequence[Prompt], n: int, sampling: SamplingParams
+    base_id: str, prompts: Sequence[Prompt | TokenPrompt], n: int, sampling: SamplingParams
 ) -> list[ChoiceRequest]:
     """n choices per prompt; choice i of prompt p has index p*n+i and seed seed+i."""
     jobs = []
@@ -156,6 +158,8 @@ class ChoiceStreams:
         iterators: list[AsyncIterator[GenerationDelta]] = []
         try:
             for job in jobs:
+                if isinstance(job.prompt, TokenPrompt):  # prepare_jobs reads them
+                    raise TypeError("token-id prompts are prepared before they run")
                 iterators.append(
                     ctx.engine.generate(
                         job.request_id,

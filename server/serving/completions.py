@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 from sse_starlette import EventSourceResponse
 
-from engine.protocol import TokenLogprob
+from engine.protocol import TokenLogprob, TokenPrompt
 from server.errors import invalid_request
 from server.protocol import (
     Completion,
@@ -36,7 +36,8 @@ from server.serving.choices import (
 from server.serving.context import ServingContext
 
 
-def _prompts(request: CompletionRequest) -> list[str]:
+def _prompts(request: CompletionRequest) -> list[str | TokenPrompt]:
+    """The request's prompts: a text, texts, token ids, or lists of token ids (as OpenAI's)."""
     prompt = request.prompt
     if isinstance(prompt, str):
         return [prompt]
@@ -44,7 +45,15 @@ def _prompts(request: CompletionRequest) -> list[str]:
         raise invalid_request("prompt must not be empty.", param="prompt")
     if all(isinstance(p, str) for p in prompt):
         return [p for p in prompt if isinstance(p, str)]
-    raise invalid_request("Token-id prompts are not supported; send text.", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [TokenPrompt(tuple(p for p in prompt if isinstance(p, int)))]
+    if all(isinstance(p, list) for p in prompt):
+        return [TokenPrompt(tuple(p)) for p in prompt if isinstance(p, list)]
+    raise invalid_request(
+        "prompt must be a string, a list of strings, a list of token ids or a list of lists "
+        "of token ids.",
+        param="prompt",
+    )
 
 
 def _jobs(

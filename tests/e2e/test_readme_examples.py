@@ -191,6 +191,7 @@ CHECKS: list[Callable[[dict, str], None]] = [
 ]
 
 
+@pytest.mark.timeout(900)  # every example in turn on the real model: ~5 min on a quiet 2-core CI
 def test_every_example_runs_and_does_what_its_comment_says(
     keyless_server: str, workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from engine.runner import weights
+from engine.runner import quant_linears
 from engine.runner.attention import use_longserve_attention
 from engine.runner.cpu_attention import decode_attention, load_kernel
 from engine.runner.decode_state import KVCacheState, forward_kv
@@ -22,8 +22,9 @@ from engine.runner.decode_step import (
     unsupported,
 )
 from engine.runner.kv_cache import KVCache
+from engine.runner.quant_linears import SMALL_M, Int4Linear, Int8Linear
 from engine.runner.rows import KVRow
-from engine.runner.weights import Int4Linear, _Concat, fuse_linears, lower_linear_weights
+from engine.runner.weights import _Concat, fuse_linears, lower_linear_weights
 
 SMALL = dict(
     vocab_size=300,
@@ -114,10 +115,10 @@ def test_fused_linears_share_the_models_weights():
 def test_int4_parts_fuse_where_their_codes_concatenate(monkeypatch, ours):
     """With engine/runner/csrc/quant_matmul.cpp, any int4 parts fuse (its codes are plain rows);
     with torch's int4 kernel only parts whose packed rows concatenate do."""
-    if ours and weights.quant_kernels() is None:
+    if ours and quant_linears.quant_kernels() is None:
         pytest.skip("no C++ compiler or ninja to build the kernel")
     if not ours:
-        monkeypatch.setattr(weights, "quant_kernels", lambda: None)
+        monkeypatch.setattr(quant_linears, "quant_kernels", lambda: None)
     torch.manual_seed(0)
     x = torch.randn(3, 128)
     whole = [Int4Linear(torch.nn.Linear(128, n, bias=False)) for n in (128, 64)]
@@ -167,7 +168,7 @@ def test_a_bfloat16_model_steps_as_transformers_does():
             assert (got - want).abs().max() <= 0.05 * want.abs().max()
 
 
-@pytest.mark.skipif(weights.quant_kernels() is None, reason="no C++ compiler or ninja")
+@pytest.mark.skipif(quant_linears.quant_kernels() is None, reason="no C++ compiler or ninja")
 def test_int4_layers_in_one_call_each_step_as_the_python_layers():
     """quant_matmul.cpp's pre_attention / post_attention (norm, q|k|v, rotary; o, norm, gated
     MLP, residuals) give the step the layers written out in torch ops give, for a batch."""
@@ -190,6 +191,53 @@ def test_int4_layers_in_one_call_each_step_as_the_python_layers():
             decoder._q4 = q4
             # the same products; rms and rotary summed in another order, which attention
             # may amplify a little
+            torch.testing.assert_close(got, want, rtol=0, atol=2e-4 * float(want.abs().max()))
+
+
+def int8_grid(weight: torch.Tensor, per: int, with_mins: bool) -> Int8Linear:
+    """weight (N, K) on an int8 grid as a GGUF holds its 5- to 8-bit types: codes 0..31 on each
+    block's [min, max] with a minimum (Q5_K-like, per 32), or symmetric codes per `per` inputs
+    (Q6_K-like per 16)."""
+    n, k = weight.shape
+    blocks = weight.detach().reshape(n, -1, per)
+    if with_mins:
+        low = blocks.amin(-1)
+        scale = (blocks.amax(-1) - low) / 31
+        codes = ((blocks - low[..., None]) / scale[..., None]).round()
+        return Int8Linear.from_grid(codes.reshape(n, k).to(torch.int8), scale, low)
+    scale = blocks.abs().amax(-1) / 31
+    codes = (blocks / scale[..., None]).round()
+    return Int8Linear.from_grid(codes.reshape(n, k).to(torch.int8), scale, None)
+
+
+@pytest.mark.skipif(quant_linears.quant_kernels() is None, reason="no C++ compiler or ninja")
+def test_int8_layers_in_one_call_each_step_as_the_python_layers():
+    """A GGUF's int8 grids (scales per 16, minimums per 32) take pre_attention / post_attention
+    too, and step as the layers written out in torch ops do."""
+    model = tiny_llama()
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(attn, name, int8_grid(getattr(attn, name).weight, 16, with_mins=False))
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            setattr(mlp, name, int8_grid(getattr(mlp, name).weight, 32, with_mins=True))
+    model.lm_head = Int8Linear(model.lm_head)  # as a GGUF's head is kept
+    decoder = attach_decoder(model)
+    assert decoder is not None and decoder._q4 is not None
+    assert all(pre is not None and post is not None for pre, post in decoder._q4[1])
+    assert decoder.invariant_rows == SMALL_M
+    prompts = [torch.arange(n) % 300 for n in (30, 47, 12)]
+    fused = [KVCacheState(model, 1024) for _ in prompts]
+    python = [KVCacheState(model, 1024) for _ in prompts]
+    with torch.inference_mode():
+        for a, b, ids in zip(fused, python, prompts, strict=True):
+            a.prefill(ids)
+            b.prefill(ids)
+        for token in (9, 17, 4):
+            got = decode_rows(model, [s.decode_row(token) for s in fused], [token] * 3)
+            q4, decoder._q4 = decoder._q4, None
+            want = decode_rows(model, [s.decode_row(token) for s in python], [token] * 3)
+            decoder._q4 = q4
             torch.testing.assert_close(got, want, rtol=0, atol=2e-4 * float(want.abs().max()))
 
 

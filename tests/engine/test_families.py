@@ -31,6 +31,7 @@ from engine.runner.attention import use_longserve_attention
 from engine.runner.decode_state import KVCacheState, forward_kv
 from engine.runner.decode_step import attach_decoder, decode_rows, decoder_of, unsupported
 from engine.runner.loader import ModelLoadError, model_window
+from engine.runner.quant_linears import quant_kernels
 from engine.runner.weights import lower_linear_weights
 
 TINY = dict(
@@ -129,11 +130,15 @@ def test_biased_projections_fuse_into_one_linear_sharing_them():
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3-partial-rotary"])
 def test_int4_layers_unlike_llamas_skip_the_one_call_kernels(family):
-    """quant_matmul.cpp's pre_attention / post_attention compute Llama's layer: a biased q|k|v,
-    q/k norms or partial rotary take the layers written out in torch ops, which step as
-    transformers' forward on the same int4 weights does."""
+    """quant_matmul.cpp's pre_attention / post_attention compute Llama's layer: q/k norms or
+    partial rotary take the layers written out in torch ops, and a biased q|k|v the work
+    before attention, which step as transformers' forward on the same int4 weights does."""
     model = tiny(family, "int4")
-    assert decoder_of(model)._q4 is None
+    q4 = decoder_of(model)._q4
+    if family == "qwen2" and quant_kernels() is not None:  # after attention it is Llama's layer
+        assert q4 is not None and all(pre is None and post for pre, post in q4[1])
+    else:
+        assert q4 is None
     ids = torch.arange(50) % 300
     lean, plain = KVCacheState(model, 256), KVCacheState(model, 256)
     with torch.inference_mode():

@@ -18,6 +18,7 @@ from engine.protocol import (
     InvalidRequest,
     SamplingParams,
     StructuredOutput,
+    TokenPrompt,
     TooManyTokens,
 )
 from engine.runner import tokenize
@@ -198,3 +199,20 @@ async def test_preprocessing_threads_run_at_a_lower_priority() -> None:
 
     assert await pool.run("t", niceness) == min(19, base + 5)
     assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the loop's thread keeps its own
+
+
+async def test_a_token_id_prompt_reads_its_ids_as_they_are(engine) -> None:
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    ids = engine.encode_prompt("Hello there")
+    prepared = await engine.prepare(TokenPrompt(tuple(ids)), greedy, tenant="t")
+    assert prepared.token_ids.tolist() == ids and prepared.prompt == "Hello there"
+    by_ids = [d async for d in engine.generate("ids", prepared, greedy)]
+    by_text = [d async for d in engine.generate("text", "Hello there", greedy)]
+    assert [d.token_ids for d in by_ids] == [d.token_ids for d in by_text]
+    vocab = len(engine._tokenizer)
+    with pytest.raises(InvalidRequest, match=rf"prompt\[1\] is {vocab}"):
+        await engine.prepare(TokenPrompt((ids[0], vocab)), greedy)
+    with pytest.raises(InvalidRequest, match="empty"):
+        await engine.prepare(TokenPrompt(()), greedy)
+    with pytest.raises(TooManyTokens):
+        await engine.prepare(TokenPrompt(tuple(ids)), greedy, token_limit=len(ids) - 1)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.runner.weights import Int4Linear, Int8Linear, fuse_linears, quant_kernels, small_matmul
+from engine.runner.quant_linears import Int4Linear, Int8Linear, quant_kernels, small_matmul
+from engine.runner.weights import fuse_linears
 
 pytestmark = pytest.mark.skipif(
     quant_kernels() is None, reason="no C++ compiler or ninja to build the kernel"

@@ -12,18 +12,18 @@ from engine.config import EngineConfig
 from engine.protocol import SamplingParams
 from engine.runner.loader import (
     embedded_model_path,
-    gguf_linears_are_q4_1,
+    gguf_kept_types,
     load_model,
     resolve_precision,
 )
-from engine.runner.weights import (
+from engine.runner.quant_linears import (
     SMALL_M,
     Int4Linear,
     Int8Linear,
-    LowPrecisionLinear,
     min_max_groups,
     quantize_groups,
 )
+from engine.runner.weights import LowPrecisionLinear
 
 
 def test_linear_weights_in_bf16_keep_the_rest_in_fp32(tiny_model_dir, tiny_loaded):
@@ -143,16 +143,16 @@ def test_int4_linears_swap_the_layers_and_the_head_goes_to_int8(tiny_model_dir, 
 def test_auto_precision_keeps_a_q4_1_gguf_as_the_file_holds_it(tiny_model_dir, tmp_path):
     cpu = torch.device("cpu")
     embedded = embedded_model_path()
-    assert gguf_linears_are_q4_1(embedded)
+    assert gguf_kept_types(embedded) == {"Q4_1"}
     source, kwargs = str(embedded.parent), {"gguf_file": embedded.name}
-    assert resolve_precision(EngineConfig(), source, kwargs, cpu) == ("int4", "float16")
+    assert resolve_precision(EngineConfig(), source, kwargs, cpu) == ("gguf", "float16")
     explicit = EngineConfig(linear_dtype="float32")
     assert resolve_precision(explicit, source, kwargs, cpu) == ("float32", "model")
     cached = EngineConfig(kv_dtype="model")
-    assert resolve_precision(cached, source, kwargs, cpu) == ("int4", "model")
+    assert resolve_precision(cached, source, kwargs, cpu) == ("gguf", "model")
     # a checkpoint directory (not a GGUF) and an unreadable GGUF keep the model's dtype
     assert resolve_precision(EngineConfig(), str(tiny_model_dir), {}, cpu) == ("auto", "model")
     (tmp_path / "broken.gguf").write_bytes(b"not a gguf")
-    assert not gguf_linears_are_q4_1(tmp_path / "broken.gguf")
+    assert gguf_kept_types(tmp_path / "broken.gguf") == set()
     loaded = load_model(EngineConfig(model=str(tiny_model_dir)))
     assert (loaded.linear_dtype, loaded.kv_dtype) == ("auto", "model")

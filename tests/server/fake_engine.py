@@ -57,6 +57,7 @@ from engine.protocol import (
     Tokenized,
     TokenizerInfo,
     TokenLogprob,
+    TokenPrompt,
     ToolFormat,
     TooManyTokens,
 )
@@ -153,13 +154,19 @@ class FakeEngine:
 
     async def prepare(
         self,
-        prompt: Prompt,
+        prompt: Prompt | TokenPrompt,
         sampling: SamplingParams,
         *,
         tenant: str | None = None,
         token_limit: int | None = None,
     ) -> PreparedPrompt:
         self.prepared.append((prompt, tenant))
+        if isinstance(prompt, TokenPrompt):  # the ids' words, as tokenize numbered them
+            words_of = list(self.vocabulary)
+            bad = [i for i, t in enumerate(prompt.ids) if not 0 <= t < len(words_of)]
+            if bad:
+                raise InvalidRequest(f"prompt[{bad[0]}] is not a token id", param="prompt")
+            prompt = " ".join(words_of[t] for t in prompt.ids)
         words = len(prompt_words(prompt))
         if token_limit is not None and words > token_limit:
             raise TooManyTokens(token_limit + 1, token_limit)  # stops at the first one past

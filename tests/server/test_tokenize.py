@@ -101,3 +101,31 @@ async def test_tokenizer_info(client: httpx.AsyncClient) -> None:
     r = await client.get("/tokenizer_info")
     assert r.status_code == 200
     assert r.json()["eos_token"] == "</s>"  # what lm-eval's remote tokenizer checks for
+
+
+async def test_completions_take_token_id_prompts(
+    client: httpx.AsyncClient, engine: FakeEngine
+) -> None:
+    """OpenAI's prompt forms: token ids, and lists of them (lm-eval sends these), counted and
+    answered as the text they stand for."""
+    ids = (await client.post("/tokenize", json={"prompt": "the quick fox"})).json()["tokens"]
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    other = (await client.post("/tokenize", json={"prompt": "lazy dog"})).json()["tokens"]
+    body = {"model": MODEL, "prompt": [ids, other], "n": 2, "max_tokens": 2}
+    r = await client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2, 3]
+    assert r.json()["usage"]["prompt_tokens"] == len(ids) + len(other)
+
+
+async def test_bad_token_id_prompts_are_a_clean_400(
+    client: httpx.AsyncClient, engine: FakeEngine
+) -> None:
+    await client.post("/tokenize", json={"prompt": "a b"})
+    for prompt in ([0, 99_999], [["a"], [1]], [1, [2]], []):
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
+        assert r.status_code == 400, (prompt, r.text)
+        assert r.json()["error"]["param"] == "prompt"
+    assert engine.calls == []

@@ -1,7 +1,9 @@
 // Quantized weights times a few rows of float activations (decode steps), for the CPU.
 //
 // q4_matmul: 4-bit codes in blocks of 32 inputs, each block with a scale d and a minimum m
-// (w = q d + m, Q4_1's grid). q8_matmul: int8 codes with a scale per block of 32 (Q8_0's grid).
+// (w = q d + m: Q4_0, Q4_1 and Q4_K's grids). q8_matmul: int8 codes with a scale per block of
+// 32 or of 16 inputs and, optionally, a minimum per 32 (Q8_0, Q5_0, Q5_1, Q5_K; Q6_K's blocks
+// of 16).
 // The activations are quantized to int16 per block of 32 (scale = max |x| / 32767) and
 // multiplied with integer dot products (AVX2 madd); each block's sum of x is kept exact in fp32
 // for the minimum's term. (llama.cpp quantizes them to int8; int16 costs about the same here
@@ -73,6 +75,20 @@ inline float min_term(const float* mn, const float* xs, int64_t nb) {
   float total = 0.f;
   for (int64_t b = 0; b < nb; ++b) total += mn[b] * xs[b];
   return total;
+}
+
+// An int8 weight matrix: codes (N, K), a scale per block of 32 inputs or, `half`, per 16
+// (Q6_K's blocks), and a minimum per 32 where `mins` is not null (w = q d + m).
+struct Q8Weights {
+  const int8_t* codes;
+  const float* scales;
+  const float* mins;
+  bool half;
+};
+
+// an output row's minimum term, where the weights have minimums
+inline float q8_min_term(const Q8Weights& w, int64_t n, const float* xs, int64_t nb) {
+  return w.mins ? min_term(w.mins + n * nb, xs, nb) : 0.f;
 }
 
 constexpr int64_t MAX_ROWS = 16;
@@ -158,12 +174,13 @@ void q4_rows_avx512(const uint8_t* codes, const float* wd, const float* wm, cons
 }
 #endif
 
-template <int R>
-void q8_rows_avx2(const int8_t* codes, const float* scales, const int16_t* xq, const float* xd,
+template <int R, bool HALF>
+void q8_rows_avx2(const Q8Weights& w, const int16_t* xq, const float* xd, const float* xs,
                   int64_t N, int64_t K, int64_t n0, int64_t n1, float* y) {
   const int64_t nb = K / QK;
   for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* row = codes + n * K;
+    const int8_t* row = w.codes + n * K;
+    const float* d = w.scales + n * (HALF ? 2 * nb : nb);
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
@@ -171,11 +188,45 @@ void q8_rows_avx2(const int8_t* codes, const float* scales, const int16_t* xq, c
       const __m128i w1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * QK + 16));
       const __m256i lo = _mm256_cvtepi8_epi16(w0), hi = _mm256_cvtepi8_epi16(w1);
       for (int r = 0; r < R; ++r) {
-        const __m256 p = dot_s16(lo, hi, xq + (r * nb + b) * QK);
-        acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(xd[r * nb + b] * scales[n * nb + b]), acc[r]);
+        const int16_t* x = xq + (r * nb + b) * QK;
+        const float xdr = xd[r * nb + b];
+        if constexpr (HALF) {  // each 16 of the block with its own scale
+          const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+          const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+          const __m256 p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(lo, x0));
+          const __m256 p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(hi, x1));
+          // one add into the accumulator per block (the 32-wide path has one fma): two
+          // dependent fmas into it took twice as long (bench gguf_products, one thread)
+          const __m256 first = _mm256_mul_ps(p0, _mm256_set1_ps(xdr * d[2 * b]));
+          acc[r] = _mm256_add_ps(acc[r], _mm256_fmadd_ps(p1, _mm256_set1_ps(xdr * d[2 * b + 1]), first));
+        } else {
+          acc[r] = _mm256_fmadd_ps(dot_s16(lo, hi, x), _mm256_set1_ps(xdr * d[b]), acc[r]);
+        }
       }
     }
-    for (int r = 0; r < R; ++r) y[r * N + n] = hsum(acc[r]);
+    for (int r = 0; r < R; ++r) y[r * N + n] = hsum(acc[r]) + q8_min_term(w, n, xs + r * nb, nb);
+  }
+}
+
+// Output rows [n0, n1) of q8 for M activation rows, CHUNK_ROWS at a time.
+template <bool HALF>
+void q8_chunks(const Q8Weights& w, const int16_t* xq, const float* xd, const float* xs, int64_t M,
+               int64_t N, int64_t K, int64_t n0, int64_t n1, float* y) {
+  const int64_t nb = K / QK;
+  for (int64_t r0 = 0; r0 < M; r0 += CHUNK_ROWS) {
+    const int16_t* x = xq + r0 * nb * QK;
+    const float *d = xd + r0 * nb, *s = xs + r0 * nb;
+    float* out = y + r0 * N;
+    switch (std::min<int64_t>(CHUNK_ROWS, M - r0)) {
+      case 1: q8_rows_avx2<1, HALF>(w, x, d, s, N, K, n0, n1, out); break;
+      case 2: q8_rows_avx2<2, HALF>(w, x, d, s, N, K, n0, n1, out); break;
+      case 3: q8_rows_avx2<3, HALF>(w, x, d, s, N, K, n0, n1, out); break;
+      case 4: q8_rows_avx2<4, HALF>(w, x, d, s, N, K, n0, n1, out); break;
+      case 5: q8_rows_avx2<5, HALF>(w, x, d, s, N, K, n0, n1, out); break;
+      case 6: q8_rows_avx2<6, HALF>(w, x, d, s, N, K, n0, n1, out); break;
+      case 7: q8_rows_avx2<7, HALF>(w, x, d, s, N, K, n0, n1, out); break;
+      default: q8_rows_avx2<8, HALF>(w, x, d, s, N, K, n0, n1, out);
+    }
   }
 }
 
@@ -230,36 +281,30 @@ void q4_rows(const uint8_t* codes, const float* wd, const float* wm, const int16
 }
 
 // Output rows [n0, n1) of q8: y (M, N) fp32.
-void q8_rows(const int8_t* codes, const float* scales, const int16_t* xq, const float* xd,
-             int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1, float* y) {
-  const int64_t nb = K / QK;
+void q8_rows(const Q8Weights& w, const int16_t* xq, const float* xd, const float* xs, int64_t M,
+             int64_t N, int64_t K, int64_t n0, int64_t n1, float* y) {
 #if defined(__AVX2__)
-  for (int64_t r0 = 0; r0 < M; r0 += CHUNK_ROWS) {
-    const int16_t* x = xq + r0 * nb * QK;
-    const float* d = xd + r0 * nb;
-    float* out = y + r0 * N;
-    switch (std::min<int64_t>(CHUNK_ROWS, M - r0)) {
-      case 1: q8_rows_avx2<1>(codes, scales, x, d, N, K, n0, n1, out); break;
-      case 2: q8_rows_avx2<2>(codes, scales, x, d, N, K, n0, n1, out); break;
-      case 3: q8_rows_avx2<3>(codes, scales, x, d, N, K, n0, n1, out); break;
-      case 4: q8_rows_avx2<4>(codes, scales, x, d, N, K, n0, n1, out); break;
-      case 5: q8_rows_avx2<5>(codes, scales, x, d, N, K, n0, n1, out); break;
-      case 6: q8_rows_avx2<6>(codes, scales, x, d, N, K, n0, n1, out); break;
-      case 7: q8_rows_avx2<7>(codes, scales, x, d, N, K, n0, n1, out); break;
-      default: q8_rows_avx2<8>(codes, scales, x, d, N, K, n0, n1, out);
-    }
+  if (w.half) {
+    q8_chunks<true>(w, xq, xd, xs, M, N, K, n0, n1, y);
+  } else {
+    q8_chunks<false>(w, xq, xd, xs, M, N, K, n0, n1, y);
   }
 #else
+  const int64_t nb = K / QK, per_scale = w.half ? QK / 2 : QK;
   for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* row = codes + n * K;
+    const int8_t* row = w.codes + n * K;
+    const float* d = w.scales + n * (K / per_scale);
     for (int64_t r = 0; r < M; ++r) {
       float total = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
-        int32_t dot = 0;
-        for (int64_t j = 0; j < QK; ++j) dot += row[b * QK + j] * xq[(r * nb + b) * QK + j];
-        total += scales[n * nb + b] * xd[r * nb + b] * dot;
+        for (int64_t j0 = 0; j0 < QK; j0 += per_scale) {
+          int32_t dot = 0;
+          for (int64_t j = j0; j < j0 + per_scale; ++j)
+            dot += row[b * QK + j] * xq[(r * nb + b) * QK + j];
+          total += d[(b * QK + j0) / per_scale] * xd[r * nb + b] * dot;
+        }
       }
-      y[r * N + n] = total;
+      y[r * N + n] = total + q8_min_term(w, n, xs + r * nb, nb);
     }
   }
 #endif
@@ -320,6 +365,55 @@ void check_q4(const torch::Tensor& codes, const torch::Tensor& scales, const tor
               "scales and mins: (N, K/32) contiguous");
 }
 
+void check_q8(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& mins,
+              int64_t K) {
+  const int64_t N = codes.size(0);
+  TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.is_contiguous() && codes.size(1) == K,
+              "codes: int8 (N, K)");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.dim() == 2 &&
+                  scales.size(0) == N &&
+                  (scales.size(1) == K / QK || scales.size(1) == 2 * (K / QK)) &&
+                  scales.is_contiguous(),
+              "scales: (N, K/32) or (N, K/16) float32");
+  TORCH_CHECK(mins.numel() == 0 ||
+                  (mins.scalar_type() == torch::kFloat32 && mins.dim() == 2 &&
+                   mins.size(0) == N && mins.size(1) == K / QK && mins.is_contiguous()),
+              "mins: (N, K/32) float32, or empty");
+}
+
+// y (M, N) = x (M, K) times int8 codes (N, K) with scales per 32 or 16 and mins per 32 or none.
+void q8_into(const float* x, int64_t M, const torch::Tensor& codes, const torch::Tensor& scales,
+             const torch::Tensor& mins, float* y) {
+  const int64_t N = codes.size(0), K = codes.size(1);
+  const Quantized xq = quantize(x, M, K);
+  const Q8Weights w{codes.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                    mins.numel() > 0 ? mins.data_ptr<float>() : nullptr,
+                    scales.size(1) == 2 * (K / QK)};
+  at::parallel_for(0, N, grain(N), [&](int64_t n0, int64_t n1) {
+    q8_rows(w, xq.q.data(), xq.d.data(), xq.s.data(), M, N, K, n0, n1, y);
+  });
+}
+
+// A product of the layer calls below: 4-bit codes (uint8, q4) or int8 codes (q8), told apart
+// by the codes' dtype, so a GGUF's int8 linears (Q5, Q6, Q8 types) take the one-call path too.
+void check_product(const torch::Tensor& codes, const torch::Tensor& scales,
+                   const torch::Tensor& mins, int64_t K) {
+  if (codes.scalar_type() == torch::kUInt8) {
+    check_q4(codes, scales, mins, K);
+  } else {
+    check_q8(codes, scales, mins, K);
+  }
+}
+
+void product_into(const float* x, int64_t M, const torch::Tensor& codes,
+                  const torch::Tensor& scales, const torch::Tensor& mins, float* y) {
+  if (codes.scalar_type() == torch::kUInt8) {
+    q4_into(x, M, codes, scales, mins, y);
+  } else {
+    q8_into(x, M, codes, scales, mins, y);
+  }
+}
+
 }  // namespace
 
 // x (M, K) float32; codes (N, K/2) uint8; scales, mins (N, K/32) float32 -> (M, N) float32.
@@ -334,29 +428,21 @@ torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
   return y;
 }
 
-// x (M, K) float32; codes (N, K) int8; scales (N, K/32) float32 -> (M, N) float32.
-torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales) {
+// x (M, K) float32; codes (N, K) int8; scales (N, K/32) or (N, K/16) float32; mins (N, K/32)
+// float32, or empty for none -> (M, N) float32.
+torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                        torch::Tensor mins) {
   const int64_t N = codes.size(0), K = codes.size(1);
   x = x.contiguous();
   check_x(x, K);
-  TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.is_contiguous(), "codes: int8");
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / QK &&
-                  scales.is_contiguous(),
-              "scales: (N, K/32) float32");
-  const int64_t M = x.size(0);
-  auto y = torch::empty({M, N}, x.options());
-  const Quantized xq = quantize(x.data_ptr<float>(), M, K);
-  const int8_t* c = codes.data_ptr<int8_t>();
-  const float* s = scales.data_ptr<float>();
-  float* out = y.data_ptr<float>();
-  at::parallel_for(0, N, grain(N), [&](int64_t n0, int64_t n1) {
-    q8_rows(c, s, xq.q.data(), xq.d.data(), M, N, K, n0, n1, out);
-  });
+  check_q8(codes, scales, mins, K);
+  auto y = torch::empty({x.size(0), N}, x.options());
+  q8_into(x.data_ptr<float>(), x.size(0), codes, scales, mins, y.data_ptr<float>());
   return y;
 }
 
 // The decode layer's work before attention, for rows x (M, K) of the residual stream:
-// RMSNorm (weight norm_w), the fused q|k|v product (4-bit codes), and rotary on the first
+// RMSNorm (weight norm_w), the fused q|k|v product (4-bit or int8 codes), and rotary on the first
 // `rotated` columns, head by head: y*cos + roll(y, d/2)*sin, sin signed (-sin | +sin) and
 // cos (M, d) per row. -> (M, N) float32.
 torch::Tensor pre_attention(torch::Tensor x, torch::Tensor norm_w, double eps, torch::Tensor codes,
@@ -364,7 +450,7 @@ torch::Tensor pre_attention(torch::Tensor x, torch::Tensor norm_w, double eps, t
                             torch::Tensor sin, int64_t rotated) {
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), d = cos.size(1);
   check_x(x, K);
-  check_q4(codes, scales, mins, K);
+  check_product(codes, scales, mins, K);
   TORCH_CHECK(x.is_contiguous() && norm_w.is_contiguous() && norm_w.numel() == K, "x, norm_w");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == M &&
                   sin.sizes() == cos.sizes() && d % 2 == 0 && rotated % d == 0 && rotated <= N,
@@ -374,7 +460,7 @@ torch::Tensor pre_attention(torch::Tensor x, torch::Tensor norm_w, double eps, t
            normed.data());
   auto y = torch::empty({M, N}, x.options());
   float* out = y.data_ptr<float>();
-  q4_into(normed.data(), M, codes, scales, mins, out);
+  product_into(normed.data(), M, codes, scales, mins, out);
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const int64_t half = d / 2;
   std::vector<float> head(d);
@@ -390,7 +476,8 @@ torch::Tensor pre_attention(torch::Tensor x, torch::Tensor norm_w, double eps, t
 }
 
 // The decode layer's work after attention: x + o(attn), then + down(silu(gate) * up) of its
-// RMSNorm (weight norm_w) with gate|up fused (gate first). All products from 4-bit codes.
+// RMSNorm (weight norm_w) with gate|up fused (gate first). Each product from 4-bit or int8
+// codes (check_product).
 // x (M, K), attn (M, heads * d) -> the layer's output (M, K) float32.
 torch::Tensor post_attention(torch::Tensor x, torch::Tensor attn, torch::Tensor o_codes,
                              torch::Tensor o_scales, torch::Tensor o_mins, torch::Tensor norm_w,
@@ -401,32 +488,32 @@ torch::Tensor post_attention(torch::Tensor x, torch::Tensor attn, torch::Tensor 
   check_x(x, K);
   attn = attn.contiguous();
   check_x(attn, A);
-  check_q4(o_codes, o_scales, o_mins, A);
-  check_q4(gu_codes, gu_scales, gu_mins, K);
-  check_q4(down_codes, down_scales, down_mins, I);
+  check_product(o_codes, o_scales, o_mins, A);
+  check_product(gu_codes, gu_scales, gu_mins, K);
+  check_product(down_codes, down_scales, down_mins, I);
   TORCH_CHECK(x.is_contiguous() && norm_w.is_contiguous() && norm_w.numel() == K &&
                   o_codes.size(0) == K && down_codes.size(0) == K && attn.size(0) == M,
               "post_attention: shapes do not match");
   auto y = torch::empty({M, K}, x.options());
   float* out = y.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
-  q4_into(attn.data_ptr<float>(), M, o_codes, o_scales, o_mins, out);
+  product_into(attn.data_ptr<float>(), M, o_codes, o_scales, o_mins, out);
   for (int64_t i = 0; i < M * K; ++i) out[i] += xp[i];  // x + o(attn)
   std::vector<float> normed(M * K), gu(M * 2 * I), hidden(M * I), down(M * K);
   rms_rows(out, norm_w.data_ptr<float>(), static_cast<float>(eps), M, K, normed.data());
-  q4_into(normed.data(), M, gu_codes, gu_scales, gu_mins, gu.data());
+  product_into(normed.data(), M, gu_codes, gu_scales, gu_mins, gu.data());
   for (int64_t r = 0; r < M; ++r) {
     const float *g = gu.data() + r * 2 * I, *u = g + I;
     for (int64_t i = 0; i < I; ++i) hidden[r * I + i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
   }
-  q4_into(hidden.data(), M, down_codes, down_scales, down_mins, down.data());
+  product_into(hidden.data(), M, down_codes, down_scales, down_mins, down.data());
   for (int64_t i = 0; i < M * K; ++i) out[i] += down[i];
   return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pre_attention", &pre_attention, "RMSNorm, q|k|v from 4-bit codes, rotary (CPU)");
-  m.def("post_attention", &post_attention, "o, residual, RMSNorm, gated MLP from 4-bit codes");
+  m.def("pre_attention", &pre_attention, "RMSNorm, q|k|v from 4-bit or int8 codes, rotary (CPU)");
+  m.def("post_attention", &post_attention, "o, residual, RMSNorm, gated MLP from 4-bit or int8 codes");
   m.def("q4_matmul", &q4_matmul, "4-bit block codes times float rows (CPU)");
-  m.def("q8_matmul", &q8_matmul, "int8 row codes times float rows (CPU)");
+  m.def("q8_matmul", &q8_matmul, "int8 block codes times float rows (CPU)");
 }
