@@ -139,9 +139,9 @@ class DocumentIngestion:
             if durable:
                 durable = await self._save_ready(session, doc)
             doc.saved = durable
+            await services.usage.update(session)  # counted before any client sees it ready
             doc.update(status="ready", text=None)
             self._touch(session)
-            await services.usage.update(session)
         except asyncio.CancelledError:
             doc.update(status="failed", error=doc.error or "Ingestion was cancelled.", text=None)
             raise
