@@ -2,8 +2,8 @@
 
 Everything here that touches torch runs on the worker thread (engine/scheduler/worker.py); prompts
 are tokenized and grammars compiled on the preprocessing threads (engine/scheduler/preprocess.py);
-the async methods only validate, queue and wait. Tokenizers mutate shared state while encoding
-(the special-token switch), so every thread that encodes uses its own copy.
+the async methods only validate, queue and wait (prompts are read by
+engine/scheduler/prompts.py).
 Sessions come in kinds behind one interface (engine/sessions/backend.py `SessionBackend`): memory sessions
 on the device, and Larimar sessions kept in the memory service (engine/sessions/larimar.py).
 """
@@ -41,20 +41,15 @@ from engine.protocol import (
     TokenizerInfo,
     TokenPrompt,
 )
-from engine.runner.chat_template import (
-    assistant_turn_end,
-    encode_chat,
-    encode_chat_ids,
-    end_token_ids,
-)
+from engine.runner.chat_template import assistant_turn_end, end_token_ids
 from engine.runner.decode_state import KVCacheState
 from engine.runner.decode_step import decoder_of
 from engine.runner.generate import Generation, running_generation, step_batch
 from engine.runner.grammar import Grammars
 from engine.runner.loader import LoadedModel, load_model
-from engine.runner.tokenize import checked_ids, encode_ids, encode_text
 from engine.runner.tool_template import tool_format
 from engine.scheduler.preprocess import Preprocessor, lower_thread_priority
+from engine.scheduler.prompts import PromptReader
 from engine.scheduler.stream import aborted_delta, submit
 from engine.scheduler.worker import Worker
 from engine.sessions.backend import Decoding, SessionBackend
@@ -104,9 +99,7 @@ class LocalEngine:
         self.loaded = loaded or load_model(self.config)
         self._tokenizer = self.loaded.tokenizer  # the grammars' (llguidance's) only
         self._device_tokenizer = copy.deepcopy(self.loaded.tokenizer)  # device thread
-        self._prompt_tokenizer = copy.deepcopy(self.loaded.tokenizer)  # copied per thread
-        self._thread_tokenizers = threading.local()
-        self._copy_lock = threading.Lock()
+        self._prompts = PromptReader(self.loaded.tokenizer)  # a copy per thread
         self._preprocessor = Preprocessor(
             self.config.preprocess_threads,
             self.config.preprocess_threads_per_tenant,
@@ -153,12 +146,12 @@ class LocalEngine:
             self.config,
             self._worker,
             self._decoding,
-            self._encode,
+            self._prompts.encode,
             self._store,
             self._model_fingerprint,
             self.loaded.kv_dtype,
         )
-        self._larimar_backend = LarimarBackend(self, self._count, self.config, store)
+        self._larimar_backend = LarimarBackend(self, self._prompts.count, self.config, store)
         self._backends: tuple[SessionBackend, ...] = (self._frame_backend, self._larimar_backend)
         self._info = ModelInfo(
             id=self.loaded.model_id,
@@ -174,50 +167,11 @@ class LocalEngine:
         """A preprocessing thread's start: its niceness, its tokenizer copied up front (not
         in a request's time)."""
         lower_thread_priority(self.config.preprocess_nice)
-        self._thread_tokenizer()
-
-    def _thread_tokenizer(self) -> Any:
-        tokenizer = getattr(self._thread_tokenizers, "tokenizer", None)
-        if tokenizer is None:
-            with self._copy_lock:
-                tokenizer = copy.deepcopy(self._prompt_tokenizer)
-            self._thread_tokenizers.tokenizer = tokenizer
-        return tokenizer
+        self._prompts.tokenizer()
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
-        """The prompt's token ids (chat messages through the chat template); blocking, on
-        the calling thread's own tokenizer."""
-        tokenizer = self._thread_tokenizer()
-        if isinstance(prompt, str):
-            return encode_text(tokenizer, prompt)
-        return encode_chat(tokenizer, prompt)
-
-    def _encode(self, prompt: Prompt, limit: int | None = None) -> torch.Tensor:
-        ids = self._token_ids(prompt, limit)
-        if not len(ids):
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        return ids
-
-    def _token_ids(self, prompt: Prompt, limit: int | None = None) -> torch.Tensor:
-        """encode_prompt's ids (T,), never a long list of Python ints (engine/runner/tokenize.py);
-        PromptTooLong as soon as there are more than `limit`."""
-        tokenizer = self._thread_tokenizer()
-        if isinstance(prompt, str):
-            return encode_ids(tokenizer, prompt, limit=limit)
-        return encode_chat_ids(tokenizer, prompt, limit=limit)
-
-    def _token_prompt(self, prompt: TokenPrompt, limit: int | None) -> PreparedPrompt:
-        """Token ids read as they are; their text is what memory queries read (the prior, a
-        larimar question)."""
-        if not prompt.ids:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        tokenizer = self._thread_tokenizer()
-        ids = checked_ids(tokenizer, prompt.ids, "prompt", limit)
-        text = str(tokenizer.decode(ids))
-        return PreparedPrompt(text, len(ids), torch.tensor(ids, dtype=torch.long))
-
-    def _count(self, prompt: Prompt) -> int:
-        return len(self._token_ids(prompt))
+        """The prompt's token ids (chat messages through the chat template); blocking."""
+        return self._prompts.encode_prompt(prompt)
 
     # -- sessions, whatever their kind ----------------------------------------------------------
 
@@ -251,10 +205,7 @@ class LocalEngine:
         def prepare() -> PreparedPrompt:
             if sampling.response_format is not None:
                 self._grammars.compile(sampling.response_format)  # InvalidRequest if it cannot
-            if isinstance(prompt, TokenPrompt):
-                return self._token_prompt(prompt, token_limit)
-            ids = self._encode(prompt, token_limit)  # (T,)
-            return PreparedPrompt(prompt, len(ids), ids)
+            return self._prompts.prepare(prompt, token_limit)
 
         return await self._preprocessor.run(tenant, prepare)
 
@@ -282,7 +233,7 @@ class LocalEngine:
             return backend.generate(
                 request_id, session_id, prompt, sampling, memory_room, prompt_ids=prepared
             )
-        prompt_ids = prepared if prepared is not None else self._encode(prompt)  # (T,)
+        prompt_ids = prepared if prepared is not None else self._prompts.encode(prompt)  # (T,)
         total = len(prompt_ids) + sampling.max_tokens
         queued_at = time.perf_counter()
         if total <= self.loaded.max_model_len:
@@ -296,7 +247,7 @@ class LocalEngine:
         )
 
     async def count_tokens(self, prompt: Prompt) -> int:
-        return await self._preprocessor.run(None, lambda: self._count(prompt))
+        return await self._preprocessor.run(None, lambda: self._prompts.count(prompt))
 
     async def tokenize(
         self,
@@ -309,24 +260,15 @@ class LocalEngine:
         token_limit: int | None = None,
     ) -> Tokenized:
         def tokenize() -> Tokenized:
-            tokenizer = self._thread_tokenizer()
-            if isinstance(prompt, str):
-                ids = encode_text(
-                    tokenizer, prompt, add_special_tokens=add_special_tokens, limit=token_limit
-                )
-            else:
-                chat = encode_chat_ids(
-                    tokenizer, prompt, generation_prompt=generation_prompt, limit=token_limit
-                )
-                ids = chat.tolist()
-            return Tokenized(ids, tokenizer.convert_ids_to_tokens(ids) if token_strings else None)
+            return self._prompts.tokenize(
+                prompt, add_special_tokens, generation_prompt, token_strings, token_limit
+            )
 
         return await self._preprocessor.run(tenant, tokenize)
 
     async def detokenize(self, token_ids: Sequence[int], *, tenant: str | None = None) -> str:
         def detokenize() -> str:
-            tokenizer = self._thread_tokenizer()
-            return str(tokenizer.decode(checked_ids(tokenizer, token_ids, "tokens")))
+            return self._prompts.detokenize(token_ids)
 
         return await self._preprocessor.run(tenant, detokenize)
 
