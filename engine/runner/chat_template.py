@@ -176,7 +176,9 @@ def encode_chat_ids(
     alone. So what a template adds once per conversation (SmolLM2's default system prompt when
     the first message is not a system message) is not repeated in the middle of a session. A
     template whose rendering of the history is not a prefix of the whole (one that rewrites
-    earlier turns) gets the messages rendered on their own. The history is rendered without
+    earlier turns), or refuses the two joined (one that wants user and assistant turns in
+    turn, after a document's user turn), gets the messages rendered on their own, without a
+    second start-of-sequence token. The history is rendered without
     tools: a template that puts them in front of the conversation gets the messages on their
     own, with the tools, so the model reads them.
 
@@ -192,17 +194,35 @@ def encode_chat_ids(
     contents = [text for _, text in history] + [text for _, text in turns]
     fields = [tool_fields(tokenizer, message, i) for i, message in enumerate(messages)]
     tools = template_tools(tokenizer, messages)
+    if not history:
+        rendered = _render(tokenizer, turns, 0, generation_prompt, fields, tools)
+        return _tokenize_rendered(tokenizer, rendered, contents, limit)
     history_fields: list[dict[str, Any]] = [{} for _ in history]
-    rendered = _render(
-        tokenizer, [*history, *turns], 0, generation_prompt, history_fields + fields, tools
-    )
-    if history:
+    try:
+        rendered = _render(
+            tokenizer, [*history, *turns], 0, generation_prompt, history_fields + fields, tools
+        )
         before = _render(tokenizer, history, 0, False)
-        if rendered.startswith(before):
-            rendered = rendered[len(before) :]
-        else:
-            rendered = _render(tokenizer, turns, len(history), generation_prompt, fields, tools)
+    except InvalidRequest:
+        # Templates that want strict user/assistant turns (Mistral's) refuse a session's
+        # document turn followed by a user turn: the messages alone, as one more exchange.
+        rendered = before = ""
+    if before and rendered.startswith(before):
+        rendered = rendered[len(before) :]
+    else:
+        rendered = _render(tokenizer, turns, len(history), generation_prompt, fields, tools)
+        rendered = _without_opening_bos(tokenizer, rendered)  # in memory already
     return _tokenize_rendered(tokenizer, rendered, contents, limit)
+
+
+def _without_opening_bos(tokenizer: PreTrainedTokenizerBase, rendered: str) -> str:
+    """`rendered` without the start-of-sequence token a template writes in front of every
+    rendering (`{{ bos_token }}`: Llama 3, Mistral). ChatML templates never write it, and
+    SmolLM2's bos_token is "<|im_start|>", which opens each of their turns."""
+    bos = getattr(tokenizer, "bos_token", None)
+    if bos and "bos_token" in str(tokenizer.chat_template) and rendered.startswith(bos):
+        return rendered[len(bos) :]
+    return rendered
 
 
 def encode_document(

@@ -274,3 +274,23 @@ async def test_a_tool_template_model_answers_a_required_call_in_openai_shape(
     assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Oslo")
     if name == "mistral-v0.3":
         assert len(call["id"]) == 9 and call["id"].isalnum()
+
+
+def test_a_session_question_after_a_document_on_a_strict_turn_template(templated):
+    """Mistral's template refuses a user turn after a user turn, which is what a session's
+    document turn followed by a question is: the question is rendered as one more exchange,
+    without a second start-of-sequence token."""
+    from engine.runner.chat_template import encode_document
+
+    tokenizer = templated["mistral-v0.3"]
+    document = encode_document(tokenizer, "The copper vault opens at noon.")
+    history = [("user", "The copper vault opens at noon.")]
+    question = [{"role": "user", "content": "When does it open?"}]
+    ids = encode_chat(tokenizer, question, history)
+    alone = tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+    assert alone.startswith(tokenizer.bos_token)
+    assert tokenizer.decode(ids) == alone[len(tokenizer.bos_token) :]
+    second = encode_document(tokenizer, "The gate closes at dusk.", history)  # two documents
+    assert tokenizer.decode(second).count("The gate closes at dusk.") == 1
+    assert tokenizer.bos_token not in tokenizer.decode(second)
+    assert tokenizer.decode(document).startswith(tokenizer.bos_token)
