@@ -16,7 +16,7 @@ never tuned on, and never a default while tuning:
 - `info`: the GNU manuals in Info format under /usr/share/info;
 - `licenses`: licence and copyright texts: /usr/share/common-licenses, the Debian copyright
   files under /usr/share/doc, and the LICENSE, COPYING and NOTICE files installed packages ship.
-  Licences repeat each other, so this kind holds about 70K tokens of distinct prose: documents
+  Licences repeat each other, so this kind holds about 95K tokens of distinct prose: documents
   up to 64K; `news` and `info` (about 180-210K tokens each) are the held-out default.
 
 The `docs` kind skips the licence file names and most news ones and reads nothing under
