@@ -5,8 +5,8 @@ tuned kinds by default, the held-out kinds with --held-out (never both in one ru
 questions are those of bench/recall_tasks.py: by default the `relation` task, --facts facts of
 one relation per document, each asked, half of them paraphrased; the earlier mix (single,
 multikey, multivalue, paraphrase, followup) with --tasks. Enough trials run per length and kind
-for --questions questions per mode and length. Each question goes through the official openai SDK's
-`chat.completions.create`, greedy, as a user asks it: the question alone, no answer prefix.
+for --questions questions per mode and length. Each question goes through the official openai
+SDK's `chat.completions.create`, greedy, as a user asks it: the question alone, no answer prefix.
 The same facts and the same question wording are asked in every mode of one run:
 
 - `reference`: the model's own full attention: a document of the same kind and seed that fits
@@ -57,13 +57,7 @@ from bench.recall_corpus import (
     retrieve,
 )
 from bench.recall_report import compare_rows, row_text
-from bench.recall_tasks import (
-    DEFAULT_TASKS,
-    TASKS,
-    Trial,
-    make_trial,
-    wilson,
-)
+from bench.recall_tasks import DEFAULT_TASKS, TASKS, Trial, make_trial, wilson
 from bench.server_process import model_args, served
 
 BASELINES = ("reference", "truncate", "rag")

@@ -20,9 +20,9 @@ never tuned on, and never a default while tuning:
   up to 64K; `news` and `info` (about 180-210K tokens each) are the held-out default.
 
 The `docs` kind skips the licence file names and most news ones and reads nothing under
-/usr/share/info; `news` leaves it the rest, so no file is in a tuned and a held-out kind. A held-out kind also drops a paragraph whose
-sentences mostly appeared earlier in the document (every MIT copy, GPL versions, Info nodes
-that repeat their manual's introduction).
+/usr/share/info; `news` leaves it the rest, so no file is in a tuned and a held-out kind. A
+held-out kind also drops a paragraph whose sentences mostly appeared earlier in the document
+(every MIT copy, GPL versions, Info nodes that repeat their manual's introduction).
 
 No public-domain book ships with any installed package here, so there is no fiction kind.
 Each text is cut into prose paragraphs (`prose_paragraphs`): code, tables, option lists and
