@@ -184,7 +184,7 @@ def row_name(mode: str, strategy: str | None) -> str:
 
 def compare_length(run: Run, length: int) -> dict[str, dict]:
     """The rows of one length (row_name -> n, interval, McNemar against the others), each also
-    emitted as a summary line as it is complete."""
+    emitted as a summary line, with the questions it got right, to pair with another run's."""
     rows: dict[str, dict[str, bool]] = defaultdict(dict)
     for (at, _kind, _task, mode, strategy), answers in run.cells.items():
         if at == length:
@@ -194,7 +194,17 @@ def compare_length(run: Run, length: int) -> dict[str, dict]:
     for name, row in table.items():
         text = row_text(length, name, row)
         print(text, file=sys.stderr, flush=True)
-        emit({"bench": "recall", "length": length, "row": name, "kind_set": kind_set, **row})
+        right = sorted(q for q, correct in rows[name].items() if correct)
+        emit(
+            {
+                "bench": "recall",
+                "length": length,
+                "row": name,
+                "kind_set": kind_set,
+                **row,
+                "questions_right": right,
+            }
+        )
     return table
 
 

@@ -5,6 +5,8 @@ interval and paired test the JSON lines report."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import re
 import shutil
 import sysconfig
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 
 from bench import recall
+from bench.recall_chat import Answer
 from bench.recall_corpus import (
     DEFAULT_HELD_OUT,
     HELD_OUT_KINDS,
@@ -331,3 +334,28 @@ def test_tuned_and_held_out_kinds_never_share_a_run(monkeypatch, argv):
     monkeypatch.setattr(recall, "run", lambda args: pytest.fail("ran"))
     with pytest.raises(SystemExit):
         recall.main(argv)
+
+
+def test_each_length_ends_with_a_line_per_mode_paired_with_the_others(capsys):
+    def answers(*right):
+        return [
+            Answer(ok, 1.0, 100, "", ("1",), question=f"news:0:{j}") for j, ok in enumerate(right)
+        ]
+
+    run = recall.Run(argparse.Namespace(kind_set="held_out"), None, None, {}, approx_tokens)
+    run.cells[8192, "news", "relation", "reference", None] = answers(True, False, False, False)
+    run.cells[8192, "news", "relation", "session", "segments"] = answers(True, True, True, False)
+    run.cells[16384, "news", "relation", "session", "segments"] = answers(False)
+    table = recall.compare_length(run, 8192)
+    assert table["session/segments"]["vs"]["reference/-"] == {
+        "won": 2,
+        "lost": 0,
+        "pairs": 4,
+        "p": 0.5,
+    }
+    out, err = capsys.readouterr()
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [line["row"] for line in lines] == ["reference/-", "session/segments"]
+    assert lines[1]["kind_set"] == "held_out" and lines[1]["correct"] == 3 and lines[1]["n"] == 4
+    assert lines[1]["questions_right"] == ["news:0:0", "news:0:1", "news:0:2"]
+    assert "8192 session/segments 3/4 (" in err and "vs reference/- +2 -0 p=0.5" in err
