@@ -7,10 +7,10 @@ random, a literal question that repeats the fact's words, and a paraphrase that 
 its content words but the key's name. One trial's document holds the facts of every task, each
 fact a paragraph of its own at a seeded random depth:
 
-- `relation` (the recall bench's default): `facts` facts of one relation, each with its own key
-  and value, each asked in its own chat, a seeded half of them with the paraphrase: a contract
-  has many dates, a log many codes, so the asked fact's distractors are of its own form. Their
-  depths are spread: each fact lies in its own `1/facts` of the document, in a seeded order;
+- `relation` (the recall bench's default): k facts of one relation (`facts_of_relation`), each
+  its own key and value, each asked in its own chat, a seeded half of them with the paraphrase:
+  a contract has many dates, a log many codes, so the asked fact's distractors are of its own
+  form. Their depths are spread: each fact lies in its own 1/k of the document, seeded order;
 - `single`: one fact, asked literally;
 - `multikey`: several facts of one relation with different keys, each asked literally in its
   own chat (RULER's multi-key: the others are distractors of the same form);
