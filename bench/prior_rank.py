@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from bench.recall_corpus import build_document, load_token_counter
-from bench.recall_tasks import TASKS, make_trial
+from bench.recall_tasks import MIXED_TASKS, make_trial
 from engine.sessions.prior_query import question_text
 
 
@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for kind in args.kinds:
             for i in range(args.samples):
                 seed = f"{args.seed}:{kind}:{i}"
-                trial = make_trial(seed, TASKS)
+                trial = make_trial(seed, MIXED_TASKS)  # decision 025's questions
                 doc = build_document(trial, kind, seed, length, args.fit, count)
                 ids = tokenizer(doc.text, add_special_tokens=False).input_ids
                 blocks = [

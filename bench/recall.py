@@ -1,9 +1,12 @@
 """Recall of facts planted in long documents of real text, asked through the chat API.
 
-Documents come from three kinds of text installed on this machine (bench/recall_corpus.py);
-facts and questions are those of bench/recall_tasks.py (single, multikey, multivalue,
-paraphrase, followup). Each question goes through the official openai SDK's
-`chat.completions.create`, greedy, as a user asks it: the question alone, no answer prefix.
+Documents come from kinds of text installed on this machine (bench/recall_corpus.py): the
+tuned kinds by default, the held-out kinds with --held-out (never both in one run). Facts and
+questions are those of bench/recall_tasks.py: by default the `relation` task, --facts facts of
+one relation per document, each asked, half of them paraphrased; the earlier mix (single,
+multikey, multivalue, paraphrase, followup) with --tasks. Enough trials run per length and kind
+for --questions questions per mode and length. Each question goes through the official openai
+SDK's `chat.completions.create`, greedy, as a user asks it: the question alone, no answer prefix.
 The same facts and the same question wording are asked in every mode of one run:
 
 - `reference`: the model's own full attention: a document of the same kind and seed that fits
@@ -20,15 +23,18 @@ The same facts and the same question wording are asked in every mode of one run:
 
 Starts `longserve serve` on a free loopback port (or drives --base-url on loopback). One JSON
 line per cell (length, kind or "all", task, mode, strategy) as soon as it is complete, then a
-summary line. Token counts are the model's tokenizer's (loaded from the same GGUF):
+summary line per length and mode (correct/n, Wilson 95 % interval, McNemar's exact p against
+each other mode on the same questions: bench/recall_report.py), then one summary line for the
+run. Token counts are the model's tokenizer's (loaded from the same GGUF):
 
-    longserve bench recall --lengths 16384 32768 -n 4 --strategies segments
+    longserve bench recall --lengths 32768 --held-out --strategies segments
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections import defaultdict
@@ -38,111 +44,25 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
+from bench.recall_chat import Answer, Asker, ask_all, upload
 from bench.recall_corpus import (
-    KINDS,
+    DEFAULT_HELD_OUT,
+    HELD_OUT_KINDS,
+    KIND_SETS,
+    TUNED_KINDS,
     Document,
     build_document,
     chunk_document,
     load_token_counter,
     retrieve,
 )
-from bench.recall_tasks import TASKS, Question, Trial, is_correct, make_trial, wilson
+from bench.recall_report import compare_rows, row_text
+from bench.recall_tasks import DEFAULT_TASKS, TASKS, Trial, make_trial, wilson
 from bench.server_process import model_args, served
 
 BASELINES = ("reference", "truncate", "rag")
 MEMORY_MODES = ("inline", "session")
 STRATEGIES = ("segments", "tokens", "neurocache", "larimar")
-
-
-@dataclass
-class Answer:
-    correct: bool
-    seconds: float
-    context_tokens: int
-    text: str
-    expected: tuple[str, ...]
-    error: str | None = None
-    prompt_tokens: int = 0  # the server's count: a baseline's must fit the window
-
-
-class Asker:
-    """Chats with the server: one question (one or two turns) per call."""
-
-    def __init__(self, client, model: str, max_tokens: int) -> None:
-        self.client, self.model, self.max_tokens = client, model, max_tokens
-
-    def chat(self, question: Question, context_for, extra_body: dict) -> tuple[list[str], int, int]:
-        """Answers to each turn. context_for(turn, question, previous answer) gives the text to
-        put before a turn's question and its tokens, or None for the question alone. Also
-        returns the first context's tokens and the largest prompt the server counted."""
-        messages: list[dict] = []
-        answers: list[str] = []
-        context_tokens = prompt_tokens = 0
-        for turn, text in enumerate(question.turns):
-            context = context_for(turn, text, answers[-1] if answers else "")
-            if context is not None:
-                text = f"{context[0]}\n\n{text}"
-                context_tokens = context_tokens or context[1]
-            messages.append({"role": "user", "content": text})
-            reply = self.client.chat.completions.create(
-                model=self.model,
-                messages=messages,
-                temperature=0,
-                max_tokens=self.max_tokens,
-                extra_body=extra_body,
-            )
-            answers.append(reply.choices[0].message.content or "")
-            messages.append({"role": "assistant", "content": answers[-1]})
-            if reply.usage is not None:
-                prompt_tokens = max(prompt_tokens, reply.usage.prompt_tokens)
-        return answers, context_tokens, prompt_tokens
-
-
-def ask_all(asker: Asker, trial: Trial, context_for, extra_body: dict) -> list[Answer]:
-    out = []
-    for question in trial.questions:
-        started = time.perf_counter()
-        try:
-            answers, tokens, prompt_tokens = asker.chat(question, context_for, extra_body)
-        except Exception as e:  # a failed request is a wrong answer, and is reported
-            out.append(Answer(False, 0.0, 0, "", question.expected, f"{type(e).__name__}: {e}"))
-            continue
-        correct = is_correct(answers[-1], question.expected)
-        out.append(
-            Answer(
-                correct,
-                time.perf_counter() - started,
-                tokens,
-                " | ".join(answers),
-                question.expected,
-                prompt_tokens=prompt_tokens,
-            )
-        )
-    return out
-
-
-def upload(http: httpx.Client, memory: dict, text: str, timeout: float) -> tuple[str, int, float]:
-    """A session of `memory` (strategy and knobs) holding `text`, read: (id, the server's token
-    count, seconds)."""
-    started = time.perf_counter()
-    session = http.post("/sessions", json={"memory": memory}).json()
-    if "id" not in session:
-        raise RuntimeError(f"session refused: {session}")
-    response = http.post(
-        f"/sessions/{session['id']}/documents", json={"name": "document.txt", "text": text}
-    )
-    doc = response.json()
-    if "id" not in doc:
-        raise RuntimeError(f"upload refused: {doc}")
-    deadline = time.monotonic() + timeout
-    while doc["status"] not in ("ready", "failed"):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"document not read after {timeout} s")
-        time.sleep(1)
-        doc = http.get(f"/sessions/{session['id']}/documents/{doc['id']}").json()
-    if doc["status"] != "ready":
-        raise RuntimeError(f"document failed: {doc.get('error')}")
-    return session["id"], doc["tokens"], time.perf_counter() - started
 
 
 @dataclass
@@ -220,6 +140,10 @@ class Run:
             "max_prompt_tokens": max(a.prompt_tokens for a in answers),
             "errors": len(errors),
             "first_error": errors[0] if errors else None,
+            "paraphrased": {
+                "n": sum(a.paraphrased for a in answers),
+                "correct": sum(a.paraphrased and a.correct for a in answers),
+            },
             "misses": [
                 {"expected": list(a.expected), "answer": a.text[:160]}
                 for a in answers
@@ -244,25 +168,70 @@ def combos(args: argparse.Namespace) -> list[tuple[str, str | None]]:
     return out
 
 
-def measure(run: Run) -> None:
+def trials_per_kind(args: argparse.Namespace, length: int) -> int:
+    """-n (or --n-large from --large-from up) when given, else enough trials for --questions
+    questions per mode at this length over all --kinds."""
+    given = args.n_large if length >= args.large_from and args.n_large else args.samples
+    if given:
+        return given
+    asked = make_trial("count", tuple(args.tasks), args.keys, args.values, args.facts).questions
+    return math.ceil(args.questions / (len(asked) * len(args.kinds)))
+
+
+def row_name(mode: str, strategy: str | None) -> str:
+    return f"{mode}/{strategy or '-'}"
+
+
+def compare_length(run: Run, length: int) -> dict[str, dict]:
+    """The rows of one length (row_name -> n, interval, McNemar against the others), each also
+    emitted as a summary line, with the questions it got right, to pair with another run's."""
+    rows: dict[str, dict[str, bool]] = defaultdict(dict)
+    for (at, _kind, _task, mode, strategy), answers in run.cells.items():
+        if at == length:
+            rows[row_name(mode, strategy)].update((a.question, a.correct) for a in answers)
+    table = compare_rows(rows)
+    kind_set = run.args.kind_set
+    for name, row in table.items():
+        text = row_text(length, name, row)
+        print(text, file=sys.stderr, flush=True)
+        right = sorted(q for q, correct in rows[name].items() if correct)
+        emit(
+            {
+                "bench": "recall",
+                "length": length,
+                "row": name,
+                "kind_set": kind_set,
+                **row,
+                "questions_right": right,
+            }
+        )
+    return table
+
+
+def measure(run: Run) -> dict[str, dict]:
     args = run.args
     fit = run.info["max_model_len"] - args.reserve
     docs: dict[tuple, tuple[Trial, Document]] = {}
+    table: dict[str, dict] = {}
     for length in args.lengths:
-        trials = args.n_large if length >= args.large_from else args.samples
+        trials = trials_per_kind(args, length)
         for mode, strategy in combos(args):
             run.read_seconds.pop((mode, strategy), None)
             for kind in args.kinds:
                 for i in range(trials):
                     if (length, kind, i) not in docs:
                         seed = f"{args.seed}:{kind}:{i}"
-                        trial = make_trial(seed, tuple(args.tasks), args.keys, args.values)
+                        tasks = tuple(args.tasks)
+                        trial = make_trial(seed, tasks, args.keys, args.values, args.facts)
                         doc = build_document(trial, kind, seed, length, fit, run.count)
                         docs[length, kind, i] = trial, doc
                     trial, doc = docs[length, kind, i]
-                    for question, answer in zip(
-                        trial.questions, run.ask(mode, strategy, trial, doc), strict=True
+                    answers = run.ask(mode, strategy, trial, doc)
+                    for j, (question, answer) in enumerate(
+                        zip(trial.questions, answers, strict=True)
                     ):
+                        answer.question = f"{kind}:{i}:{j}"
+                        answer.paraphrased = question.paraphrased
                         run.cells[length, kind, question.task, mode, strategy].append(answer)
                 for task in args.tasks:
                     answers = run.cells[length, kind, task, mode, strategy]
@@ -274,26 +243,16 @@ def measure(run: Run) -> None:
                 emit(run.line(length, "all", task, mode, strategy, answers))
         for key in [key for key in docs if key[0] == length]:
             del docs[key]
+        for name, row in compare_length(run, length).items():
+            table[f"{length}/{name}"] = row
+    return table
 
 
-def summary(run: Run, seconds: float) -> dict:
-    by_cell: dict[str, list[Answer]] = defaultdict(list)
-    for (length, _kind, _task, mode, strategy), answers in run.cells.items():
-        by_cell[f"{length}/{mode}/{strategy or '-'}"] += answers
-    table = {}
-    for name, answers in by_cell.items():
-        correct = sum(a.correct for a in answers)
-        low, high = wilson(correct, len(answers))
-        table[name] = {
-            "n": len(answers),
-            "correct": correct,
-            "accuracy": round(correct / len(answers), 4),
-            "ci_low": round(low, 4),
-            "ci_high": round(high, 4),
-        }
+def summary(run: Run, table: dict[str, dict], seconds: float) -> dict:
     args = {k: v for k, v in vars(run.args).items() if k not in ("api_key",)}
     return {
         "bench": "recall",
+        "kind_set": run.args.kind_set,
         "summary": table,
         "seconds": round(seconds),
         "args": args,
@@ -327,20 +286,36 @@ def run(args: argparse.Namespace) -> None:
         headers = {"Authorization": f"Bearer {args.api_key}"}
         with httpx.Client(base_url=f"{base}/v1", headers=headers, timeout=600) as http:
             bench = Run(args, Asker(client, card.id, args.max_tokens), http, info, count)
-            measure(bench)
-            emit(summary(bench, time.perf_counter() - started))
+            table = measure(bench)
+            emit(summary(bench, table, time.perf_counter() - started))
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
-    parser.add_argument("-n", "--samples", type=int, default=4, help="trials per length and kind")
-    parser.add_argument("--n-large", type=int, default=2, help="trials at --large-from and above")
+    parser.add_argument(
+        "--questions", type=int, default=56, help="at least this many per mode and length"
+    )
+    parser.add_argument(
+        "-n", "--samples", type=int, help="trials per length and kind (default: for --questions)"
+    )
+    parser.add_argument("--n-large", type=int, help="trials at --large-from and above")
     parser.add_argument("--large-from", type=int, default=131072)
     parser.add_argument("--modes", nargs="+", choices=BASELINES + MEMORY_MODES)
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
-    parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
-    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(DEFAULT_TASKS))
+    parser.add_argument(
+        "--held-out",
+        action="store_true",
+        help=f"judge on the kinds kept aside (default {' '.join(DEFAULT_HELD_OUT)}); never tune",
+    )
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=list(KIND_SETS),
+        help=f"text kinds (default: {' '.join(TUNED_KINDS)}; held-out ones need --held-out)",
+    )
+    parser.add_argument("--facts", type=int, default=8, help="relation: facts per document")
     parser.add_argument("--keys", type=int, default=3, help="multikey: facts asked one by one")
     parser.add_argument("--values", type=int, default=3, help="multivalue: values of the key")
     parser.add_argument("--seed", type=int, default=0)
@@ -366,8 +341,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ready-timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
     args.modes = args.modes or list(BASELINES + MEMORY_MODES)
-    if min(args.samples, args.n_large, args.keys, args.values) < 1:
-        parser.error("-n, --n-large, --keys and --values must be >= 1")
+    given = [v for v in (args.samples, args.n_large) if v is not None]
+    if min(given + [args.keys, args.values, args.facts, args.questions]) < 1:
+        parser.error("-n, --n-large, --questions, --facts, --keys and --values must be >= 1")
+    args.kinds = args.kinds or list(DEFAULT_HELD_OUT if args.held_out else TUNED_KINDS)
+    wrong_set = [k for k in args.kinds if (k in HELD_OUT_KINDS) != args.held_out]
+    if wrong_set:
+        parser.error(
+            f"{wrong_set}: held-out kinds only with --held-out, and only they"
+            " (a run judges on the held-out set or tunes on the other, never both)"
+        )
+    args.kind_set = "held_out" if args.held_out else "tuned"
     run(args)
 
 

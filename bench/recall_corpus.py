@@ -1,12 +1,28 @@
 """Documents of real text for `bench.recall`, read from what is installed on this machine.
 
-Three kinds, none needing the network:
+Six kinds, none needing the network. Three were looked at while tuning (`tuned`):
 
 - `manpages`: section-1 manual pages, rendered to text by `man` (the system's man pages);
 - `docs`: installed documentation: the Python language reference that ships with CPython
   (`pydoc_data.topics`) and the plain-text READMEs, FAQs and manuals under /usr/share/doc;
 - `docstrings`: the module, class and function docstrings in the source of the Python
   standard library and of the installed packages.
+
+Three are kept aside (`held_out`, docs/decisions/069-recall-bench-that-can-tell.md): judged on,
+never tuned on, and never a default while tuning:
+
+- `news`: release notes and change logs: the NEWS, CHANGES, HISTORY and upstream changelog
+  files under /usr/share/doc and in the installed packages (not Debian's packaging logs);
+- `info`: the GNU manuals in Info format under /usr/share/info;
+- `licenses`: licence and copyright texts: /usr/share/common-licenses, the Debian copyright
+  files under /usr/share/doc, and the LICENSE, COPYING and NOTICE files installed packages ship.
+  Licences repeat each other, so this kind holds about 95K tokens of distinct prose: documents
+  up to 64K; `news` and `info` (about 180-210K tokens each) are the held-out default.
+
+The `docs` kind skips the licence file names and most news ones and reads nothing under
+/usr/share/info; `news` leaves it the rest, so no file is in a tuned and a held-out kind. A
+held-out kind also drops a paragraph whose sentences mostly appeared earlier in the document
+(every MIT copy, GPL versions, Info nodes that repeat their manual's introduction).
 
 No public-domain book ships with any installed package here, so there is no fiction kind.
 Each text is cut into prose paragraphs (`prose_paragraphs`): code, tables, option lists and
@@ -36,11 +52,27 @@ import numpy as np
 
 from bench.recall_tasks import Trial, plant_facts
 
-KINDS = ("manpages", "docs", "docstrings")
+KIND_SETS = {
+    "manpages": "tuned",
+    "docs": "tuned",
+    "docstrings": "tuned",
+    "news": "held_out",
+    "info": "held_out",
+    "licenses": "held_out",
+}
+KINDS = tuple(KIND_SETS)
+TUNED_KINDS = tuple(kind for kind, which in KIND_SETS.items() if which == "tuned")
+HELD_OUT_KINDS = tuple(kind for kind, which in KIND_SETS.items() if which == "held_out")
+DEFAULT_HELD_OUT = ("news", "info")  # the held-out kinds with prose enough for 128K
 MAN_DIR = Path("/usr/share/man/man1")
 DOC_DIR = Path("/usr/share/doc")
 DOC_NAMES = re.compile(r"^(readme|faq|manual|.*\.txt)", re.IGNORECASE)
 SKIP_NAMES = re.compile(r"changelog|copyright|licen[cs]e|copying|news|authors|todo", re.I)
+LICENSE_DIR = Path("/usr/share/common-licenses")
+INFO_DIR = Path("/usr/share/info")
+LICENSE_NAMES = re.compile(r"^(licen[cs]e|copying|copyright|notice)", re.IGNORECASE)
+TEXT_SUFFIXES = ("", ".txt", ".md", ".rst", ".gz")
+NEWS_NAMES = re.compile(r"^(news|changes|changelog|history|release[-_ ]?notes)", re.IGNORECASE)
 
 MIN_CHARS, MAX_CHARS, MIN_WORDS = 200, 2000, 30
 PROSE_CHARS = re.compile(r"[A-Za-z ,.;:'\"()\-]")
@@ -153,10 +185,56 @@ def read_docstrings(path: str) -> str:
     return "\n\n".join(doc for doc in docstrings if doc)
 
 
+def package_files(names: re.Pattern[str]) -> list[str]:
+    """Text files of the installed Python packages (site-packages) whose names match `names`."""
+    root = Path(sysconfig.get_paths()["purelib"])
+    return [
+        str(path)
+        for path in root.rglob("*")
+        if names.match(path.name) and path.suffix.lower() in TEXT_SUFFIXES and path.is_file()
+    ]
+
+
+@functools.cache
+def license_files() -> tuple[str, ...]:
+    files = [str(path) for path in LICENSE_DIR.glob("*") if path.is_file()]
+    if DOC_DIR.is_dir():
+        files += [str(path) for path in DOC_DIR.glob("*/copyright") if path.is_file()]
+    return tuple(sorted(files + package_files(LICENSE_NAMES)))
+
+
+@functools.cache
+def news_files() -> tuple[str, ...]:
+    files = []
+    if DOC_DIR.is_dir():
+        files = [
+            str(path)
+            for path in DOC_DIR.rglob("*")
+            if NEWS_NAMES.match(path.name) and "debian" not in path.name.lower() and path.is_file()
+        ]
+    tuned = set(doc_files())  # RELEASE-NOTES.txt, history.txt: the docs kind reads *.txt
+    return tuple(sorted(name for name in files + package_files(NEWS_NAMES) if name not in tuned))
+
+
+def read_license_file(name: str) -> str:
+    """A licence text; a Debian copyright file writes its blank lines as " ." lines."""
+    return re.sub(r"(?m)^[ \t]+\.[ \t]*$", "", read_doc_file(name))
+
+
+@functools.cache
+def info_files() -> tuple[str, ...]:
+    if not INFO_DIR.is_dir():
+        return ()
+    return tuple(sorted(str(path) for path in INFO_DIR.glob("*.info*") if path.is_file()))
+
+
 SOURCES: dict[str, tuple[Callable[[], tuple[str, ...]], Callable[[str], str]]] = {
     "manpages": (man_pages, read_man_page),
     "docs": (doc_files, read_doc_file),
     "docstrings": (python_modules, read_docstrings),
+    "news": (news_files, read_doc_file),
+    "info": (info_files, read_doc_file),
+    "licenses": (license_files, read_license_file),
 }
 
 
@@ -170,9 +248,12 @@ def source_order(kind: str, seed: int | str) -> list[str]:
 
 
 def kind_paragraphs(kind: str, seed: int | str) -> Generator[str, None, None]:
-    """Prose paragraphs of `kind`, whole sources in seeded order, none twice."""
+    """Prose paragraphs of `kind`, whole sources in seeded order, none twice (for a held-out
+    kind, none whose sentences mostly appeared before)."""
     read = SOURCES[kind][1]
     seen: set[str] = set()
+    sentences: set[str] = set()
+    fresh_sentences = KIND_SETS.get(kind) == "held_out"
     names = source_order(kind, seed)
     # Rendering a man page is a subprocess: worth threads. ast.parse is not thread-safe on
     # CPython 3.11 ("AST constructor recursion depth mismatch"), so docstrings read in order.
@@ -181,9 +262,15 @@ def kind_paragraphs(kind: str, seed: int | str) -> Generator[str, None, None]:
         for start in range(0, len(names), 16):
             for text in each(read, names[start : start + 16]):
                 for paragraph in prose_paragraphs(text):
-                    if paragraph not in seen:
-                        seen.add(paragraph)
-                        yield paragraph
+                    if paragraph in seen:
+                        continue
+                    seen.add(paragraph)
+                    if fresh_sentences:
+                        own = set(re.split(r"(?<=[.;:])\s+", paragraph))
+                        if 2 * len(own & sentences) > len(own):
+                            continue
+                        sentences |= own
+                    yield paragraph
 
 
 def filler(

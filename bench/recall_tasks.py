@@ -7,6 +7,10 @@ random, a literal question that repeats the fact's words, and a paraphrase that 
 its content words but the key's name. One trial's document holds the facts of every task, each
 fact a paragraph of its own at a seeded random depth:
 
+- `relation` (the recall bench's default): k facts of one relation (`facts_of_relation`), each
+  its own key and value, each asked in its own chat, a seeded half of them with the paraphrase:
+  a contract has many dates, a log many codes, so the asked fact's distractors are of its own
+  form. Their depths are spread: each fact lies in its own 1/k of the document, seeded order;
 - `single`: one fact, asked literally;
 - `multikey`: several facts of one relation with different keys, each asked literally in its
   own chat (RULER's multi-key: the others are distractors of the same form);
@@ -24,7 +28,10 @@ import random
 import re
 from dataclasses import dataclass
 
-TASKS = ("single", "multikey", "multivalue", "paraphrase", "followup")
+TASKS = ("relation", "single", "multikey", "multivalue", "paraphrase", "followup")
+# the mix of issue 15 that the recall figures before decision 069 were measured with
+MIXED_TASKS = ("single", "multikey", "multivalue", "paraphrase", "followup")
+DEFAULT_TASKS = ("relation",)
 SYLLABLES = [
     "bar",
     "vel",
@@ -103,7 +110,18 @@ RELATIONS = {
         "How many letters does the {key} archive contain?",
         "What is the count of correspondence stored within {key}'s collection?",
     ),
+    "contract": Relation(
+        (
+            "The {key} contract was filed under reference number {value}.",
+            "Reference number {value} belongs to the {key} contract.",
+            "The clerk filed the {key} contract as reference number {value}.",
+        ),
+        "What is the reference number of the {key} contract?",
+        "Which docket identifier was the {key} agreement given?",
+    ),
 }
+# the relations the mixed tasks draw from, in the order their seeded shuffle has always used
+MIXED_RELATIONS = ("ship", "village", "telescope", "archive")
 VAULT = Relation(
     (
         "The access code for the {key} vault is {value}.",
@@ -143,6 +161,7 @@ class Question:
     turns: tuple[str, ...]
     expected: tuple[str, ...]
     first_expected: str | None = None
+    paraphrased: bool = False
 
 
 @dataclass(frozen=True)
@@ -173,31 +192,52 @@ class Names:
 
 
 def make_trial(
-    seed: int | str, tasks: tuple[str, ...] = TASKS, keys: int = 3, values: int = 3
+    seed: int | str,
+    tasks: tuple[str, ...] = MIXED_TASKS,
+    keys: int = 3,
+    values: int = 3,
+    facts_of_relation: int = 8,
 ) -> Trial:
     """The facts and questions of one trial: the same for every mode and strategy it is asked
-    in, and for the reference document."""
+    in, and for the reference document. `keys` is multikey's count of facts, `values`
+    multivalue's values, `facts_of_relation` the relation task's facts."""
     rng = random.Random(f"recall-trial:{seed}")
     names = Names(rng)
-    relations = list(RELATIONS)
+    relations = list(MIXED_RELATIONS)
     rng.shuffle(relations)
     facts: list[Fact] = []
     questions: list[Question] = []
 
-    def plant(form: str, **fields: str) -> None:
-        facts.append(Fact(form.format(**fields), rng.random()))
+    def plant(form: str, depth: float | None = None, **fields: str) -> None:
+        facts.append(Fact(form.format(**fields), rng.random() if depth is None else depth))
 
-    def planted(relation: Relation) -> tuple[str, str]:
+    def planted(relation: Relation, depth: float | None = None) -> tuple[str, str]:
         key, value = names.name(), names.value()
-        plant(rng.choice(relation.facts), key=key, value=value)
+        plant(rng.choice(relation.facts), depth, key=key, value=value)
         return key, value
 
     for task in tasks:
-        if task in ("single", "paraphrase"):
+        if task == "relation":
+            # the vault's codes are the follow-up's too: only one task of a trial plants them
+            pool = [name for name in RELATIONS if name in relations or name not in MIXED_RELATIONS]
+            name = rng.choice(pool + ([] if "followup" in tasks else ["vault"]))
+            relation = RELATIONS.get(name, VAULT)
+            if name in relations:
+                relations.remove(name)
+            bands = list(range(facts_of_relation))
+            rng.shuffle(bands)
+            reworded = set(rng.sample(bands, facts_of_relation // 2))
+            for band in bands:
+                key, value = planted(relation, (band + rng.random()) / facts_of_relation)
+                form = relation.paraphrase if band in reworded else relation.question
+                asked = (form.format(key=key),)
+                questions.append(Question(task, asked, (value,), None, band in reworded))
+        elif task in ("single", "paraphrase"):
             relation = RELATIONS[relations.pop()]
             key, value = planted(relation)
             form = relation.question if task == "single" else relation.paraphrase
-            questions.append(Question(task, (form.format(key=key),), (value,)))
+            paraphrased = task == "paraphrase"
+            questions.append(Question(task, (form.format(key=key),), (value,), None, paraphrased))
         elif task == "multikey":
             relation = RELATIONS[relations.pop()]
             for key, value in [planted(relation) for _ in range(keys)]:

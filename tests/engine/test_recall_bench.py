@@ -1,9 +1,12 @@
 """bench/recall's documents, facts, questions and scoring (no model, no server): documents of
-real text that are the same for a seed, facts where they were meant to go, paraphrases that do
-not repeat the fact's words, and the scoring and interval the JSON lines report."""
+real text that are the same for a seed, held-out kinds apart from the tuned ones, facts where
+they were meant to go, paraphrases that do not repeat the fact's words, and the scoring,
+interval and paired test the JSON lines report."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import re
 import shutil
 import sysconfig
@@ -12,15 +15,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench import recall
+from bench.recall_chat import Answer
 from bench.recall_corpus import (
+    DEFAULT_HELD_OUT,
+    HELD_OUT_KINDS,
     SOURCES,
+    TUNED_KINDS,
     Document,
+    build_document,
+    doc_files,
     filler,
     man_pages,
     prose_paragraphs,
     read_docstrings,
     retrieve,
 )
+from bench.recall_report import compare_rows, mcnemar_exact, paired, row_text
 from bench.recall_tasks import (
     FOLLOWUP_QUESTION,
     RELATIONS,
@@ -73,8 +84,10 @@ def content_stems(sentence: str) -> set[str]:
     return {word[:5] for word in words if word not in STOPWORDS and word not in ("key", "value")}
 
 
-# man pages are tested where the machine has them (a man binary and pages to render)
+# man pages are tested where the machine has them (a man binary and pages to render), and the
+# held-out kinds where it has their files
 KINDS = ["docs", "docstrings"] + (["manpages"] if shutil.which("man") and man_pages() else [])
+HELD_OUT = [kind for kind in HELD_OUT_KINDS if SOURCES[kind][0]()]
 
 
 @pytest.fixture
@@ -86,7 +99,7 @@ def stdlib_docstrings(monkeypatch):
     monkeypatch.setitem(SOURCES, "docstrings", (lambda: modules, read_docstrings))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + HELD_OUT)
 def test_documents_are_real_prose_the_same_for_a_seed(kind, stdlib_docstrings):
     first = [p for p, _ in filler(kind, 7, 2000, approx_tokens)]
     assert [p for p, _ in filler(kind, 7, 2000, approx_tokens)] == first
@@ -96,7 +109,8 @@ def test_documents_are_real_prose_the_same_for_a_seed(kind, stdlib_docstrings):
     # a shorter document of the same seed is the opening of the longer one
     shorter = [p for p, _ in filler(kind, 7, 1000, approx_tokens)]
     assert shorter == first[: len(shorter)]
-    sentences = [s for p in first for s in re.split(r"(?<=\.)\s+", p)]
+    # (list items such as "1." are not sentences)
+    sentences = [s for p in first for s in re.split(r"(?<=\.)\s+", p) if len(s) > 3]
     assert len(set(sentences)) >= 0.95 * len(sentences), "filler repeats its sentences"
     assert not any(re.search(r"\d{5,}", p) for p in first)
 
@@ -210,3 +224,138 @@ def test_prior_rank_finds_the_best_ranked_block_that_holds_the_value():
     vectors = embed(blocks)
     assert rank(embed, blocks, vectors, "which code?", ("12345",)) == 2
     assert rank(embed, blocks, vectors, "which code?", ("999",)) == -1
+
+
+def test_held_out_kinds_share_no_file_with_the_tuned_ones():
+    assert set(TUNED_KINDS).isdisjoint(HELD_OUT_KINDS)
+    assert set(DEFAULT_HELD_OUT) <= set(HELD_OUT_KINDS)
+    held_out = set().union(*(SOURCES[kind][0]() for kind in HELD_OUT_KINDS))
+    assert held_out.isdisjoint(doc_files())
+
+
+@pytest.mark.parametrize("kind", HELD_OUT)
+def test_a_held_out_document_has_the_asked_length_and_is_the_same_for_a_seed(kind):
+    trial = make_trial("held", ("relation",))
+    doc = build_document(trial, kind, "held", 8000, 2000, approx_tokens)
+    again = build_document(trial, kind, "held", 8000, 2000, approx_tokens)
+    assert again.text == doc.text and again.reference == doc.reference
+    assert 7000 <= doc.tokens <= 8000 and doc.reference_tokens <= 2000
+    for fact in trial.facts:
+        assert doc.text.count(fact.sentence) == 1 and doc.reference.count(fact.sentence) == 1
+    assert build_document(trial, kind, "other", 8000, 2000, approx_tokens).text != doc.text
+
+
+@pytest.mark.parametrize("facts", [4, 8])
+def test_a_relation_trial_asks_every_fact_of_one_relation_spread_over_the_document(facts):
+    trial = make_trial(21, ("relation",), facts_of_relation=facts)
+    assert make_trial(21, ("relation",), facts_of_relation=facts) == trial
+    assert len(trial.facts) == len(trial.questions) == facts
+    values = [q.expected[0] for q in trial.questions]
+    assert len(set(values)) == facts and len({f.sentence for f in trial.facts}) == facts
+    # every fact asked: each value is in exactly one fact, each fact's value is asked
+    for fact in trial.facts:
+        assert sum(value in fact.sentence for value in values) == 1
+    # one relation: every fact is one of its sentence forms, every question one of its two
+    relation = next(
+        r
+        for r in [*RELATIONS.values(), VAULT]
+        if all(any(_fits(form, f.sentence) for form in r.facts) for f in trial.facts)
+    )
+    for q in trial.questions:
+        assert _fits(relation.paraphrase if q.paraphrased else relation.question, q.turns[0])
+    assert sum(q.paraphrased for q in trial.questions) == facts // 2
+    # depths spread: one fact in each 1/facts of the document
+    assert sorted(int(f.depth * facts) for f in trial.facts) == list(range(facts))
+
+
+def test_relation_trials_draw_every_relation_and_leave_the_follow_up_its_vaults():
+    drawn = {make_trial(seed, ("relation",)).facts[0].sentence.split()[-2] for seed in range(60)}
+    assert len(drawn) >= 4  # not always the same relation
+    for seed in range(20):
+        trial = make_trial(seed, ("relation", "followup"), facts_of_relation=4)
+        code_facts = [
+            f for f in trial.facts if "vault" in f.sentence and any(c.isdigit() for c in f.sentence)
+        ]
+        assert len(code_facts) == 2  # only the follow-up's two vaults have codes
+
+
+def _fits(form: str, sentence: str) -> bool:
+    pattern = re.escape(form).replace(r"\{key\}", r"[A-Z][a-z]+").replace(r"\{value\}", r"\d+")
+    return re.fullmatch(pattern, sentence) is not None
+
+
+def test_mcnemar_exact_test_against_known_values():
+    # 2 * P(X <= min) for X ~ Binomial(n, 1/2), n the discordant pairs
+    assert mcnemar_exact(0, 0) == 1.0
+    assert mcnemar_exact(3, 3) == 1.0
+    assert mcnemar_exact(0, 5) == 2 / 32
+    assert mcnemar_exact(1, 9) == mcnemar_exact(9, 1) == 2 * 11 / 1024
+    assert mcnemar_exact(2, 8) == pytest.approx(0.109375)
+    assert mcnemar_exact(10, 25) == pytest.approx(0.0166738478, rel=1e-8)  # scipy binomtest
+    assert mcnemar_exact(0, 6) < 0.05 < mcnemar_exact(1, 6)
+    assert mcnemar_exact(4, 5) == 1.0  # the two-sided tail passes 1 and is cut there
+
+
+def test_modes_are_compared_question_for_question():
+    a = {"q1": True, "q2": True, "q3": False, "q4": True, "q5": False}
+    b = {"q1": True, "q2": False, "q3": True, "q4": False, "q5": False, "only-b": True}
+    assert paired(a, b) == (2, 1, 5)
+    table = compare_rows({"reference": b, "session/segments": a})
+    row = table["session/segments"]
+    assert (row["n"], row["correct"]) == (5, 3)
+    assert (row["ci_low"], row["ci_high"]) == tuple(round(x, 4) for x in wilson(3, 5))
+    assert row["vs"]["reference"] == {"won": 2, "lost": 1, "pairs": 5, "p": 1.0}
+    assert table["reference"]["vs"]["session/segments"]["won"] == 1
+    line = row_text(32768, "session/segments", row)
+    assert line.startswith("32768 session/segments 3/5 (") and "vs reference +2 -1 p=1" in line
+
+
+def test_the_defaults_ask_at_least_56_questions_per_mode_and_length(monkeypatch):
+    seen = []
+    monkeypatch.setattr(recall, "run", seen.append)
+    recall.main([])
+    recall.main(["--held-out"])
+    recall.main(["--held-out", "--kinds", "licenses", "-n", "2"])
+    tuned, held_out, named = seen
+    assert (tuned.kinds, tuned.kind_set) == (list(TUNED_KINDS), "tuned")
+    assert (held_out.kinds, held_out.kind_set) == (list(DEFAULT_HELD_OUT), "held_out")
+    assert tuned.tasks == ["relation"] and tuned.facts >= 4
+    for args in (tuned, held_out):
+        for length in args.lengths:
+            trials = recall.trials_per_kind(args, length)
+            assert trials * len(args.kinds) * args.facts >= 56
+    assert recall.trials_per_kind(named, 131072) == 2
+
+
+@pytest.mark.parametrize(
+    "argv", [["--kinds", "news"], ["--held-out", "--kinds", "docs"], ["--kinds", "docs", "info"]]
+)
+def test_tuned_and_held_out_kinds_never_share_a_run(monkeypatch, argv):
+    monkeypatch.setattr(recall, "run", lambda args: pytest.fail("ran"))
+    with pytest.raises(SystemExit):
+        recall.main(argv)
+
+
+def test_each_length_ends_with_a_line_per_mode_paired_with_the_others(capsys):
+    def answers(*right):
+        return [
+            Answer(ok, 1.0, 100, "", ("1",), question=f"news:0:{j}") for j, ok in enumerate(right)
+        ]
+
+    run = recall.Run(argparse.Namespace(kind_set="held_out"), None, None, {}, approx_tokens)
+    run.cells[8192, "news", "relation", "reference", None] = answers(True, False, False, False)
+    run.cells[8192, "news", "relation", "session", "segments"] = answers(True, True, True, False)
+    run.cells[16384, "news", "relation", "session", "segments"] = answers(False)
+    table = recall.compare_length(run, 8192)
+    assert table["session/segments"]["vs"]["reference/-"] == {
+        "won": 2,
+        "lost": 0,
+        "pairs": 4,
+        "p": 0.5,
+    }
+    out, err = capsys.readouterr()
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [line["row"] for line in lines] == ["reference/-", "session/segments"]
+    assert lines[1]["kind_set"] == "held_out" and lines[1]["correct"] == 3 and lines[1]["n"] == 4
+    assert lines[1]["questions_right"] == ["news:0:0", "news:0:1", "news:0:2"]
+    assert "8192 session/segments 3/4 (" in err and "vs reference/- +2 -0 p=0.5" in err
