@@ -7,8 +7,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.memory.quantized import QuantizedBuffer
 
 
 class GrowingBuffer:
@@ -21,6 +25,8 @@ class GrowingBuffer:
 
     pin: keep the data in page-locked host memory (a host tier feeding a CUDA device), so
     copies of retrieved rows to the device can run asynchronously."""
+
+    quantized = False  # as QuantizedBuffer (quantized.py), which memory blocks may be instead
 
     def __init__(
         self,
@@ -95,6 +101,10 @@ class GrowingBuffer:
         rows = (idx + offsets).reshape(-1)
         return self.data.view(heads * capacity, dim).index_select(0, rows).view(heads, -1, dim)
 
+    def take_to(self, idx: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """take(idx) in dtype on device (QuantizedBuffer.take_to's contract)."""
+        return self.take(idx).to(device, dtype, non_blocking=True)
+
     def nbytes(self) -> int:
         """Bytes of the rows held (the capacity behind them, grown by doubling, is up to twice
         that while a session grows)."""
@@ -104,14 +114,15 @@ class GrowingBuffer:
 @dataclass
 class LayerStore:
     """One layer's pre-rotary keys and values, each (kv_heads, n, head_dim): sinks (fixed once
-    filled), the local window and memory (growing buffers)."""
+    filled), the local window and memory (growing buffers; memory's quantized under
+    memory_dtype "int8")."""
 
     sink_k: torch.Tensor
     sink_v: torch.Tensor
     window_k: GrowingBuffer
     window_v: GrowingBuffer
-    mem_k: GrowingBuffer
-    mem_v: GrowingBuffer
+    mem_k: GrowingBuffer | QuantizedBuffer
+    mem_v: GrowingBuffer | QuantizedBuffer
 
     @property
     def local_k(self) -> torch.Tensor:
@@ -136,7 +147,9 @@ class LayerStore:
 
 
 def storage_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
-    """What memory blocks hold keys and values in (FrameConfig.memory_dtype)."""
-    if setting == "float16" or (setting == "auto" and model_dtype == torch.float32):
+    """What memory blocks hold keys and values in (FrameConfig.memory_dtype), and segments'
+    summaries; under "int8" (quantized.py) the summaries are held as under "auto"."""
+    auto = setting in ("auto", "int8")
+    if setting == "float16" or (auto and model_dtype == torch.float32):
         return torch.float16
     return model_dtype

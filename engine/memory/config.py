@@ -74,8 +74,11 @@ class FrameConfig:
         what a decode step reads from its retrieved blocks (the CPU kernel widens them as it
         reads; other paths cast the rows they take to the model's dtype). "model" the model's
         dtype. "auto" (default): "float16" for a float32 model, else "model" (a bfloat16
-        model's range is kept). segments' block summaries are held in the same dtype (maxima
-        rounded up, minima down). Sinks and the local window follow the engine's kv_dtype
+        model's range is kept). "int8": 8-bit codes, keys with a scale per channel over each
+        block and values a scale per token (KIVI's split; quantized.py), about half of
+        float16's bytes, widened where a block is read
+        (docs/decisions/070-int8-memory-blocks.md). segments' block summaries are held in the
+        same dtype (maxima rounded up, minima down), as "auto" under "int8". Sinks and the local window follow the engine's kv_dtype
         (float16 under int4 weights, else the model's dtype; docs/decisions/041-float16-memory.md,
         045-memory-step-fixed-cost.md).
     """
@@ -210,7 +213,7 @@ _CHOICES = {
     "select": ("consensus", "head"),
     "index": ("auto", "sketch", "torch", "faiss-flat", "faiss-hnsw", "faiss-ivf"),
     "tier": ("device", "host"),
-    "memory_dtype": ("auto", "model", "float16"),
+    "memory_dtype": ("auto", "model", "float16", "int8"),
     "read_dtype": ("auto", "model", "bfloat16"),
     "prior_order": ("document", "relevance"),
 }

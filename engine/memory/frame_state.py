@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
-from engine.memory.buffers import GrowingBuffer, LayerStore, storage_dtype
+from engine.memory.buffers import GrowingBuffer, LayerStore
 from engine.memory.config import FrameConfig
+from engine.memory.quantized import memory_buffers
 from engine.memory.rotary import Angles, RotaryTable
 
 
@@ -59,7 +60,6 @@ class FrameState:
         empty = torch.empty(kv_heads, 0, head_dim, dtype=self.window_dtype, device=device)
         host = config.tier == "host"
         memory_device = torch.device("cpu") if host else device
-        memory_dtype = storage_dtype(config.memory_dtype, dtype)
         # the CPU memory-step kernels serve float32 models (sinks, window and memory in float32
         # or float16); a bfloat16 model's lean step has float32 queries, but its steps take
         # torch's ops (RowReader gathers under the same rule)
@@ -70,8 +70,15 @@ class FrameState:
                 empty,
                 GrowingBuffer(kv_heads, head_dim, self.window_dtype, device),
                 GrowingBuffer(kv_heads, head_dim, self.window_dtype, device),
-                GrowingBuffer(kv_heads, head_dim, memory_dtype, memory_device, pin=host),
-                GrowingBuffer(kv_heads, head_dim, memory_dtype, memory_device, pin=host),
+                *memory_buffers(
+                    config.memory_dtype,
+                    kv_heads,
+                    head_dim,
+                    config.block,
+                    dtype,
+                    memory_device,
+                    host,
+                ),
             )
             for _ in range(num_layers)
         ]

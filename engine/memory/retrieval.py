@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from engine.memory.buffers import LayerStore
+from engine.memory.buffers import GrowingBuffer, LayerStore
 from engine.memory.config import FrameConfig
 from engine.memory.rotary import Angles, RotaryTable
 from engine.memory.step_cache import Retrieved, in_place_ok
@@ -55,8 +55,14 @@ class RowReader:
         and rotated at their frame slots."""
         whole, padding = self.check_rows(idx, query, step)
         if whole:
-            # the kernel reads the rows, for a float32 frame (as _gather_kernels)
-            if self.dtype == torch.float32 and in_place_ok(query, store.mem_k.data):
+            # the kernel reads the rows, for a float32 frame (as _gather_kernels); int8 blocks
+            # are widened as they are gathered (quantized.py)
+            raw = store.mem_k
+            if (
+                isinstance(raw, GrowingBuffer)
+                and self.dtype == torch.float32
+                and in_place_ok(query, raw.data)
+            ):
                 rows = idx if padding is None else idx.clamp(min=0)
                 return Retrieved(
                     idx, store.mem_k.view(), store.mem_v.view(), "in_place", padding, rows
@@ -96,7 +102,9 @@ class RowReader:
 
     def _gather_kernels(self, store: LayerStore) -> Any | None:
         """memory_step.cpp where it gathers this frame's retrieved rows: an fp32 frame on the
-        CPU, its memory on the CPU too, the kernels built."""
+        CPU, its memory on the CPU too and not int8, the kernels built."""
+        if store.mem_k.quantized:
+            return None
         cpu = self.device.type == "cpu" and store.mem_k.device.type == "cpu"
         return load_extension("memory_step") if cpu and self.dtype == torch.float32 else None
 
@@ -104,10 +112,10 @@ class RowReader:
         self, store: LayerStore, idx: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Memory rows idx (kv_heads, R) as stored (keys block-local), on the frame's device
-        in its dtype."""
+        in its dtype (int8 blocks widened there)."""
         rows = idx.clamp(min=0).to(store.mem_k.device)
-        mem_k = store.mem_k.take(rows).to(self.device, self.dtype, non_blocking=True)
-        mem_v = store.mem_v.take(rows).to(self.device, self.dtype, non_blocking=True)
+        mem_k = store.mem_k.take_to(rows, self.device, self.dtype)
+        mem_v = store.mem_v.take_to(rows, self.device, self.dtype)
         return mem_k, mem_v
 
     def check_rows(

@@ -37,6 +37,7 @@ import torch
 
 from engine.memory.buffers import GrowingBuffer, LayerStore, storage_dtype
 from engine.memory.config import SegmentsConfig
+from engine.memory.quantized import rounded_outward
 from engine.memory.selector import Selector
 from engine.runner.cpu_attention import step_kernels
 
@@ -81,8 +82,8 @@ class SegmentSelector(Selector):
             summary["mean"].append(blocks.mean(dim=2))
         else:
             held = summary["max"].data.dtype
-            summary["max"].append(_rounded_outward(blocks.amax(dim=2), held, up=True))
-            summary["min"].append(_rounded_outward(blocks.amin(dim=2), held, up=False))
+            summary["max"].append(rounded_outward(blocks.amax(dim=2), held, up=True))
+            summary["min"].append(rounded_outward(blocks.amin(dim=2), held, up=False))
 
     def on_memory_dropped(self, layer: int, n: int) -> None:
         for buf in self.summaries[layer].values():
@@ -266,19 +267,6 @@ def _same_choice(last: torch.Tensor | tuple, chosen: torch.Tensor) -> bool:
     return (
         isinstance(last, torch.Tensor) and last.shape == chosen.shape and torch.equal(last, chosen)
     )
-
-
-def _rounded_outward(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
-    """x in dtype, rounded up (or down) where it is not exact and clamped to finite values:
-    per-dimension maxima held in float16 stay at or above the true ones, minima at or below,
-    so the score "bound" stays a bound (up to the clamp, far beyond any key)."""
-    if dtype == x.dtype:
-        return x
-    finite = torch.finfo(dtype).max
-    held = x.clamp(-finite, finite).to(dtype)
-    off = held.to(x.dtype) < x if up else held.to(x.dtype) > x
-    toward = torch.full_like(held, finite if up else -finite)
-    return torch.where(off, torch.nextafter(held, toward), held)
 
 
 def _fit(scores: torch.Tensor, num_blocks: int) -> torch.Tensor:
