@@ -9,6 +9,7 @@ row. The text prior is off unless --knobs sets prior_k, so set k to fill the ret
 (the default knobs give 3,072 retrieved rows, as a server session has).
 
     longserve bench memory_batch --rows 1 8 --memory-dtypes model float16
+    longserve bench memory_batch --rows 1 2 4 8 --memory-dtypes float16 int8
     longserve bench memory_batch --rows 1 8 --memory-dtypes auto --kv-dtypes float16 model
 """
 

@@ -10,6 +10,9 @@ which gives the same forwards, see `answers_sharing_prefix`), and the same run m
 model's own full attention at a length that fits its window (the baseline). One JSON line per cell on stdout:
 
     python -m bench.passkey --lengths 4096 16384 32768 --strategies segments tokens neurocache -n 10
+
+--memory-dtypes measures every cell once per memory_dtype (float16 against int8 in one run,
+the same keys at the same depths); each line then carries `memory_dtype`.
 """
 
 from __future__ import annotations
@@ -157,6 +160,12 @@ def main(argv: list[str] | None = None) -> None:
         metavar="KEY=VALUE",
         help="strategy knob, e.g. --param k=16 (applies to every strategy)",
     )
+    parser.add_argument(
+        "--memory-dtypes",
+        nargs="+",
+        choices=("auto", "model", "float16", "int8"),
+        help="memory_dtype of each cell, measured in turn (default: the knobs' own)",
+    )
     args = parser.parse_args(argv)
 
     params = {}
@@ -188,12 +197,16 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     by_depth = sorted(cases, key=lambda case: case[1])  # shallowest first: most shared
-    for strategy in args.strategies:
+    variants = [
+        (strategy, dtype) for strategy in args.strategies for dtype in args.memory_dtypes or [None]
+    ]
+    for strategy, dtype in variants:
+        knobs = params if dtype is None else {**params, "memory_dtype": dtype}
         for length in args.lengths:
             hits, started, misses = 0, time.perf_counter(), []
             memory_bytes, memory_tokens = 0, 0
             prompts = [passkey_prompt(tokenizer, length, key, depth) for key, depth in by_depth]
-            spec = MemorySpec(strategy, params)
+            spec = MemorySpec(strategy, knobs)
             answers = answers_sharing_prefix(
                 model, tokenizer, prompts, spec, args.new_tokens, loaded.kv_dtype
             )
@@ -210,7 +223,8 @@ def main(argv: list[str] | None = None) -> None:
                 {
                     "bench": "passkey",
                     "strategy": strategy,
-                    "params": params,
+                    "params": knobs,
+                    **({"memory_dtype": dtype} if dtype is not None else {}),
                     "tokens": length,
                     "n": len(cases),
                     "accuracy": hits / len(cases),

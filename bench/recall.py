@@ -28,6 +28,13 @@ each other mode on the same questions: bench/recall_report.py), then one summary
 run. Token counts are the model's tokenizer's (loaded from the same GGUF):
 
     longserve bench recall --lengths 32768 --held-out --strategies segments
+
+--memory-dtypes measures every inline and session cell of a strategy that holds memory blocks
+once per `memory_dtype`, as a strategy of its own (`segments@int8`): the same documents and
+questions, so the summary pairs them (McNemar), e.g. float16 against int8 in one run:
+
+    longserve bench recall --lengths 32768 --held-out --strategies segments --modes session \
+        --memory-dtypes float16 int8
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ from bench.server_process import model_args, served
 BASELINES = ("reference", "truncate", "rag")
 MEMORY_MODES = ("inline", "session")
 STRATEGIES = ("segments", "tokens", "neurocache", "larimar")
+FRAMELESS = ("larimar",)  # no memory blocks: memory_dtype is not one of its knobs
 
 
 @dataclass
@@ -98,7 +106,10 @@ class Run:
                 lambda _turn, q, prev: retrieve(doc, f"{prev}\n{q}".strip(), budget, embed),
                 {},
             )
-        memory = {"strategy": strategy, **self.args.knobs}
+        name, _, dtype = (strategy or "").partition("@")  # combos: "segments@int8"
+        memory = {"strategy": name, **self.args.knobs}
+        if dtype:
+            memory["memory_dtype"] = dtype
         if mode == "inline":
             return ask_all(self.asker, trial, first(doc.text, doc.tokens), {"memory": memory})
         session_id, tokens, seconds = upload(self.http, memory, doc.text, 3600)
@@ -162,9 +173,13 @@ def emit(record: dict) -> None:
 
 
 def combos(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """(mode, strategy) of every cell; with --memory-dtypes a strategy with memory blocks
+    runs once per dtype, named "strategy@dtype"."""
     out: list[tuple[str, str | None]] = [(m, None) for m in args.modes if m in BASELINES]
     for strategy in args.strategies:
-        out += [(m, strategy) for m in args.modes if m in MEMORY_MODES]
+        dtypes = args.memory_dtypes if strategy not in FRAMELESS else None
+        names = [f"{strategy}@{d}" for d in dtypes] if dtypes else [strategy]
+        out += [(m, name) for name in names for m in args.modes if m in MEMORY_MODES]
     return out
 
 
@@ -333,6 +348,12 @@ def main(argv: list[str] | None = None) -> None:
         type=json.loads,
         default={},
         help="memory knobs (JSON) for inline and session, e.g. '{\"prior_k\": 4}'",
+    )
+    parser.add_argument(
+        "--memory-dtypes",
+        nargs="+",
+        choices=("auto", "model", "float16", "int8"),
+        help="memory_dtype of each inline and session cell, measured in turn (e.g. float16 int8)",
     )
     parser.add_argument("--base-url", help="a running server on loopback (default: start one)")
     parser.add_argument("--api-key", default="bench")

@@ -359,3 +359,25 @@ def test_each_length_ends_with_a_line_per_mode_paired_with_the_others(capsys):
     assert lines[1]["kind_set"] == "held_out" and lines[1]["correct"] == 3 and lines[1]["n"] == 4
     assert lines[1]["questions_right"] == ["news:0:0", "news:0:1", "news:0:2"]
     assert "8192 session/segments 3/4 (" in err and "vs reference/- +2 -0 p=0.5" in err
+
+
+def test_memory_dtypes_measure_each_memory_cell_once_per_dtype():
+    """`--memory-dtypes float16 int8`: every inline and session cell of a strategy with memory
+    blocks runs once per dtype in the same run, as a strategy of its own; baselines and
+    larimar once."""
+    from argparse import Namespace
+
+    from bench.recall import combos, main
+
+    with pytest.raises(SystemExit):
+        main(["--memory-dtypes", "int4"])
+    args = Namespace(modes=["rag", "session"], strategies=["segments", "larimar"])
+    args.memory_dtypes = ["float16", "int8"]
+    assert combos(args) == [
+        ("rag", None),
+        ("session", "segments@float16"),
+        ("session", "segments@int8"),
+        ("session", "larimar"),
+    ]
+    args.memory_dtypes = None
+    assert combos(args)[1:] == [("session", "segments"), ("session", "larimar")]
