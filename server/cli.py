@@ -267,6 +267,7 @@ BENCHMARKS = (
     "decode_agreement",
     "gguf_products",
     "memory_batch",
+    "int8_memory",
     "long_docs",
     "concurrency",
     "store_profile",
