@@ -294,6 +294,10 @@ STEP_KNOBS = {
     # reads them in place, or cast as they are taken)
     "segments-fp32": dict(k=2, u=1, memory_dtype="model"),
     "tokens-fp32": dict(k=12, memory_dtype="model"),
+    # memory blocks in int8 codes, widened as they are taken (never read in place)
+    "segments-int8": dict(k=2, u=1, memory_dtype="int8"),
+    "tokens-int8": dict(k=12, memory_dtype="int8"),
+    "neurocache-int8": dict(k=4, w=2, c=2, r=0, fit_tokens=32, memory_dtype="int8"),
     # sinks and window in float16 (the engine's kv_dtype under int4 weights)
     "segments-f16window": dict(k=2, u=1),
     "tokens-f16window": dict(k=12),
