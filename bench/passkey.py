@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         knobs = params if dtype is None else {**params, "memory_dtype": dtype}
         for length in args.lengths:
             hits, started, misses = 0, time.perf_counter(), []
-            memory_bytes, memory_tokens = 0, 0
+            memory_bytes, held_bytes, memory_tokens = 0, 0, 0
             prompts = [passkey_prompt(tokenizer, length, key, depth) for key, depth in by_depth]
             spec = MemorySpec(strategy, knobs)
             answers = answers_sharing_prefix(
@@ -217,6 +217,8 @@ def main(argv: list[str] | None = None) -> None:
                 if got != key:
                     misses.append({"depth": round(depth, 3), "key": key, "answer": text})
                 memory_bytes, memory_tokens = memory.nbytes(), memory.num_tokens
+                memory.end_request()  # as a session between requests: no decode-step caches
+                held_bytes = memory.nbytes()
                 del memory
             del answers
             emit(
@@ -230,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
                     "accuracy": hits / len(cases),
                     "seconds": round(time.perf_counter() - started, 2),
                     "memory_bytes_per_token": round(memory_bytes / max(memory_tokens, 1), 1),
+                    "held_bytes_per_token": round(held_bytes / max(memory_tokens, 1), 1),
                     "misses": misses[:5],
                 }
             )

@@ -73,7 +73,7 @@ class Frame(FrameState):
         )
         self.selector = selector
         self.step_cache = StepCache()  # what decode steps keep between steps
-        self.reader = RowReader(config, rotary, self.block_local, device, dtype)
+        self.reader = RowReader(config, rotary, self.block_local, device, dtype, self.window_dtype)
 
     # -- tiers -------------------------------------------------------------------------------
 

@@ -22,7 +22,8 @@ from engine.runner.cpu_extensions import load_extension
 
 
 class RowReader:
-    """A frame's reads of retrieved memory rows, onto its device in its dtype."""
+    """A frame's reads of retrieved memory rows, onto its device in its dtype; int8 rows
+    widened to the window's dtype (window_dtype), as the window they are attended beside."""
 
     def __init__(
         self,
@@ -31,9 +32,11 @@ class RowReader:
         block_local: bool,
         device: torch.device,
         dtype: torch.dtype,
+        window_dtype: torch.dtype | None = None,
     ) -> None:
         self.config, self.rotary, self.block_local = config, rotary, block_local
         self.device, self.dtype = device, dtype
+        self.window_dtype = window_dtype or dtype
         self._offsets = torch.arange(config.block, device=device)
         # (idx, its rows clamped, their frame positions, their angles or None) of the forward's
         # last gathered retrieval: layers retrieving the same idx tensor (neurocache's) reuse them
@@ -112,10 +115,13 @@ class RowReader:
         self, store: LayerStore, idx: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Memory rows idx (kv_heads, R) as stored (keys block-local), on the frame's device
-        in its dtype (int8 blocks widened there)."""
+        in its dtype; int8 blocks widened there to the window's dtype (float16 under int4
+        weights): a decode step keeps these copies while it retrieves the same rows, where
+        float16 blocks are read in place (docs/decisions/070-int8-memory-blocks.md)."""
         rows = idx.clamp(min=0).to(store.mem_k.device)
-        mem_k = store.mem_k.take_to(rows, self.device, self.dtype)
-        mem_v = store.mem_v.take_to(rows, self.device, self.dtype)
+        dtype = self.window_dtype if store.mem_k.quantized else self.dtype
+        mem_k = store.mem_k.take_to(rows, self.device, dtype)
+        mem_v = store.mem_v.take_to(rows, self.device, dtype)
         return mem_k, mem_v
 
     def check_rows(
