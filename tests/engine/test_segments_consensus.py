@@ -206,10 +206,10 @@ def test_decode_steps_choose_as_the_torch_path_does(monkeypatch):
 def test_float16_summaries_stay_a_bound():
     """Block maxima held in float16 are rounded up, minima down: the score "bound" never drops
     below the best single-token score of the block."""
-    from engine.memory.segments import _rounded_outward
+    from engine.memory.quantized import rounded_outward
 
     x = torch.randn(3, 500, 64, generator=torch.Generator().manual_seed(5)) * 7
-    up, down = _rounded_outward(x, torch.float16, True), _rounded_outward(x, torch.float16, False)
+    up, down = rounded_outward(x, torch.float16, True), rounded_outward(x, torch.float16, False)
     assert up.dtype == down.dtype == torch.float16
     assert bool((up.float() >= x).all()) and bool((down.float() <= x).all())
     assert float((up.float() - x).abs().max()) <= 7 * 4 * 2**-10  # within an ulp or two
