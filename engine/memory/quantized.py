@@ -10,8 +10,8 @@ fast pair's range becomes the pair's; blocks are also what moves to memory, what
 what retrieval reads, so every group is whole wherever a block is. A value group is one token
 of one KV head, over its head_dim channels. Codes are uint8, asymmetric: x ~ zero + code *
 scale, scale and zero in float16 (zero rounded down, scale up, so every x is in range and off
-by at most scale / 2). Keys and values are widened to the frame's dtype where a block is read
-(`take_to`): the frame, sinks and window keep their own dtype. Why, and what it costs:
+by at most scale / 2). Rows are widened where a block is read (`take_to`, to the window's dtype:
+RowReader.take_blocks); the frame, sinks and window keep their own dtype. Why, and what it costs:
 docs/decisions/070-int8-memory-blocks.md.
 """
 
