@@ -6,10 +6,12 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -83,12 +85,28 @@ def served(
         server = subprocess.Popen(
             [*cmd, *serve_args], env={**os.environ, **(env or {})}, stdout=stdout
         )
+        previous = _exit_on_sigterm()
         try:
             base = f"http://127.0.0.1:{port}"
             wait_ready(base, server, ready_timeout)
             yield base
         finally:
             stop(server)
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm() -> Any:
+    """A bench stopped with SIGTERM (`timeout`, `kill`) unwinds, so the server it started is
+    stopped too (the default action ends the process with no `finally`). The handler it
+    replaced, or None off the main thread, where handlers cannot be set."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def leave(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, leave)
 
 
 def model_args(args: Any) -> list[str]:
