@@ -18,8 +18,9 @@ The same facts and the same question wording are asked in every mode of one run:
 - `inline`: the whole long document in the user message (the server reads it into ephemeral
   memory), per strategy;
 - `session`: the document uploaded once per (trial, strategy) to a session, each question in
-  its own chat with `session_id`. A session's memory keeps every earlier turn, so later
-  questions of a trial see the earlier questions and answers (asked in the order of --tasks).
+  its own chat with `session_id`. A chat that does not continue the conversation held starts
+  again from the end of the documents (docs/api.md, Turns), so no question sees another's
+  answer; a follow-up's two turns are one chat.
 
 Starts `longserve serve` on a free loopback port (or drives --base-url on loopback). One JSON
 line per cell (length, kind or "all", task, mode, strategy) as soon as it is complete, then a
