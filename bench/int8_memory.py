@@ -21,7 +21,7 @@ import json
 
 import torch
 
-from bench.recall_corpus import filler, load_token_counter
+from bench.memory_batch import document_ids
 from engine.config import EngineConfig
 from engine.memory.quantized import dequantize, quantize
 from engine.memory.session import SessionMemory
@@ -77,9 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     loaded = load_model(EngineConfig(model=args.model, linear_dtype=args.linear_dtype))
-    counter = load_token_counter(args.model)
-    text = "\n\n".join(p for p, _ in filler("docs", "int8-memory", args.tokens + 800, counter))
-    ids = torch.tensor(loaded.tokenizer(text).input_ids[: args.tokens])
+    ids = document_ids(loaded, args.model, "int8-memory", args.tokens)
     question = torch.tensor(loaded.tokenizer(QUESTION, add_special_tokens=False).input_ids)
     sessions = {}
     for dtype in ("float16", "int8"):

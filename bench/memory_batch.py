@@ -27,7 +27,7 @@ from engine.config import EngineConfig
 from engine.memory.session import SessionMemory
 from engine.protocol import MemorySpec
 from engine.runner.decode_state import decode_batch
-from engine.runner.loader import load_model
+from engine.runner.loader import LoadedModel, load_model
 from engine.sessions.memory_state import MemoryState
 
 
@@ -42,6 +42,13 @@ def step_ms(model, memory: SessionMemory, strategy: str, rows: int, token: int, 
             times.append(time.perf_counter() - started)
             tokens = logits.argmax(-1).tolist()
     return statistics.median(times[2:]) * 1000
+
+
+def document_ids(loaded: LoadedModel, model: str | None, seed: str, tokens: int) -> torch.Tensor:
+    """The first `tokens` ids (T,) of installed documentation, in `seed`'s order."""
+    counter = load_token_counter(model)
+    text = "\n\n".join(p for p, _ in filler("docs", seed, tokens + 800, counter))
+    return torch.tensor(loaded.tokenizer(text).input_ids[:tokens])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,9 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     loaded = load_model(EngineConfig(model=args.model, linear_dtype=args.linear_dtype))
-    counter = load_token_counter(args.model)
-    text = "\n\n".join(p for p, _ in filler("docs", "memory-batch", args.tokens + 800, counter))
-    ids = torch.tensor(loaded.tokenizer(text).input_ids[: args.tokens])
+    ids = document_ids(loaded, args.model, "memory-batch", args.tokens)
     cells = [(kv, m) for kv in args.kv_dtypes or [loaded.kv_dtype] for m in args.memory_dtypes]
     for kv_dtype, memory_dtype in cells:
         knobs = {**args.knobs, "memory_dtype": memory_dtype}
