@@ -23,6 +23,7 @@ import torch
 
 from engine.runner.detokenize import token_text
 from tests.engine import chat_templates
+from tests.engine.test_tool_formats import WEATHER
 
 from .conftest import API_KEY, ServerProcess, start_server, stop_server
 
@@ -80,19 +81,6 @@ LEAN = {f for f in FAMILIES if f != "gemma2"}
 
 pytestmark = pytest.mark.timeout(600)
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 12}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
 FLAGS = {
     "type": "object",
     "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
