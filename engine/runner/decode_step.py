@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.runner.attention import KV_KWARG, forward_through
-from engine.runner.cpu_attention import kernel_ready
+from engine.runner.cpu_attention import MIN_CHUNK, kernel_ready
+from engine.runner.cpu_extensions import load_extension
 from engine.runner.families import Layer, layer_weights, qk_norm_weights, unsupported
 from engine.runner.quant_linears import (
     GROUP,
@@ -50,7 +51,7 @@ from engine.runner.quant_linears import (
     quant_kernels,
     small_matmul,
 )
-from engine.runner.rows import DecodeRow, RowBatch
+from engine.runner.rows import DecodeRow, KVRow, RowBatch
 
 DECODER_ATTR = "longserve_decoder"  # the model attribute holding its LeanDecoder, if any
 logger = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class LeanDecoder:
         self.rotary_dim = int(self._cos.shape[1])  # Phi-3's partial_rotary_factor of head_dim
         self._q4 = self._q4_layers()
         self._quantized = self._all_quantized()
+        self._plain = self._plain_weights()
         self.scaling = float(inner.layers[0].self_attn.scaling)
         kernel_ready(self.norm)  # build the attention kernel at load, not at the first token
 
@@ -131,6 +133,49 @@ class LeanDecoder:
             return None
         kernels = quant_kernels()  # built only for models with quantized linears
         return None if kernels is None else (kernels, layers)
+
+    def _plain_weights(self) -> list[torch.Tensor] | None:
+        """plain_step.cpp's weights (per layer: w_in, q|k|v's, w_post, o's, gate|up's, down's)
+        where every layer takes the one-call path before and after attention, and the kernel
+        builds; else None."""
+        if self._q4 is None or any(pre is None or post is None for pre, post in self._q4[1]):
+            return None
+        if load_extension("plain_step") is None:
+            return None
+        weights: list[torch.Tensor] = []
+        for (w_in, _, _, w_post, _, _), (pre, post) in zip(self.layers, self._q4[1], strict=True):
+            weights += [w_in, *pre, w_post, *post[0], *post[1], *post[2]]
+        return weights
+
+    def _plain_layers(
+        self, batch: RowBatch, x: torch.Tensor, positions: torch.Tensor, cos, sin
+    ) -> torch.Tensor | None:
+        """Every layer of a step whose rows are all plain KV rows in one C++ call
+        (engine/runner/csrc/plain_step.cpp); None where the step is not one it takes."""
+        caches = [row.cache for row in batch.rows if type(row) is KVRow]
+        if (
+            self._plain is None
+            or len(caches) != len(batch.rows)
+            or any(c._buffer is None or c._buffer.dtype not in _CACHE_DTYPES for c in caches)
+            or any(m._forward_hooks for m in self._modules)
+        ):
+            return None
+        threads = torch.get_num_threads()
+        starts = positions.tolist()
+        splits = [max(1, min(4 * threads, (p + 1) // MIN_CHUNK)) for p in starts]
+        rows, d = x.shape[0], self.head_dim
+        return load_extension("plain_step").plain_layers(
+            x,
+            self._plain,
+            [c._buffer for c in caches],
+            starts,
+            cos.view(rows, d),
+            sin.view(rows, d),
+            self.eps,
+            self.scaling,
+            self.heads,
+            splits,
+        )
 
     def _grow_table(self, size: int) -> None:
         """cos and signed sin (size, rotary_dim) for positions 0..size-1: x*cos + roll(x)*sin
@@ -201,6 +246,9 @@ class LeanDecoder:
         kernels: Any = None if q4 is None else q4[0]
         if q4 is not None:
             cos_rows, sin_rows = cos.view(rows, d), sin.view(rows, d)
+            plain = self._plain_layers(batch, x, positions, cos, sin)
+            if plain is not None:
+                return self._small_head(self._rms(plain, self.norm)).float()
         for layer, (w_in, qkv, o_proj, w_post, gate_up, down) in enumerate(
             self.small if small else self.layers
         ):
@@ -236,6 +284,9 @@ class LeanDecoder:
                 x = self._layer_hooks(layer, x_in, x, batch).contiguous()
         head = self._small_head if small else self.head
         return head(self._rms(x, self.norm)).float()  # (B, vocab)
+
+
+_CACHE_DTYPES = (torch.float32, torch.float16)  # what the attention kernel reads
 
 
 def _one_call_product(m: Any) -> bool:

@@ -198,6 +198,35 @@ def _steps_as_the_python_layers(model, decoder) -> None:
             torch.testing.assert_close(got, want, rtol=0, atol=2e-4 * float(want.abs().max()))
 
 
+@pytest.mark.skipif(quant_linears.quant_kernels() is None, reason="no C++ compiler or ninja")
+@pytest.mark.parametrize("kv_dtype", ["model", "float16"])
+def test_plain_rows_step_all_layers_in_one_call_as_layer_by_layer(kv_dtype):
+    """plain_step.cpp runs every layer of plain KV rows' step in one call: the logits and the
+    caches the layer-by-layer calls give, for one row and for rows of different lengths (one
+    long enough for several key chunks)."""
+    model = tiny_llama("int4")
+    decoder = decoder_of(model)
+    assert decoder._plain is not None
+    for lengths in ((30,), (30, 600, 12)):
+        prompts = [torch.arange(n) % 300 for n in lengths]
+        one_call = [KVCacheState(model, 1024, kv_dtype) for _ in prompts]
+        by_layer = [KVCacheState(model, 1024, kv_dtype) for _ in prompts]
+        with torch.inference_mode():
+            for a, b, ids in zip(one_call, by_layer, prompts, strict=True):
+                a.prefill(ids)
+                b.prefill(ids)
+            for token in (9, 17, 4):
+                tokens = [token] * len(prompts)
+                got = decode_rows(model, [s.decode_row(token) for s in one_call], tokens)
+                plain, decoder._plain = decoder._plain, None
+                want = decode_rows(model, [s.decode_row(token) for s in by_layer], tokens)
+                decoder._plain = plain
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+        for a, b in zip(one_call, by_layer, strict=True):
+            assert a.num_tokens == b.num_tokens
+            torch.testing.assert_close(a.cache.layer_view(1), b.cache.layer_view(1))
+
+
 def int8_grid(weight: torch.Tensor, per: int, with_mins: bool) -> Int8Linear:
     """weight (N, K) on an int8 grid as a GGUF holds its 5- to 8-bit types: codes 0..31 on each
     block's [min, max] with a minimum (Q5_K-like, per 32), or symmetric codes per `per` inputs

@@ -398,7 +398,9 @@ torch::Tensor attend_pieces(std::vector<torch::Tensor> queries, std::vector<torc
 
 }  // namespace
 
+#ifndef LONGSERVE_NO_MODULE  // plain_step.cpp includes this file for its functions
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one decode token's attention (float32, CPU)");
   m.def("attend_pieces", &attend_pieces, "one decode token over pieces of keys (CPU)");
 }
+#endif

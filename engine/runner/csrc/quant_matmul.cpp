@@ -511,9 +511,11 @@ torch::Tensor post_attention(torch::Tensor x, torch::Tensor attn, torch::Tensor 
   return y;
 }
 
+#ifndef LONGSERVE_NO_MODULE  // plain_step.cpp includes this file for its functions
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pre_attention", &pre_attention, "RMSNorm, q|k|v from 4-bit or int8 codes, rotary (CPU)");
   m.def("post_attention", &post_attention, "o, residual, RMSNorm, gated MLP from 4-bit or int8 codes");
   m.def("q4_matmul", &q4_matmul, "4-bit block codes times float rows (CPU)");
   m.def("q8_matmul", &q8_matmul, "int8 block codes times float rows (CPU)");
 }
+#endif
