@@ -76,7 +76,7 @@ class Int4Linear(torch.nn.Module):
     # the codes (N, K/2) uint8 for quant_matmul: in each block of 32, byte j = q[j] | q[j+16] << 4
     codes: torch.Tensor
     block_scales: torch.Tensor  # (N, K/group) fp32: w = q * scale + min
-    block_mins: torch.Tensor
+    block_mins: torch.Tensor  # (N, K/group) fp32, or empty where min = -8 * scale (Q4_0's grid)
     dense: torch.Tensor  # the dequantized weights (N, K) in gemm_dtype()
     bias: torch.nn.Parameter | None
 
@@ -106,9 +106,10 @@ class Int4Linear(torch.nn.Module):
         scale = scales.to(torch.bfloat16)
         zero = (mins + 8 * scale.float()).to(torch.bfloat16)  # torch's: w = (q - 8) s + z
         torch_grid = torch.stack((scale, zero), -1).transpose(0, 1).contiguous()
-        layer._hold(
-            q, scales.float().contiguous(), mins.float().contiguous(), (q, torch_grid), bias
-        )
+        scales, mins = scales.float().contiguous(), mins.float().contiguous()
+        layer._hold(q, scales, mins, (q, torch_grid), bias)
+        if torch.equal(mins, -8 * scales):  # Q4_0: the kernel reads no minimums
+            layer.block_mins = mins.new_empty(0)
         return layer
 
     def _hold(
@@ -152,7 +153,7 @@ class Int4Linear(torch.nn.Module):
     def fused(cls, parts: list[Int4Linear]) -> Int4Linear | None:
         """The parts' rows in one Int4Linear (see fuse_linears), or None where the packed rows
         of the parts do not concatenate into the kernel's layout for the whole."""
-        if len({(p.in_features, p.group) for p in parts}) != 1:
+        if len({(p.in_features, p.group, p.block_mins.numel() == 0) for p in parts}) != 1:
             return None
         fused = cls.__new__(cls)
         torch.nn.Module.__init__(fused)

@@ -79,6 +79,31 @@ def test_kept_layers_multiply_the_weights_the_file_holds(kind):
 
 
 @kernels_built
+@pytest.mark.parametrize("inputs", [512, 544])  # 544: an odd number of blocks (17)
+def test_q4_0_layers_read_no_minimums(inputs):
+    """Q4_0's grid (w = (q - 8) d) keeps no minimums: the kernel takes -8 d for them, with
+    the blocks taken two at a time and an odd one alone; Q4_1's keeps its own. Parts of the
+    two kinds do not fuse."""
+    layers = {}
+    for kind in ("Q4_0", "Q4_1"):
+        raw = random_blocks(kind, 64, inputs, seed=5)
+        layers[kind] = kept_linear(decode(raw, kind), None)
+        assert (layers[kind].block_mins.numel() == 0) == (kind == "Q4_0")
+        weight = dequantized(raw, kind)
+        for rows in (1, 2, SMALL_M):
+            x = torch.randn(rows, inputs)
+            assert relative_error(layers[kind](x), x @ weight.t()) < 2e-4, (kind, rows)
+    assert not isinstance(fuse_linears([layers["Q4_0"], layers["Q4_1"]]), Int4Linear)
+    again = kept_linear(decode(random_blocks("Q4_0", 64, inputs, seed=6), "Q4_0"), None)
+    x = torch.randn(2, inputs)
+    want = torch.cat([layers["Q4_0"](x), again(x)], -1)
+    fused = fuse_linears([layers["Q4_0"], again])
+    if fused is not None:  # where torch's packed layout lets the rows concatenate
+        assert isinstance(fused, Int4Linear) and fused.block_mins.numel() == 0
+        torch.testing.assert_close(fused(x), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
+@kernels_built
 def test_int8_parts_fuse_into_one_and_become_views():
     parts = [
         kept_linear(decode(random_blocks("Q6_K", 64, 256, seed), "Q6_K"), None) for seed in (3, 4)

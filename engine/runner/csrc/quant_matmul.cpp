@@ -1,7 +1,7 @@
 // Quantized weights times a few rows of float activations (decode steps), for the CPU.
 //
 // q4_matmul: 4-bit codes in blocks of 32 inputs, each block with a scale d and a minimum m
-// (w = q d + m: Q4_0, Q4_1 and Q4_K's grids). q8_matmul: int8 codes with a scale per block of
+// (w = q d + m: Q4_1 and Q4_K's grids), or no minimums where m = -8 d (Q4_0's grid). q8_matmul: int8 codes with a scale per block of
 // 32 or of 16 inputs and, optionally, a minimum per 32 (Q8_0, Q5_0, Q5_1, Q5_K; Q6_K's blocks
 // of 16).
 // The activations are quantized to int16 per block of 32 (scale = max |x| / 32767) and
@@ -77,6 +77,12 @@ inline float min_term(const float* mn, const float* xs, int64_t nb) {
   return total;
 }
 
+// q4's: without minimums (mn null), Q4_0's grid w = (q - 8) d, whose minimum is -8 d: the
+// weights' bytes a step reads are then the codes and one scale per block, not two floats
+inline float q4_min_term(const float* mn, const float* d, const float* xs, int64_t nb) {
+  return mn ? min_term(mn, xs, nb) : -8.f * min_term(d, xs, nb);
+}
+
 // An int8 weight matrix: codes (N, K), a scale per block of 32 inputs or, `half`, per 16
 // (Q6_K's blocks), and a minimum per 32 where `mins` is not null (w = q d + m).
 struct Q8Weights {
@@ -119,7 +125,7 @@ void q4_rows_avx2(const uint8_t* codes, const float* wd, const float* wm, const 
       }
     }
     for (int r = 0; r < R; ++r) {
-      y[r * N + n] = hsum(acc[r]) + min_term(wm + n * nb, xs + r * nb, nb);
+      y[r * N + n] = hsum(acc[r]) + q4_min_term(wm ? wm + n * nb : nullptr, d, xs + r * nb, nb);
     }
   }
 }
@@ -127,17 +133,14 @@ void q4_rows_avx2(const uint8_t* codes, const float* wd, const float* wm, const 
 #if defined(__AVX512BW__) && defined(__AVX512DQ__)
 // q4_rows_avx2 two blocks at a time: a 512-bit vector holds block b's 16 codes or inputs in
 // lanes 0-15 and block b + 1's in lanes 16-31; an odd last block goes 256 bits wide.
+// The activations come in pair_layout's order, so that each block pair's operands are two
+// plain loads rather than four loads and two inserts per output row.
 template <int R>
 void q4_rows_avx512(const uint8_t* codes, const float* wd, const float* wm, const int16_t* xq,
-                    const float* xd, const float* xs, int64_t N, int64_t K, int64_t n0,
-                    int64_t n1, float* y) {
+                    const float* xd, const float* xs, const float* xdp, int64_t N, int64_t K,
+                    int64_t n0, int64_t n1, float* y) {
   const int64_t nb = K / QK;
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const auto pair = [](const int16_t* a, const int16_t* b) {  // 16 int16 from a, then from b
-    const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
-    const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
-    return _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
-  };
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = codes + n * (K / 2);
     const float* d = wd + n * nb;
@@ -151,11 +154,11 @@ void q4_rows_avx512(const uint8_t* codes, const float* wd, const float* wm, cons
       const __m512i hi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low));
       const __m512 db = _mm512_insertf32x8(_mm512_set1_ps(d[b]), _mm256_set1_ps(d[b + 1]), 1);
       for (int r = 0; r < R; ++r) {
-        const int16_t* x = xq + (r * nb + b) * QK;  // block b: x[0..32), block b + 1: x[32..64)
-        const __m512i sum = _mm512_add_epi32(_mm512_madd_epi16(lo, pair(x, x + 32)),
-                                             _mm512_madd_epi16(hi, pair(x + 16, x + 48)));
-        const float* xdr = xd + r * nb + b;
-        const __m512 xdb = _mm512_insertf32x8(_mm512_set1_ps(xdr[0]), _mm256_set1_ps(xdr[1]), 1);
+        const int16_t* x = xq + (r * nb + b) * QK;  // low halves of b, b + 1; then high halves
+        const __m512i sum = _mm512_add_epi32(
+            _mm512_madd_epi16(lo, _mm512_loadu_si512(x)),
+            _mm512_madd_epi16(hi, _mm512_loadu_si512(x + 32)));
+        const __m512 xdb = _mm512_loadu_ps(xdp + (r * nb + b) * 8);
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(db, xdb), acc[r]);
       }
     }
@@ -167,7 +170,7 @@ void q4_rows_avx512(const uint8_t* codes, const float* wd, const float* wm, cons
       }
     }
     for (int r = 0; r < R; ++r) {
-      const float mins = min_term(wm + n * nb, xs + r * nb, nb);
+      const float mins = q4_min_term(wm ? wm + n * nb : nullptr, d, xs + r * nb, nb);
       y[r * N + n] = _mm512_reduce_add_ps(acc[r]) + rest[r] + mins;
     }
   }
@@ -234,30 +237,55 @@ void q8_chunks(const Q8Weights& w, const int16_t* xq, const float* xd, const flo
 
 // The widest q4 kernel the build's vector extensions allow.
 #if defined(__AVX512BW__) && defined(__AVX512DQ__)
-#define Q4_ROWS q4_rows_avx512
+#define Q4_PAIRS 1
+// xdp's extra argument, and the rows' offset into it
+#define Q4_ROWS(R) q4_rows_avx512<R>(codes, wd, wm, x, d, s, xdp + r0 * nb * 8, N, K, n0, n1, out)
 #else
-#define Q4_ROWS q4_rows_avx2
+#define Q4_PAIRS 0
+#define Q4_ROWS(R) q4_rows_avx2<R>(codes, wd, wm, x, d, s, N, K, n0, n1, out)
 #endif
 
-// Output rows [n0, n1) of q4: y (M, N) fp32.
-void q4_rows(const uint8_t* codes, const float* wd, const float* wm, const int16_t* xq,
-             const float* xd, const float* xs, int64_t M, int64_t N, int64_t K, int64_t n0,
-             int64_t n1, float* y) {
+// Activations (M, K) rearranged for q4_rows_avx512, in place: within each pair of blocks,
+// both blocks' first 16 codes, then both blocks' last 16 (an odd last block stays as it is);
+// xdp (M, K / QK * 8) the pair's two scales, each repeated 8 times, as one 512-bit operand.
+void pair_layout(int16_t* xq, const float* xd, int64_t M, int64_t K, float* xdp) {
   const int64_t nb = K / QK;
+  int16_t pair[2 * QK];
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t b = 0; b + 2 <= nb; b += 2) {
+      int16_t* x = xq + (r * nb + b) * QK;
+      std::copy(x, x + 16, pair);
+      std::copy(x + 32, x + 48, pair + 16);
+      std::copy(x + 16, x + 32, pair + 32);
+      std::copy(x + 48, x + 64, pair + 48);
+      std::copy(pair, pair + 2 * QK, x);
+      float* s = xdp + (r * nb + b) * 8;
+      std::fill(s, s + 8, xd[r * nb + b]);
+      std::fill(s + 8, s + 16, xd[r * nb + b + 1]);
+    }
+  }
+}
+
+// Output rows [n0, n1) of q4: y (M, N) fp32. xq in pair_layout's order where Q4_PAIRS.
+void q4_rows(const uint8_t* codes, const float* wd, const float* wm, const int16_t* xq,
+             const float* xd, const float* xs, const float* xdp, int64_t M, int64_t N,
+             int64_t K, int64_t n0, int64_t n1, float* y) {
+  const int64_t nb = K / QK;
+  (void)xdp;
 #if defined(__AVX2__)
   for (int64_t r0 = 0; r0 < M; r0 += CHUNK_ROWS) {  // accumulators stay in registers
     const int16_t* x = xq + r0 * nb * QK;
     const float *d = xd + r0 * nb, *s = xs + r0 * nb;
     float* out = y + r0 * N;
     switch (std::min<int64_t>(CHUNK_ROWS, M - r0)) {
-      case 1: Q4_ROWS<1>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
-      case 2: Q4_ROWS<2>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
-      case 3: Q4_ROWS<3>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
-      case 4: Q4_ROWS<4>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
-      case 5: Q4_ROWS<5>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
-      case 6: Q4_ROWS<6>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
-      case 7: Q4_ROWS<7>(codes, wd, wm, x, d, s, N, K, n0, n1, out); break;
-      default: Q4_ROWS<8>(codes, wd, wm, x, d, s, N, K, n0, n1, out);
+      case 1: Q4_ROWS(1); break;
+      case 2: Q4_ROWS(2); break;
+      case 3: Q4_ROWS(3); break;
+      case 4: Q4_ROWS(4); break;
+      case 5: Q4_ROWS(5); break;
+      case 6: Q4_ROWS(6); break;
+      case 7: Q4_ROWS(7); break;
+      default: Q4_ROWS(8);
     }
   }
 #else
@@ -272,7 +300,8 @@ void q4_rows(const uint8_t* codes, const float* wd, const float* wm, const int16
           const uint8_t byte = row[b * 16 + j];
           dot += (byte & 0x0F) * xb[j] + (byte >> 4) * xb[16 + j];
         }
-        total += wd[n * nb + b] * xd[r * nb + b] * dot + wm[n * nb + b] * xs[r * nb + b];
+        const float mn = wm ? wm[n * nb + b] : -8.f * wd[n * nb + b];
+        total += wd[n * nb + b] * xd[r * nb + b] * dot + mn * xs[r * nb + b];
       }
       y[r * N + n] = total;
     }
@@ -334,11 +363,14 @@ int64_t grain(int64_t N) { return std::max<int64_t>(16, N / (8 * at::get_num_thr
 void q4_into(const float* x, int64_t M, const torch::Tensor& codes, const torch::Tensor& scales,
              const torch::Tensor& mins, float* y) {
   const int64_t N = codes.size(0), K = codes.size(1) * 2;
-  const Quantized xq = quantize(x, M, K);
+  Quantized xq = quantize(x, M, K);
+  std::vector<float> xdp(Q4_PAIRS ? M * (K / QK) * 8 : 0);
+  if (Q4_PAIRS) pair_layout(xq.q.data(), xq.d.data(), M, K, xdp.data());
   const uint8_t* c = codes.data_ptr<uint8_t>();
-  const float *d = scales.data_ptr<float>(), *m = mins.data_ptr<float>();
+  const float* d = scales.data_ptr<float>();
+  const float* m = mins.numel() > 0 ? mins.data_ptr<float>() : nullptr;
   at::parallel_for(0, N, grain(N), [&](int64_t n0, int64_t n1) {
-    q4_rows(c, d, m, xq.q.data(), xq.d.data(), xq.s.data(), M, N, K, n0, n1, y);
+    q4_rows(c, d, m, xq.q.data(), xq.d.data(), xq.s.data(), xdp.data(), M, N, K, n0, n1, y);
   });
 }
 
@@ -360,9 +392,13 @@ void check_q4(const torch::Tensor& codes, const torch::Tensor& scales, const tor
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() &&
                   codes.size(1) * 2 == K,
               "codes: uint8 (N, K/2)");
-  TORCH_CHECK(scales.is_contiguous() && mins.is_contiguous() && scales.sizes() == mins.sizes() &&
-                  scales.size(0) == codes.size(0) && scales.size(1) == K / QK,
-              "scales and mins: (N, K/32) contiguous");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.dim() == 2 &&
+                  scales.is_contiguous() && scales.size(0) == codes.size(0) &&
+                  scales.size(1) == K / QK,
+              "scales: (N, K/32) float32 contiguous");
+  TORCH_CHECK(mins.numel() == 0 || (mins.scalar_type() == torch::kFloat32 &&
+                                    mins.is_contiguous() && scales.sizes() == mins.sizes()),
+              "mins: (N, K/32) float32 contiguous, or empty for Q4_0's grid (-8 times the scale)");
 }
 
 void check_q8(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& mins,
@@ -416,7 +452,8 @@ void product_into(const float* x, int64_t M, const torch::Tensor& codes,
 
 }  // namespace
 
-// x (M, K) float32; codes (N, K/2) uint8; scales, mins (N, K/32) float32 -> (M, N) float32.
+// x (M, K) float32; codes (N, K/2) uint8; scales, mins (N, K/32) float32, mins empty for
+// w = (q - 8) scale -> (M, N) float32.
 torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                         torch::Tensor mins) {
   const int64_t N = codes.size(0), K = codes.size(1) * 2;
