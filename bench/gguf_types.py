@@ -162,7 +162,9 @@ def measure(path: Path, type_name: str, args: argparse.Namespace) -> dict:
     print(json.dumps({**tag, "measure": "linears", **linears}), flush=True)
     llm = llama_model(str(path), args.threads)
     serve_args = ["--model", str(path), "--device", "cpu", "--threads", str(args.threads)]
-    with served(None, serve_args=serve_args, ready_timeout=300) as base:
+    # prefill timed from the prompt's first token, as llama.cpp's after llm.reset(): no reuse
+    no_reuse = {"LONGSERVE_KV_PREFIX_CACHE_BYTES": "0"}
+    with served(None, serve_args=serve_args, env=no_reuse, ready_timeout=300) as base:
         # the server takes text only: each prompt goes as the text of its ids, and the line says
         # whether the server read that text back as the same ids llama.cpp is given
         http = httpx.Client(base_url=f"{base}/v1", timeout=3600)

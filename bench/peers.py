@@ -194,7 +194,9 @@ def run(args: argparse.Namespace) -> None:
     serve_args = ["--model", gguf] if args.gguf else []
     serve_args += ["--device", args.device]
     lines: list[dict] = []
-    with served(None, serve_args=serve_args, ready_timeout=300) as base:
+    # prefill timed from the prompt's first token, as llama.cpp's after llm.reset(): no reuse
+    no_reuse = {"LONGSERVE_KV_PREFIX_CACHE_BYTES": "0"}
+    with served(None, serve_args=serve_args, env=no_reuse, ready_timeout=300) as base:
         http = httpx.Client(base_url=f"{base}/v1", timeout=3600)
         model = http.get("/models").json()["data"][0]["id"]
         every = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import os
 import threading
 import time
@@ -20,6 +21,8 @@ from typing import Any
 
 import torch
 
+from engine.caches.kv_prefix import KVPrefixCache, PromptReuse
+from engine.caches.prefix_cache import PrefixCacheStats
 from engine.caches.prefix_store import PrefixStoreStats
 from engine.caches.store import StoreBridge, model_fingerprint
 from engine.config import EngineConfig
@@ -151,6 +154,7 @@ class LocalEngine:
             self._model_fingerprint,
             self.loaded.kv_dtype,
         )
+        self._kv_prefixes = KVPrefixCache(self.config.kv_prefix_cache_bytes)  # plain prompts'
         self._larimar_backend = LarimarBackend(self, self._prompts.count, self.config, store)
         self._backends: tuple[SessionBackend, ...] = (self._frame_backend, self._larimar_backend)
         self._info = ModelInfo(
@@ -237,7 +241,7 @@ class LocalEngine:
         total = len(prompt_ids) + sampling.max_tokens
         queued_at = time.perf_counter()
         if total <= self.loaded.max_model_len:
-            steps = self._kv_steps(prompt_ids, sampling, queued_at)
+            steps = self._kv_steps(prompt_ids, sampling, queued_at, tenant)
             on_abort = aborted_delta(len(prompt_ids))
             return submit(self._worker, request_id, steps, None, on_abort, tenant=tenant)
         check_memory_cap(total, self.config.max_memory_tokens)
@@ -323,7 +327,7 @@ class LocalEngine:
 
     def stats(self) -> EngineStats:
         sessions = list(self._frame_backend.conversations.values())
-        prefixes = self._frame_backend.prefixes.stats()
+        prefixes = _summed(self._frame_backend.prefixes.stats(), self._kv_prefixes.stats())
         shared = self._frame_backend.prefix_store
         stored = shared.stats() if shared is not None else PrefixStoreStats()
         return EngineStats(
@@ -356,7 +360,11 @@ class LocalEngine:
     # -- the device thread ----------------------------------------------------------------------
 
     def _kv_steps(
-        self, prompt_ids: torch.Tensor, sampling: SamplingParams, queued_at: float
+        self,
+        prompt_ids: torch.Tensor,
+        sampling: SamplingParams,
+        queued_at: float,
+        tenant: str | None,
     ) -> Generation:
         # Nothing runs until the worker steps it; its decode steps join the worker's batches.
         state = KVCacheState(
@@ -370,6 +378,7 @@ class LocalEngine:
             sampling,
             self._device_tokenizer,
             queued_at=queued_at,
+            reuse=PromptReuse(self._kv_prefixes, tenant, state.cache),
             **self._decoding.kwargs(),
         )
 
@@ -378,6 +387,12 @@ class LocalEngine:
 
     def _offload_idle_sessions(self) -> None:
         self._frame_backend.offload_idle()
+
+
+def _summed(*caches: PrefixCacheStats) -> PrefixCacheStats:
+    """The prefix caches' counts together (long prompts' memories, plain prompts' keys)."""
+    fields = [f.name for f in dataclasses.fields(PrefixCacheStats)]
+    return PrefixCacheStats(**{f: sum(getattr(c, f) for c in caches) for f in fields})
 
 
 def _can_batch(steps: Any) -> bool:

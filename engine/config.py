@@ -38,6 +38,8 @@ class EngineConfig:
     or no encoder installed, leaves the memory knobs prior_k/prior_u without effect.
     prefix_cache_bytes: memories kept for long prompts' reuse (engine/caches/prefix_cache.py), an LRU
     by bytes in host memory; 0 keeps none.
+    kv_prefix_cache_bytes: keys and values kept for prompts that fit the window, per whole
+    block of 128 tokens (engine/caches/kv_prefix.py), an LRU by bytes; 0 keeps none.
     prefix_cache_store: with a memory store, long prompts' documents are also read with
     write-through to it, chunk by chunk (fp16, about 23 KB per token for SmolLM2), so a later
     prompt on any replica imports what it shares with them (engine/caches/prefix_store.py). The store
@@ -112,6 +114,7 @@ class EngineConfig:
     collection_top_k: int = 16
     text_prior: bool = True
     prefix_cache_bytes: int = 8 * 1024**3
+    kv_prefix_cache_bytes: int = 2 * 1024**3
     prefix_cache_store: bool = False
     prefix_store_max_entries_per_tenant: int = 8192
     max_turn_encoding_bytes: int = 64 * 1024**2
@@ -186,6 +189,10 @@ class EngineConfig:
         if not isinstance(self.prefix_cache_bytes, int) or self.prefix_cache_bytes < 0:
             raise ValueError(
                 f"prefix_cache_bytes must be an integer >= 0, got {self.prefix_cache_bytes!r}"
+            )
+        if not isinstance(self.kv_prefix_cache_bytes, int) or self.kv_prefix_cache_bytes < 0:
+            raise ValueError(
+                f"kv_prefix_cache_bytes must be an integer >= 0, got {self.kv_prefix_cache_bytes!r}"
             )
         if self.linear_dtype not in LINEAR_DTYPES:
             raise ValueError(

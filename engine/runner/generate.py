@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -42,6 +42,14 @@ def _logprob_entry(tokenizer: Any, logits: torch.Tensor, token_id: int, top_n: i
             for t, lp in top
         ],
     )
+
+
+class PrefixReuse(Protocol):
+    """Where a request's prefill may start (engine/caches/kv_prefix.py's PromptReuse)."""
+
+    def start(self, token_ids: torch.Tensor) -> int: ...
+
+    def keep(self, token_ids: torch.Tensor) -> None: ...
 
 
 class Generation:
@@ -85,6 +93,7 @@ class Generation:
         prefill_cuts: Sequence[int] = (),
         grammars: Grammars | None = None,
         hold_final: bool = False,
+        reuse: PrefixReuse | None = None,
     ) -> None:
         self.state = state
         # hold_final: the finishing delta (finish_reason, stats) is the iteration's return
@@ -97,6 +106,7 @@ class Generation:
         self._prompt_tokens = int(prompt_ids.shape[0])
         self._prefilled = prefilled  # the prompt's first tokens, already in state (a reused prefix)
         self._cuts = [c - prefilled for c in prefill_cuts if c > prefilled]
+        self._reuse = reuse
         self._chunk_tokens = prefill_chunk_tokens
         self._stop_ids = frozenset() if sampling.ignore_eos else frozenset(stop_token_ids)
         self._vocab_size = vocab_size
@@ -201,11 +211,17 @@ class Generation:
                 self._queue_seconds = max(0.0, self._started - self._queued_at)
             self.state.pop_retrieval_seconds()  # time spent before this request is not ours
             self._detok = Detokenizer(self._tokenizer, self.sampling.stop)
+            if self._reuse is not None:
+                reused = self._reuse.start(self._prompt_ids)
+                self._cuts = [c - reused for c in self._cuts if c > reused]
+                self._prefilled += reused
             rest = self._prompt_ids[self._prefilled :]
             self._prefill = prefill_chunks(self.state, rest, self._chunk_tokens, self._cuts)
         logits = next(self._prefill)
         if logits is None:
             return None
+        if self._reuse is not None:
+            self._reuse.keep(self._prompt_ids)
         self._prefill_seconds = time.perf_counter() - self._started
         return self.accept(logits)
 

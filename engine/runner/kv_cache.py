@@ -91,6 +91,21 @@ class KVCache:
         self._buffer[layer, 1, :, self.num_tokens : end] = value
         return self._buffer[layer, 0, :, :end], self._buffer[layer, 1, :, :end]
 
+    def start_from(self, kv: torch.Tensor) -> None:
+        """Hold kv (layers, 2, kv_heads, n, d), an earlier prompt's first n tokens, as this
+        empty cache's first n tokens (engine/caches/kv_prefix.py)."""
+        assert self.num_tokens == 0 and self._pending == 0, "start_from an empty cache"
+        n = int(kv.shape[3])
+        self.begin(n)
+        assert self._buffer is not None
+        self._buffer[:, :, :, :n] = kv
+        self.commit()
+
+    def prefix(self, n: int) -> torch.Tensor:
+        """A copy of the first n committed tokens' keys and values (layers, 2, kv_heads, n, d)."""
+        assert self._buffer is not None and n <= self.num_tokens
+        return self._buffer[:, :, :, :n].clone()
+
     def layer_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's committed keys and values, as views (kv_heads, num_tokens, d)."""
         assert self._buffer is not None, "an empty cache"
