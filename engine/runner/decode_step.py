@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.runner.attention import KV_KWARG, forward_through
-from engine.runner.cpu_attention import MIN_CHUNK, kernel_ready
+from engine.runner.cpu_attention import kernel_ready, key_splits
 from engine.runner.cpu_extensions import load_extension
 from engine.runner.families import Layer, layer_weights, qk_norm_weights, unsupported
 from engine.runner.quant_linears import (
@@ -160,9 +160,8 @@ class LeanDecoder:
             or any(m._forward_hooks for m in self._modules)
         ):
             return None
-        threads = torch.get_num_threads()
         starts = positions.tolist()
-        splits = [max(1, min(4 * threads, (p + 1) // MIN_CHUNK)) for p in starts]
+        splits = [key_splits(p + 1, self.kv_heads) for p in starts]
         rows, d = x.shape[0], self.head_dim
         return load_extension("plain_step").plain_layers(
             x,
