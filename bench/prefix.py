@@ -5,7 +5,8 @@ a first question; each later turn resends the whole conversation (document, earl
 and answers) with the next question, through the openai SDK. One JSON line per turn: seconds,
 prompt tokens, `usage.prompt_tokens_details.cached_tokens`, the answer and whether it holds the
 planted value. Then, unless --no-verify, the same turns (the same messages, answers included)
-go to a second server with the prefix cache off (LONGSERVE_PREFIX_CACHE_BYTES=0), and the last
+go to a second server with the prefix caches off (LONGSERVE_PREFIX_CACHE_BYTES=0 for long
+prompts, LONGSERVE_KV_PREFIX_CACHE_BYTES=0 for those that fit the window), and the last
 line gives each turn's time relative to turn 1 and whether every answer matched.
 
 With --replicas N, the chat goes to N servers in turn (turn t to replica t mod N), as behind a
@@ -14,6 +15,7 @@ write-through on (LONGSERVE_PREFIX_CACHE_STORE=1, engine/caches/prefix_store.py)
 replica imports what the first one read.
 
     longserve bench prefix --length 32768 --turns 3 [--replicas 2]
+    longserve bench prefix --length 6000 --turns 3     # fits the window: kept keys and values
 """
 
 from __future__ import annotations
@@ -113,7 +115,12 @@ def run(args: argparse.Namespace) -> None:
     runs = {}
     settings = [("cache", {})]
     if not args.no_verify:
-        settings.append(("no_cache", {"LONGSERVE_PREFIX_CACHE_BYTES": "0"}))
+        settings.append(
+            (
+                "no_cache",
+                {"LONGSERVE_PREFIX_CACHE_BYTES": "0", "LONGSERVE_KV_PREFIX_CACHE_BYTES": "0"},
+            )
+        )
     answers: list[str] | None = None
     for name, env in settings:
         if name == "cache" and args.replicas > 1:
