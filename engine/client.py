@@ -154,7 +154,10 @@ class LocalEngine:
             self._model_fingerprint,
             self.loaded.kv_dtype,
         )
-        self._kv_prefixes = KVPrefixCache(self.config.kv_prefix_cache_bytes)  # plain prompts'
+        # plain prompts' kept keys and values, a block per prefill chunk
+        self._kv_prefixes = KVPrefixCache(
+            self.config.kv_prefix_cache_bytes, self.config.prefill_chunk_tokens
+        )
         self._larimar_backend = LarimarBackend(self, self._prompts.count, self.config, store)
         self._backends: tuple[SessionBackend, ...] = (self._frame_backend, self._larimar_backend)
         self._info = ModelInfo(

@@ -39,7 +39,7 @@ class EngineConfig:
     prefix_cache_bytes: memories kept for long prompts' reuse (engine/caches/prefix_cache.py), an LRU
     by bytes in host memory; 0 keeps none.
     kv_prefix_cache_bytes: keys and values kept for prompts that fit the window, per whole
-    block of 128 tokens (engine/caches/kv_prefix.py), an LRU by bytes; 0 keeps none.
+    prefill chunk (engine/caches/kv_prefix.py), an LRU by bytes; 0 keeps none.
     prefix_cache_store: with a memory store, long prompts' documents are also read with
     write-through to it, chunk by chunk (fp16, about 23 KB per token for SmolLM2), so a later
     prompt on any replica imports what it shares with them (engine/caches/prefix_store.py). The store

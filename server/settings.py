@@ -120,8 +120,8 @@ class ServerSettings(BaseSettings):
     # later prompt of the same tenant starting with the same tokens reads only the rest. An LRU
     # by bytes, in host memory; 0 keeps none.
     prefix_cache_bytes: int = Field(default=8 * 1024**3, ge=0)
-    # Prompts that fit the window keep their keys and values per whole block of 128 tokens; a
-    # later prompt of the same tenant starting with the same blocks reads only the rest (a chat
+    # Prompts that fit the window keep their keys and values per whole prefill chunk; a
+    # later prompt of the same tenant starting with the same chunks reads only the rest (a chat
     # that resends its conversation, many questions of one document). LRU by bytes; 0 keeps none.
     kv_prefix_cache_bytes: int = Field(default=2 * 1024**3, ge=0)
     # ... and, with this on, through the memory store too, for every replica: long prompts'

@@ -4,9 +4,14 @@ Chat clients resend the whole conversation every turn and users ask many questio
 document, so a prompt that fits the window usually starts with the tokens of an earlier one.
 Without reuse every such prompt is read again from its first token: a 7.7K-token prompt is
 about 20 s of prefill on a 2-core CPU. Like vLLM's automatic prefix caching, the keys and values
-a prompt's prefill wrote are kept per whole `BLOCK` of tokens, and a later prompt of the same
+a prompt's prefill wrote are kept per whole block of tokens, and a later prompt of the same
 scope (tenant) that starts with the same blocks copies them into its cache and reads only the
 rest (reported as the usage's cached_tokens).
+
+A block is one prefill chunk (EngineConfig.prefill_chunk_tokens, 512): the rest of a prompt is
+then read in the very forwards a prompt read from scratch runs, and a forward's keys, values
+and logits depend on its rows, so the answer is the one the prompt gets with nothing kept, bit
+for bit (docs/decisions/073).
 
 Keys are chain hashes over the prompt's blocks from its start (memory_store/encodings.py's
 `chain_hash`, next to the scope), so a block's hash names every token before it. An entry holds
@@ -32,24 +37,22 @@ from memory_store.encodings import chain_hash
 if TYPE_CHECKING:
     from engine.runner.kv_cache import KVCache
 
-BLOCK = 128  # tokens per hashed block: a later prompt reuses whole blocks of an earlier one
 
-
-def block_hashes(scope: str | None, token_ids: torch.Tensor, limit: int) -> list[str]:
-    """The chain hashes of the first `limit` // BLOCK whole blocks of token_ids, salted with
+def block_hashes(scope: str | None, token_ids: torch.Tensor, limit: int, block: int) -> list[str]:
+    """The chain hashes of the first `limit` // block whole blocks of token_ids, salted with
     the scope so that no tenant can find another's keys."""
     ids = token_ids.tolist()
     hashes: list[str] = []
     previous = chain_hash(None, list((scope or "").encode()))
-    for start in range(0, (limit // BLOCK) * BLOCK, BLOCK):
-        previous = chain_hash(previous, ids[start : start + BLOCK])
+    for start in range(0, (limit // block) * block, block):
+        previous = chain_hash(previous, ids[start : start + block])
         hashes.append(previous)
     return hashes
 
 
 @dataclass
 class _Entry:
-    kv: torch.Tensor  # (layers, 2, kv_heads, blocks * BLOCK, d), the cache's dtype
+    kv: torch.Tensor  # (layers, 2, kv_heads, blocks * block, d), the cache's dtype
     hashes: list[str]
 
     @property
@@ -60,8 +63,8 @@ class _Entry:
 class KVPrefixCache:
     """Kept keys and values of plain prompts' whole blocks, by chain hash, LRU by bytes."""
 
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
+    def __init__(self, max_bytes: int, block: int) -> None:
+        self.max_bytes, self.block = max_bytes, block
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # by last hash, LRU first
         self._index: dict[str, tuple[str, int]] = {}  # block hash -> (entry, blocks it covers)
         self._bytes = 0
@@ -74,7 +77,7 @@ class KVPrefixCache:
         if self.max_bytes == 0:
             return 0
         found: tuple[str, int] | None = None
-        for hashed in block_hashes(scope, token_ids, len(token_ids) - 1):
+        for hashed in block_hashes(scope, token_ids, len(token_ids) - 1, self.block):
             if hashed not in self._index:
                 break
             found = self._index[hashed]
@@ -85,7 +88,7 @@ class KVPrefixCache:
             name, blocks = found
             entry = self._entries[name]
             self._entries.move_to_end(name)
-            tokens = blocks * BLOCK
+            tokens = blocks * self.block
             self._hits += 1
             self._reused += tokens
         cache.start_from(entry.kv[:, :, :, :tokens])
@@ -95,14 +98,14 @@ class KVPrefixCache:
         """After the prompt's prefill: keep the whole blocks `cache` holds of token_ids."""
         if self.max_bytes == 0:
             return
-        hashes = block_hashes(scope, token_ids, min(len(token_ids), cache.num_tokens))
+        hashes = block_hashes(scope, token_ids, min(len(token_ids), cache.num_tokens), self.block)
         if not hashes:
             return
         if hashes[-1] in self._index:  # kept already, alone or at the start of a longer prompt
             with self._lock:
                 self._entries.move_to_end(self._index[hashes[-1]][0])
             return
-        kv = cache.prefix(len(hashes) * BLOCK)
+        kv = cache.prefix(len(hashes) * self.block)
         entry = _Entry(kv, hashes)
         if entry.nbytes > self.max_bytes:
             return

@@ -4,14 +4,14 @@ share nothing; the cache keeps its byte bound and one entry per prompt line."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from engine.caches.kv_prefix import BLOCK, KVPrefixCache
+from engine.caches.kv_prefix import KVPrefixCache
 from engine.protocol import SamplingParams
 from engine.runner.kv_cache import KVCache
 
 ASK = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=True)
+BLOCK = 64  # the engines' prefill chunk here (the tiny model's window is 256), and the units' block
 
 
 async def ask(engine, request_id, prompt, tenant="t1"):
@@ -25,32 +25,33 @@ WORDS = ["river", "stone", "lamp", "orchard", "violet", "copper", "harbor", "mea
 
 
 def prompt(tail: str) -> str:
-    """About 150 tokens every prompt starts with (one whole block), then `tail`: the tiny
+    """About 150 tokens every prompt starts with (two whole blocks), then `tail`: the tiny
     model's window is 256."""
     return " ".join(WORDS[(3 * i) % 8] for i in range(140)) + "\n\nQuestion: " + tail
 
 
 async def test_a_prompt_starting_like_an_earlier_one_reads_only_the_rest(make_engine):
-    cached, plain = make_engine(), make_engine(kv_prefix_cache_bytes=0)
+    cached = make_engine(prefill_chunk_tokens=BLOCK)
+    plain = make_engine(prefill_chunk_tokens=BLOCK, kv_prefix_cache_bytes=0)
     first = await ask(cached, "a1", prompt("which word is first?"))
     assert first[2].cached_tokens == 0
     second = await ask(cached, "a2", prompt("and the last one?"))
     scratch = await ask(plain, "b2", prompt("and the last one?"))
-    assert second[2].cached_tokens == BLOCK  # the shared 150 tokens hold one whole block
+    assert second[2].cached_tokens == 2 * BLOCK  # the shared ~150 tokens hold two whole blocks
     assert scratch[2].cached_tokens == 0
     assert second[0] == scratch[0]
-    assert second[1] == pytest.approx(scratch[1], abs=1e-5)
+    assert second[1] == scratch[1]  # the rest read in the same forwards: bit for bit
     stats = cached.stats()
     assert (stats.prefix_cache_hits, stats.prefix_cache_misses) == (1, 1)
-    assert stats.prefix_cache_tokens_reused == BLOCK and stats.prefix_cache_entries == 1
+    assert stats.prefix_cache_tokens_reused == 2 * BLOCK and stats.prefix_cache_entries == 1
 
 
 async def test_tenants_share_nothing(make_engine):
-    engine = make_engine()
+    engine = make_engine(prefill_chunk_tokens=BLOCK)
     await ask(engine, "a", prompt("how many words?"), tenant="alice")
     other = await ask(engine, "b", prompt("how many words?"), tenant="mallory")
     again = await ask(engine, "c", prompt("how many words?"), tenant="alice")
-    assert other[2].cached_tokens == 0 and again[2].cached_tokens == BLOCK
+    assert other[2].cached_tokens == 0 and again[2].cached_tokens == 2 * BLOCK
     assert other[0] == again[0]
 
 
@@ -64,7 +65,7 @@ def filled(model, tokens: int, seed: int) -> KVCache:
 
 def test_the_longest_kept_prefix_is_copied_whole_blocks_at_a_time(tiny_loaded):
     model = tiny_loaded.model
-    kept = KVPrefixCache(1 << 30)
+    kept = KVPrefixCache(1 << 30, BLOCK)
     ids = torch.arange(5 * BLOCK + 7) % 200
     source = filled(model, len(ids), 0)
     kept.keep("t", ids, source)
@@ -82,7 +83,7 @@ def test_the_longest_kept_prefix_is_copied_whole_blocks_at_a_time(tiny_loaded):
 
 def test_a_longer_prompt_replaces_the_entry_it_begins_with(tiny_loaded):
     model = tiny_loaded.model
-    kept = KVPrefixCache(1 << 30)
+    kept = KVPrefixCache(1 << 30, BLOCK)
     ids = torch.arange(4 * BLOCK) % 200
     kept.keep("t", ids[: 2 * BLOCK], filled(model, 2 * BLOCK, 0))
     kept.keep("t", ids, filled(model, 4 * BLOCK, 1))
@@ -96,7 +97,7 @@ def test_bytes_stay_within_the_bound(tiny_loaded):
     model = tiny_loaded.model
     one = filled(model, BLOCK, 0).prefix(BLOCK)
     per_entry = one.numel() * one.element_size()
-    kept = KVPrefixCache(2 * per_entry)
+    kept = KVPrefixCache(2 * per_entry, BLOCK)
     for seed in range(5):
         ids = torch.full((BLOCK,), seed)
         kept.keep("t", ids, filled(model, BLOCK, seed))
@@ -106,6 +107,6 @@ def test_bytes_stay_within_the_bound(tiny_loaded):
     assert kept.start("t", torch.full((BLOCK + 1,), 4), KVCache(model, 4096)) == BLOCK
     assert kept.start("t", torch.full((BLOCK + 1,), 0), KVCache(model, 4096)) == 0
     # a prompt larger than the whole bound is not kept
-    small = KVPrefixCache(per_entry)
+    small = KVPrefixCache(per_entry, BLOCK)
     small.keep("t", torch.arange(2 * BLOCK), filled(model, 2 * BLOCK, 9))
     assert small.stats().entries == 0 and small.stats().bytes == 0
