@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.caches.prefix_cache import PrefixCacheStats
-from memory_store.encodings import chain_hash
+from memory_store.client import chain_hash
 
 if TYPE_CHECKING:
     from engine.runner.kv_cache import KVCache
