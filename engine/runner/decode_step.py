@@ -144,6 +144,7 @@ class LeanDecoder:
             return None
         weights: list[torch.Tensor] = []
         for (w_in, _, _, w_post, _, _), (pre, post) in zip(self.layers, self._q4[1], strict=True):
+            assert pre is not None and post is not None  # checked above
             weights += [w_in, *pre, w_post, *post[0], *post[1], *post[2]]
         return weights
 
@@ -163,7 +164,9 @@ class LeanDecoder:
         starts = positions.tolist()
         splits = [key_splits(p + 1, self.kv_heads) for p in starts]
         rows, d = x.shape[0], self.head_dim
-        return load_extension("plain_step").plain_layers(
+        kernel = load_extension("plain_step")
+        assert kernel is not None  # built when self._plain was
+        return kernel.plain_layers(
             x,
             self._plain,
             [c._buffer for c in caches],

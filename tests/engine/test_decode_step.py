@@ -222,7 +222,8 @@ def test_plain_rows_step_all_layers_in_one_call_as_layer_by_layer(kv_dtype):
                 plain, decoder._plain = decoder._plain, None
                 want = decode_rows(model, [s.decode_row(token) for s in by_layer], tokens)
                 decoder._plain = plain
-                torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same kernels, bit for bit
+                # the same kernels: bit for bit
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
         for a, b in zip(one_call, by_layer, strict=True):
             assert a.num_tokens == b.num_tokens
             torch.testing.assert_close(a.cache.layer_view(1), b.cache.layer_view(1))
