@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
 import os
 import threading
 import time
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 
 from engine.caches.kv_prefix import KVPrefixCache, PromptReuse
-from engine.caches.prefix_cache import PrefixCacheStats
+from engine.caches.prefix_cache import summed
 from engine.caches.prefix_store import PrefixStoreStats
 from engine.caches.store import StoreBridge, model_fingerprint
 from engine.config import EngineConfig
@@ -330,7 +329,7 @@ class LocalEngine:
 
     def stats(self) -> EngineStats:
         sessions = list(self._frame_backend.conversations.values())
-        prefixes = _summed(self._frame_backend.prefixes.stats(), self._kv_prefixes.stats())
+        prefixes = summed(self._frame_backend.prefixes.stats(), self._kv_prefixes.stats())
         shared = self._frame_backend.prefix_store
         stored = shared.stats() if shared is not None else PrefixStoreStats()
         return EngineStats(
@@ -390,12 +389,6 @@ class LocalEngine:
 
     def _offload_idle_sessions(self) -> None:
         self._frame_backend.offload_idle()
-
-
-def _summed(*caches: PrefixCacheStats) -> PrefixCacheStats:
-    """The prefix caches' counts together (long prompts' memories, plain prompts' keys)."""
-    fields = [f.name for f in dataclasses.fields(PrefixCacheStats)]
-    return PrefixCacheStats(**{f: sum(getattr(c, f) for c in caches) for f in fields})
 
 
 def _can_batch(steps: Any) -> bool:

@@ -47,6 +47,12 @@ class PrefixCacheStats:
     evictions: int = 0
 
 
+def summed(*stats: PrefixCacheStats) -> PrefixCacheStats:
+    """Several prefix caches' counts together (long prompts' memories, plain prompts' keys)."""
+    fields = [f.name for f in dataclasses.fields(PrefixCacheStats)]
+    return PrefixCacheStats(**{f: sum(getattr(s, f) for s in stats) for f in fields})
+
+
 @dataclass
 class _Entry:
     memory: SessionMemory

@@ -84,7 +84,7 @@ class LeanDecoder:
         self.rotary_dim = int(self._cos.shape[1])  # Phi-3's partial_rotary_factor of head_dim
         self._q4 = self._q4_layers()
         self._quantized = self._all_quantized()
-        self._plain = self._plain_weights()
+        self._plain = self._plain_kernel()
         self.scaling = float(inner.layers[0].self_attn.scaling)
         kernel_ready(self.norm)  # build the attention kernel at load, not at the first token
 
@@ -134,19 +134,20 @@ class LeanDecoder:
         kernels = quant_kernels()  # built only for models with quantized linears
         return None if kernels is None else (kernels, layers)
 
-    def _plain_weights(self) -> list[torch.Tensor] | None:
-        """plain_step.cpp's weights (per layer: w_in, q|k|v's, w_post, o's, gate|up's, down's)
-        where every layer takes the one-call path before and after attention, and the kernel
-        builds; else None."""
+    def _plain_kernel(self) -> tuple[Any, list[torch.Tensor]] | None:
+        """plain_step.cpp's module and its weights (per layer: w_in, q|k|v's, w_post, o's,
+        gate|up's, down's) where every layer takes the one-call path before and after
+        attention and the kernel builds; else None."""
         if self._q4 is None or any(pre is None or post is None for pre, post in self._q4[1]):
             return None
-        if load_extension("plain_step") is None:
+        kernel = load_extension("plain_step")
+        if kernel is None:
             return None
         weights: list[torch.Tensor] = []
         for (w_in, _, _, w_post, _, _), (pre, post) in zip(self.layers, self._q4[1], strict=True):
             assert pre is not None and post is not None  # checked above
             weights += [w_in, *pre, w_post, *post[0], *post[1], *post[2]]
-        return weights
+        return kernel, weights
 
     def _plain_layers(
         self, batch: RowBatch, x: torch.Tensor, positions: torch.Tensor, cos, sin
@@ -161,14 +162,13 @@ class LeanDecoder:
             or any(m._forward_hooks for m in self._modules)
         ):
             return None
+        kernel, weights = self._plain
         starts = positions.tolist()
         splits = [key_splits(p + 1, self.kv_heads) for p in starts]
         rows, d = x.shape[0], self.head_dim
-        kernel = load_extension("plain_step")
-        assert kernel is not None  # built when self._plain was
         return kernel.plain_layers(
             x,
-            self._plain,
+            weights,
             [c._buffer for c in caches],
             starts,
             cos.view(rows, d),
