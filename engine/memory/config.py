@@ -64,6 +64,11 @@ class FrameConfig:
         least to the most relevant, so the block nearest EmbQ sits right before the window and
         the question (docs/decisions/024-prior-order-relevance.md). "document": every
         retrieved row in document order.
+    prior_match: how the prior scores a block. "hybrid" (default): EmbQ . EmbD plus half the
+        IDF-weighted share of the question's words (three letters or more) the block holds,
+        IDF over the session's blocks (lexical.py), so the block naming what the question
+        names outranks others of its kind; "dense": EmbQ . EmbD alone
+        (docs/decisions/074-lexical-prior.md).
     tier: where memory blocks live. "device" (default) keeps them beside the model; "host"
         keeps them in (page-locked) host memory and copies only the rows a forward retrieves
         to the device, so a GPU holds sinks, window, summaries and indices while the bulk of
@@ -97,6 +102,7 @@ class FrameConfig:
     prior_k: int = 8
     prior_u: int = 1
     prior_order: str = "relevance"
+    prior_match: str = "hybrid"
 
     def tail_start(self, total: int) -> int:
         """Where the last `tail` tokens of an append of `total` tokens begin (they are
@@ -216,6 +222,7 @@ _CHOICES = {
     "memory_dtype": ("auto", "model", "float16", "int8"),
     "read_dtype": ("auto", "model", "bfloat16"),
     "prior_order": ("document", "relevance"),
+    "prior_match": ("dense", "hybrid"),
 }
 _MAY_BE_ZERO = {
     "m",

@@ -21,12 +21,21 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from engine.memory.lexical import OVERLAP, BlockWords, words
+
 if TYPE_CHECKING:
     from engine.memory.frame_state import FrameState
     from memory_store.client import TextEncoder
 
 
-PRIOR_META = "prior_embd"  # a stored chunk's meta: EmbD of the blocks its commit added
+PRIOR_META = "prior_embd"
+# a block's lexical share (0..1) beside its cosine: a block holding the question's rare words
+# outranks blocks the encoder scores a few hundredths higher (docs/decisions/074-lexical-prior.md)
+LEXICAL_WEIGHT = 0.5
+# hybrid: when the question's words single blocks out, the prior pins only the lines whose score
+# is this close to the best (up to k): a block missing about a fifth of the question's rare
+# words' weight is left to the strategy, so same-kind sentences naming others stay out
+PRIOR_MARGIN = 0.1  # a stored chunk's meta: EmbD of the blocks its commit added
 
 
 def pack_rows(rows: np.ndarray) -> dict[str, Any]:
@@ -56,8 +65,12 @@ class TextPrior:
         u: int,
         block: int,
         by_relevance: bool = False,
+        lexical: bool = False,
     ) -> None:
         self.encoder, self.decode = encoder, decode
+        self.lexical = lexical  # hybrid: EmbQ . EmbD plus the question's rare words (lexical.py)
+        self._words = BlockWords()  # words of blocks 0, 1, ... (lazily)
+        self._query_words: frozenset[str] = frozenset()
         self.k, self.u, self.block = k, u, block
         self.by_relevance = by_relevance  # rows least relevant first, else ascending
         self._ids: list[np.ndarray] = []  # every token read, in order (joined lazily)
@@ -73,6 +86,7 @@ class TextPrior:
         twin = copy.copy(self)
         twin._ids = list(self._ids)
         twin._emb = self._emb.copy()
+        twin._words = self._words.copy()
         return twin
 
     def read(self, ids: torch.Tensor) -> None:
@@ -92,8 +106,9 @@ class TextPrior:
         """EmbQ(text) for the forwards of the request under way; None clears it."""
         self._rows = None
         if not text or not text.strip():
-            self._query = None
+            self._query, self._query_words = None, frozenset()
             return
+        self._query_words = words(text) if self.lexical else frozenset()
         started = time.perf_counter()
         self._query = self.encoder.embed([text])[0]
         self.seconds += time.perf_counter() - started
@@ -133,10 +148,11 @@ class TextPrior:
         key = (dropped, frame.n_memory)
         if self._rows is not None and self._rows[0] == key:
             return self._rows[1]
-        first, count = dropped // self.block, frame.n_memory // self.block
-        emb = self._embedded(frame.n_sinks, first + count)[first:]  # (count, dim)
-        scores = emb @ self._query
+        count = frame.n_memory // self.block
+        scores, lexical = self._scores(frame)
         top = np.argsort(-scores, kind="stable")[: self.k]
+        if lexical.any():  # the question's words single some blocks out: only those near the best
+            top = top[scores[top] >= scores[top[0]] - PRIOR_MARGIN]
         lines = (top[:, None] + np.arange(-self.u, self.u + 1)[None]).clip(0, count - 1)
         if self.by_relevance:
             best: dict[int, int] = {}  # block -> the best rank of a line holding it
@@ -150,6 +166,23 @@ class TextPrior:
         pinned = torch.from_numpy(rows).to(frame.device)
         self._rows = (key, pinned)
         return pinned
+
+    def block_scores(self, frame: FrameState) -> np.ndarray:
+        """(memory blocks,) the question's score of every block memory holds: EmbQ . EmbD, plus
+        LEXICAL_WEIGHT times the block's lexical share (hybrid)."""
+        return self._scores(frame)[0]
+
+    def _scores(self, frame: FrameState) -> tuple[np.ndarray, np.ndarray]:
+        """block_scores, and the lexical shares in them (zeros unless hybrid)."""
+        assert self._query is not None
+        dropped = frame.num_tokens - frame.n_sinks - frame.n_local - frame.n_memory
+        first, count = dropped // self.block, frame.n_memory // self.block
+        emb = self._embedded(frame.n_sinks, first + count)[first:]  # (count, dim)
+        lexical = np.zeros(count, dtype=np.float32)
+        if self._query_words:
+            held = self._block_words(frame.n_sinks, first + count)
+            lexical = held.scores(self._query_words, first, count)
+        return emb @ self._query + LEXICAL_WEIGHT * lexical, lexical
 
     def _embedded(self, sinks: int, blocks: int) -> np.ndarray:
         """EmbD of memory blocks 0..blocks-1 (block b: tokens sinks + b*block onwards)."""
@@ -170,8 +203,24 @@ class TextPrior:
             self.seconds += time.perf_counter() - started
         return self._emb[:blocks]
 
+    def _block_words(self, sinks: int, blocks: int) -> BlockWords:
+        """The words of memory blocks 0..blocks-1, each read with OVERLAP tokens either side."""
+        have = len(self._words)
+        if have < blocks:
+            started = time.perf_counter()
+            ids = np.concatenate(self._ids) if len(self._ids) > 1 else self._ids[0]
+            self._ids = [ids]
+            found = []
+            for b in range(have, blocks):
+                start = max(sinks, sinks + b * self.block - OVERLAP)
+                piece = ids[start : sinks + (b + 1) * self.block + OVERLAP]
+                found.append(words(self.decode(piece.tolist())))
+            self._words.add(found)
+            self.seconds += time.perf_counter() - started
+        return self._words
+
     def nbytes(self) -> int:
-        return self._num_ids * 8 + self._emb.nbytes
+        return self._num_ids * 8 + self._emb.nbytes + self._words.nbytes()
 
     def pop_seconds(self) -> float:
         seconds, self.seconds = self.seconds, 0.0

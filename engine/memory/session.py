@@ -131,7 +131,10 @@ class SessionMemory(EncodingTransfer):
             self.config = dataclasses.replace(self.config, prior_k=self._prior_k)
             self._frame.config = c = self.config  # selectors do not read the prior's budget
             by_relevance = c.prior_order == "relevance"
-            self.prior = TextPrior(encoder, decode, c.prior_k, c.prior_u, c.block, by_relevance)
+            lexical = c.prior_match == "hybrid"
+            self.prior = TextPrior(
+                encoder, decode, c.prior_k, c.prior_u, c.block, by_relevance, lexical
+            )
 
     def embed_prior(self) -> None:
         """Compute the text prior's EmbD of every memory block now, not at the first question

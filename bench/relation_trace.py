@@ -1,0 +1,191 @@
+"""What reaches the frame for the recall bench's `relation` task: a trial's document (k facts of
+one relation, as `bench recall` builds it) read into a session memory the way the server reads
+an uploaded document (a user turn, chunk by chunk, the text prior attached), then each question
+asked the way a session chat asks it. Per question: where the text prior ranks the asked
+fact's block and the other facts' blocks, which facts' value tokens the question's retrieval
+holds in the frame (at every layer, at some), the answer, and whose value the answer gives.
+No HTTP: the engine's SessionMemory directly, so each step can be inspected.
+
+    python -m bench.relation_trace --length 32768 --kind manpages --trials 2
+
+One JSON line per question, then a summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.recall_corpus import build_document, load_token_counter
+from bench.recall_tasks import is_correct, make_trial
+from engine.config import EngineConfig
+from engine.memory.config import MemorySpec
+from engine.memory.session import SessionMemory
+from engine.runner.chat_template import encode_chat, encode_document
+from engine.runner.loader import load_model
+from engine.sessions.prior_query import prior_encoder, prior_query
+
+
+def _find(ids: list[int], piece: list[int]) -> int:
+    """Start of the last occurrence of `piece` in `ids`, or -1."""
+    n = len(piece)
+    for start in range(len(ids) - n, -1, -1):
+        if ids[start : start + n] == piece:
+            return start
+    return -1
+
+
+def _value_span(tokenizer: Any, ids: list[int], value: str) -> tuple[int, int]:
+    for text in (f" {value}", value):
+        piece = list(tokenizer(text, add_special_tokens=False).input_ids)
+        at = _find(ids, piece)
+        if at >= 0:
+            return at, at + len(piece)
+    raise ValueError(f"value {value} not found in the document's tokens")
+
+
+def _held(frame: Any, span: tuple[int, int]) -> tuple[int, int]:
+    """(layers holding every token of span, layers holding some of it) at the last forward."""
+    full = part = 0
+    wanted = torch.arange(*span)
+    for idx in frame.last_selected.values():
+        positions = idx[idx >= 0] + frame.n_sinks
+        held = torch.isin(wanted, positions).float().mean().item()
+        full += held == 1.0
+        part += 0 < held < 1.0
+    return full, part
+
+
+def _prior_ranks(memory: SessionMemory, spans: list[tuple[int, int]]) -> list[int]:
+    """Rank (0 = nearest EmbQ) of the block holding each span's first token."""
+    prior, frame = memory.prior, memory._frame
+    assert prior is not None and prior._query is not None
+    count = frame.n_memory // prior.block
+    scores = prior.block_scores(frame)
+    order = np.argsort(-scores, kind="stable")
+    rank = np.empty(count, dtype=np.int64)
+    rank[order] = np.arange(count)
+    out = []
+    for first, _ in spans:
+        block = (first - frame.n_sinks) // prior.block
+        out.append(int(rank[block]) if 0 <= block < count else -1)
+    return out
+
+
+def _with_variant(memory: SessionMemory, variant: str) -> SessionMemory:
+    """memory with frame knobs changed ('k=2,prior_k=2'): config, frame, selector and prior."""
+    if not variant:
+        return memory
+    pairs = [kv.partition("=") for kv in variant.split(",")]
+    knobs = {k: int(v) if v.isdigit() else v for k, _, v in pairs}
+    config = dataclasses.replace(memory.config, **knobs)
+    memory.config = memory._frame.config = memory._frame.selector.config = config
+    if memory.prior is not None:
+        memory.prior.k, memory.prior.u = config.prior_k, config.prior_u
+        memory.prior.lexical = config.prior_match == "hybrid"
+    return memory
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--length", type=int, default=32768)
+    parser.add_argument("--kind", default="manpages")
+    parser.add_argument("--trials", type=int, default=2)
+    parser.add_argument("--first-trial", type=int, default=0)
+    parser.add_argument("--facts", type=int, default=8)
+    parser.add_argument("--strategy", default="segments")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--knob", action="append", default=[], help="memory knob k=v")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="frame knobs changed on each question's fork, e.g. 'k=2,prior_k=2' (diagnosis)",
+    )
+    args = parser.parse_args(argv)
+
+    config = EngineConfig()
+    loaded = load_model(config)
+    tokenizer, model = loaded.tokenizer, loaded.model
+    count = load_token_counter(None)
+    encoder = prior_encoder(config)
+    end = set(tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
+    knobs = {k: json.loads(v) for k, _, v in (kv.partition("=") for kv in args.knob)}
+    totals = {"n": 0, "correct": 0, "other_value": 0, "in_frame_all": 0, "prior_top": 0}
+    for trial_no in range(args.first_trial, args.first_trial + args.trials):
+        seed = f"{args.kind}:{trial_no}"
+        trial = make_trial(seed, ("relation",), facts_of_relation=args.facts)
+        doc = build_document(trial, args.kind, seed, args.length, 7600, count)
+        ids = encode_document(tokenizer, doc.text)
+        values = [q.expected[0] for q in trial.questions]
+        spans = [_value_span(tokenizer, ids, v) for v in values]
+        spec = MemorySpec(strategy=args.strategy, **knobs)
+        base = SessionMemory(model, spec, loaded.kv_dtype)
+        if encoder is not None:
+            base.attach_prior(encoder, lambda t: str(tokenizer.decode(list(t))))
+        with torch.inference_mode():
+            for start in range(0, len(ids), config.prefill_chunk_tokens):
+                piece = ids[start : start + config.prefill_chunk_tokens]
+                base.append(torch.tensor(piece), document=True)
+            base.end_document()
+        history = [("user", doc.text)]
+        for (i, question), variant in itertools.product(
+            enumerate(trial.questions), args.variant or [""]
+        ):
+            messages = [{"role": "user", "content": question.turns[0]}]
+            memory = _with_variant(base.fork(), variant)
+            memory.set_query(prior_query(messages))
+            prompt = encode_chat(tokenizer, messages, history)
+            with torch.inference_mode():
+                logits = memory.append(torch.tensor(prompt))
+                held = [_held(memory._frame, span) for span in spans]
+                ranks = _prior_ranks(memory, spans) if memory.prior is not None else []
+                answer: list[int] = []
+                for _ in range(args.max_tokens):
+                    token = int(logits.argmax())
+                    if token in end:
+                        break
+                    answer.append(token)
+                    logits = memory.append(torch.tensor([token]))
+            text = str(tokenizer.decode(answer))
+            layers = len(memory._frame.last_selected) or 1
+            others = [j for j, v in enumerate(values) if j != i and v in text]
+            record = {
+                "trial": seed,
+                "variant": variant,
+                "q": i,
+                "paraphrased": question.paraphrased,
+                "depth": round(spans[i][0] / len(ids), 3),
+                "asked_layers_full": held[i][0],
+                "asked_layers_partial": held[i][1],
+                "others_in_frame_all_layers": sum(
+                    h[0] == layers for j, h in enumerate(held) if j != i
+                ),
+                "prior_rank_asked": ranks[i] if ranks else None,
+                "prior_ranks_others": sorted(r for j, r in enumerate(ranks) if j != i),
+                "answer": text.strip()[:80],
+                "correct": is_correct(text, question.expected),
+                "gave_other_fact": others,
+            }
+            print(json.dumps(record), flush=True)
+            totals["n"] += 1
+            totals["correct"] += record["correct"]
+            totals["other_value"] += bool(others)
+            totals["in_frame_all"] += held[i][0] == layers
+            totals["prior_top"] += bool(ranks) and ranks[i] < (memory.config.prior_k or 0)
+            del memory
+        del base
+    print(json.dumps({"summary": totals, "kind": args.kind, "length": args.length}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
