@@ -114,11 +114,15 @@ class TextPrior:
         self.seconds += time.perf_counter() - started
 
     def embed(self, frame: FrameState) -> None:
-        """EmbD of every block the frame's memory holds now (those not embedded yet)."""
+        """EmbD (and, hybrid, the words) of every block the frame's memory holds now (those not
+        done yet)."""
         try:
             if frame.n_memory:
                 dropped = frame.num_tokens - frame.n_sinks - frame.n_local - frame.n_memory
-                self._embedded(frame.n_sinks, (dropped + frame.n_memory) // self.block)
+                blocks = (dropped + frame.n_memory) // self.block
+                self._embedded(frame.n_sinks, blocks)
+                if self.lexical:
+                    self._block_words(frame.n_sinks, blocks)
         finally:
             self._given = None
 

@@ -148,3 +148,16 @@ def test_hybrid_pins_only_the_blocks_near_the_best():
     # no word of the question in the document: the k best, as the encoder alone ranks them
     prior.set_query("ship zzz")
     assert len(pinned_blocks(prior)) == 4
+
+
+def test_a_document_s_words_are_read_as_its_blocks_reach_memory(tiny_loaded):
+    """Like EmbD, a block's words are found when it moves to memory, not at the first question."""
+    from engine.memory.session import SessionMemory
+
+    spec = {"sinks": 8, "local_window": 64, "chunk_size": 32, "block": 16, "k": 1, "u": 0}
+    memory = SessionMemory(tiny_loaded.model, MemorySpec("segments", spec))
+    memory.attach_prior(KindEncoder(), decode)
+    memory.append(torch.randint(100, 5000, (300,)), document=True)
+    prior = memory.prior
+    assert prior is not None and prior.num_embedded > 0
+    assert len(prior._words) == prior.num_embedded
