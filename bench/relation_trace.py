@@ -85,9 +85,10 @@ def _with_variant(memory: SessionMemory, variant: str) -> SessionMemory:
     if not variant:
         return memory
     pairs = [kv.partition("=") for kv in variant.split(",")]
-    knobs = {k: int(v) if v.isdigit() else v for k, _, v in pairs}
+    knobs: dict[str, Any] = {k: int(v) if v.isdigit() else v for k, _, v in pairs}
     config = dataclasses.replace(memory.config, **knobs)
-    memory.config = memory._frame.config = memory._frame.selector.config = config
+    memory.config = memory._frame.config = config
+    setattr(memory._frame.selector, "config", config)  # noqa: B010 - every selector keeps one
     if memory.prior is not None:
         memory.prior.k, memory.prior.u = config.prior_k, config.prior_u
         memory.prior.lexical = config.prior_match == "hybrid"
