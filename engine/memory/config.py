@@ -64,10 +64,10 @@ class FrameConfig:
         least to the most relevant, so the block nearest EmbQ sits right before the window and
         the question (docs/decisions/024-prior-order-relevance.md). "document": every
         retrieved row in document order.
-    prior_match: how the prior scores a block. "hybrid" (default): EmbQ . EmbD plus half the
-        IDF-weighted share of the question's words (three letters or more) the block holds,
-        IDF over the session's blocks (lexical.py), so the block naming what the question
-        names outranks others of its kind; "dense": EmbQ . EmbD alone
+    prior_match: how the prior scores a block. "dense" (default): EmbQ . EmbD alone, the
+        prior_k best. "hybrid": plus half the IDF-weighted share of the question's words the
+        block holds (lexical.py), pinning only the lines within 0.1 of the best when those
+        words single blocks out; it lost on the held-out set, so it is not the default
         (docs/decisions/074-lexical-prior.md).
     tier: where memory blocks live. "device" (default) keeps them beside the model; "host"
         keeps them in (page-locked) host memory and copies only the rows a forward retrieves
@@ -102,7 +102,7 @@ class FrameConfig:
     prior_k: int = 8
     prior_u: int = 1
     prior_order: str = "relevance"
-    prior_match: str = "hybrid"
+    prior_match: str = "dense"
 
     def tail_start(self, total: int) -> int:
         """Where the last `tail` tokens of an append of `total` tokens begin (they are

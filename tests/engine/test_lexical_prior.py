@@ -111,9 +111,11 @@ def test_a_forks_prior_keeps_its_own_words():
 
 
 def test_prior_match_is_a_checked_knob():
-    config = parse_memory_spec(MemorySpec("segments", {"prior_match": "dense"}), max_positions=8192)
-    assert config.prior_match == "dense"
-    assert parse_memory_spec(MemorySpec("segments"), max_positions=8192).prior_match == "hybrid"
+    config = parse_memory_spec(
+        MemorySpec("segments", {"prior_match": "hybrid"}), max_positions=8192
+    )
+    assert config.prior_match == "hybrid"
+    assert parse_memory_spec(MemorySpec("segments"), max_positions=8192).prior_match == "dense"
     with pytest.raises(InvalidRequest) as e:
         parse_memory_spec(MemorySpec("segments", {"prior_match": "bm25"}), max_positions=8192)
     assert e.value.param == "memory.prior_match"
@@ -155,6 +157,7 @@ def test_a_document_s_words_are_read_as_its_blocks_reach_memory(tiny_loaded):
     from engine.memory.session import SessionMemory
 
     spec = {"sinks": 8, "local_window": 64, "chunk_size": 32, "block": 16, "k": 1, "u": 0}
+    spec["prior_match"] = "hybrid"
     memory = SessionMemory(tiny_loaded.model, MemorySpec("segments", spec))
     memory.attach_prior(KindEncoder(), decode)
     memory.append(torch.randint(100, 5000, (300,)), document=True)
