@@ -142,7 +142,8 @@ def tiny_model(tmp_path_factory) -> Path:
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-llama")
+    # not "tiny-llama": tests/engine's model of that name is served as "tiny-llama0"
+    path = tmp_path_factory.mktemp("e2e-tiny")
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
