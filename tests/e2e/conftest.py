@@ -37,7 +37,9 @@ class ServerProcess:
             return response.read().decode()
 
 
-def start_server(tmp_path: Path, *extra: str, timeout: float = 240.0) -> ServerProcess:
+def launch_server(tmp_path: Path, *extra: str) -> ServerProcess:
+    """Start `longserve serve` with `extra` arguments on a free port; returns at once (see
+    `wait_ready`)."""
     port = free_port()
     log_path = tmp_path / f"server-{port}.log"
     cmd = [
@@ -60,13 +62,41 @@ def start_server(tmp_path: Path, *extra: str, timeout: float = 240.0) -> ServerP
     process = subprocess.Popen(
         cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).resolve().parents[2]
     )
-    server = ServerProcess(f"http://{HOST}:{port}", process, log_path)
+    return ServerProcess(f"http://{HOST}:{port}", process, log_path)
+
+
+def wait_ready(server: ServerProcess, timeout: float = 240.0) -> ServerProcess:
+    """Wait until a launched server answers /ready; stopped, and the test failed, if it does not
+    within `timeout` seconds."""
     try:
-        wait_for_process(process, f"{server.base_url}/ready", server.log, timeout, interval_s=0.5)
+        wait_for_process(
+            server.process, f"{server.base_url}/ready", server.log, timeout, interval_s=0.5
+        )
     except AssertionError:
         stop_server(server)
         raise
     return server
+
+
+def start_server(tmp_path: Path, *extra: str, timeout: float = 240.0) -> ServerProcess:
+    return wait_ready(launch_server(tmp_path, *extra), timeout)
+
+
+def start_servers(
+    tmp_path: Path, count: int, *extra: str, timeout: float = 240.0
+) -> list[ServerProcess]:
+    """`count` servers of the same arguments, started side by side: loading the model is
+    mostly one core's work, so two loads overlap on a 2-core machine. All are stopped if any
+    fails to start."""
+    servers = [launch_server(tmp_path, *extra) for _ in range(count)]
+    try:
+        for server in servers:
+            wait_ready(server, timeout)
+    except BaseException:
+        for server in servers:
+            stop_server(server)
+        raise
+    return servers
 
 
 def stop_server(server: ServerProcess) -> None:
@@ -85,6 +115,38 @@ def server(tmp_path_factory) -> Iterator[ServerProcess]:
     proc = start_server(tmp_path_factory.mktemp("e2e"))
     yield proc
     stop_server(proc)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A tiny random Llama (2 layers, hidden 64) with the embedded model's tokenizer, saved for
+    `--model`: for servers whose tests check no answer of the real model (it loads in a second
+    where the embedded GGUF takes tens of seconds on a shared CPU)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from engine.runner.loader import embedded_model_path
+
+    gguf = embedded_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    # not "tiny-llama": tests/engine's model of that name is served as "tiny-llama0"
+    path = tmp_path_factory.mktemp("e2e-tiny")
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="session")

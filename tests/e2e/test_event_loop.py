@@ -1,5 +1,6 @@
 """The event loop only does I/O: `/health` answers while a huge prompt is being tokenized
-(docs/decisions/057). A real server process with the embedded model and its real tokenizer."""
+(docs/decisions/057). The run's shared server process (conftest.py's `server`): the embedded
+model and its real tokenizer."""
 
 from __future__ import annotations
 
@@ -12,19 +13,12 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.e2e.conftest import API_KEY, ServerProcess, start_server, stop_server
+from tests.e2e.conftest import API_KEY, ServerProcess
 
 PROMPT_BYTES = 30_000_000  # issue #41: /health froze for 33 s while 24 MB were tokenized
 PROBES = 600  # at most: probes run until the answer
 PROBE_INTERVAL_S = 0.1  # its preparation takes 7 to 40 s on this loaded 2-core machine
 LINE = "The harvest came late that year, and the river ran high past the old mill.\n"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[ServerProcess]:
-    proc = start_server(tmp_path_factory.mktemp("loop"), timeout=600)  # a loaded machine
-    yield proc
-    stop_server(proc)
 
 
 def _huge_completion(base_url: str, sent: threading.Event, outcome: dict) -> None:

@@ -13,7 +13,14 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.e2e.conftest import API_KEY, ServerProcess, start_server, stop_server, upload_and_wait
+from tests.e2e.conftest import (
+    API_KEY,
+    ServerProcess,
+    start_server,
+    start_servers,
+    stop_server,
+    upload_and_wait,
+)
 from tests.helpers import HOST, free_port, wait_for_process
 from tests.redis_process import RedisProcess
 
@@ -104,8 +111,7 @@ def ask(server: ServerProcess, session_id: str) -> str:
 def test_session_is_shared_by_replicas_and_survives_store_restart(
     tmp_path: Path, redis: RedisProcess, memory_service: MemoryServiceProcess
 ) -> None:
-    first = start_server(tmp_path, "--memory-store", memory_service.url)
-    second = start_server(tmp_path, "--memory-store", memory_service.url)
+    first, second = start_servers(tmp_path, 2, "--memory-store", memory_service.url)
     try:
         session, _ = upload_and_wait(first.api_base, "passkey.txt", DOCUMENT, timeout_s=900)
         session_id = session["id"]
@@ -189,8 +195,7 @@ def test_turns_survive_kill_9_of_the_replica_that_took_them(
     and gets the tokens a replica that lived the conversation answers (B itself, on a second
     session that lives it), without B reading the document with the model."""
     memory_service = any_memory_service
-    a = start_server(tmp_path, "--memory-store", memory_service.url)
-    b = start_server(tmp_path, "--memory-store", memory_service.url)
+    a, b = start_servers(tmp_path, 2, "--memory-store", memory_service.url)
     try:
         session, _ = upload_and_wait(a.api_base, "passkey.txt", DOCUMENT, timeout_s=900)
         messages = conversation(a, session["id"])

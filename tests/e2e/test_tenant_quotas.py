@@ -1,6 +1,7 @@
 """Per-tenant limits across real replicas: two `longserve serve` processes over one
 `longserve memory-store` on a real Redis. The tenant's sessions made through A count on B,
-whichever replica the client picks; a restore on B past the limit is refused cleanly."""
+whichever replica the client picks; a restore on B past the limit is refused cleanly. Nothing
+here asks the model, so the replicas serve conftest.py's tiny random model."""
 
 from __future__ import annotations
 
@@ -11,11 +12,9 @@ import httpx
 import pytest
 
 from server.settings import tenant_of
-from tests.e2e.conftest import API_KEY, start_server, stop_server
+from tests.e2e.conftest import API_KEY, start_servers, stop_server
 from tests.e2e.test_replicas import MemoryServiceProcess
 from tests.redis_process import RedisProcess
-
-pytestmark = pytest.mark.real_model
 
 
 @pytest.fixture
@@ -35,13 +34,17 @@ def error_code(response: httpx.Response, status: int) -> str:
     return str(error["code"])
 
 
-@pytest.mark.timeout(900)  # two model loads on a shared CPU
+@pytest.mark.timeout(900)  # two server starts on a shared CPU
 def test_session_limit_holds_across_server_replicas(
-    tmp_path: Path, memory_service: MemoryServiceProcess, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    memory_service: MemoryServiceProcess,
+    monkeypatch: pytest.MonkeyPatch,
+    tiny_model: Path,
 ) -> None:
     monkeypatch.setenv("LONGSERVE_MAX_SESSIONS_PER_TENANT", "2")
-    a = start_server(tmp_path, "--memory-store", memory_service.url)
-    b = start_server(tmp_path, "--memory-store", memory_service.url)
+    a, b = start_servers(
+        tmp_path, 2, "--memory-store", memory_service.url, "--model", str(tiny_model)
+    )
     tenant = tenant_of(API_KEY)
     ledger = f"{memory_service.url}/v1/usage/{tenant}"
     try:

@@ -47,6 +47,13 @@ def tiny_loaded(tiny_model_dir) -> LoadedModel:
     return load_model(EngineConfig(model=str(tiny_model_dir), device="cpu"))
 
 
+@pytest.fixture(scope="session")
+def real_loaded() -> LoadedModel:
+    """The embedded SmolLM2-135M as `longserve serve` loads it by default, loaded once for the
+    run (tens of seconds on a shared CPU); tests read it, none changes its weights."""
+    return load_model(EngineConfig(device="cpu"))
+
+
 @pytest.fixture
 async def make_engine(tiny_loaded):
     """Build LocalEngines on the shared tiny model; each is shut down after the test."""

@@ -324,8 +324,8 @@ async def test_drop_session_cancels_ingestion(make_engine, small_memory_spec):
 
 
 @pytest.mark.real_model
-async def test_real_model_answers_paris():
-    engine = LocalEngine(EngineConfig(device="cpu"))
+async def test_real_model_answers_paris(real_loaded):
+    engine = LocalEngine(EngineConfig(device="cpu"), loaded=real_loaded)
     try:
         assert engine.model.id == "SmolLM2-135M-Instruct"
         deltas = await collect(

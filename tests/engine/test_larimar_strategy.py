@@ -129,11 +129,10 @@ async def test_reader_finds_the_needle_in_a_haystack(minilm, tmp_path) -> None:
 
 
 @pytest.mark.real_model
-async def test_embedded_model_answers_the_pass_key_at_100k_tokens(minilm, tmp_path) -> None:
-    from engine.config import EngineConfig
-    from engine.runner.loader import load_model
-
-    loaded = load_model(EngineConfig(device="cpu"))
+async def test_embedded_model_answers_the_pass_key_at_100k_tokens(
+    minilm, tmp_path, real_loaded
+) -> None:
+    loaded = real_loaded
     tokenizer, model = loaded.tokenizer, loaded.model
     key = 71842
     per_filler = len(tokenizer(FILLER * 50, add_special_tokens=False).input_ids) / 50
