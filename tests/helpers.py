@@ -193,3 +193,27 @@ def protocol_mismatches(cls: type, protocol: type) -> list[str]:
         if expected != actual:
             found.append(f"{name}{actual} is not {name}{expected}")
     return found
+
+
+def save_tiny_llama(path: Any, tokenizer: Any, positions: int) -> Any:
+    """A tiny random Llama (2 layers, hidden 64, seed 0) with `tokenizer`, saved at `path` for
+    `--model` or load_model; `positions` its window. Returns path."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=positions,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -28,14 +28,14 @@ if TYPE_CHECKING:
     from memory_store.client import TextEncoder
 
 
-PRIOR_META = "prior_embd"
+PRIOR_META = "prior_embd"  # a stored chunk's meta: EmbD of the blocks its commit added
 # a block's lexical share (0..1) beside its cosine: a block holding the question's rare words
 # outranks blocks the encoder scores a few hundredths higher (docs/decisions/074-lexical-prior.md)
 LEXICAL_WEIGHT = 0.5
 # hybrid: when the question's words single blocks out, the prior pins only the lines whose score
 # is this close to the best (up to k): a block missing about a fifth of the question's rare
 # words' weight is left to the strategy, so same-kind sentences naming others stay out
-PRIOR_MARGIN = 0.1  # a stored chunk's meta: EmbD of the blocks its commit added
+PRIOR_MARGIN = 0.1
 
 
 def pack_rows(rows: np.ndarray) -> dict[str, Any]:
@@ -196,8 +196,7 @@ class TextPrior:
             self._emb = np.concatenate((self._emb, given)) if have else given.copy()
         if have < blocks and self._emb.shape[0] < blocks:
             started = time.perf_counter()
-            ids = np.concatenate(self._ids) if len(self._ids) > 1 else self._ids[0]
-            self._ids = [ids]
+            ids = self._joined_ids()
             texts = [
                 self.decode(ids[sinks + b * self.block : sinks + (b + 1) * self.block].tolist())
                 for b in range(have, blocks)
@@ -207,13 +206,18 @@ class TextPrior:
             self.seconds += time.perf_counter() - started
         return self._emb[:blocks]
 
+    def _joined_ids(self) -> np.ndarray:
+        """Every token id read, as one array (kept joined for the next call)."""
+        if len(self._ids) > 1:
+            self._ids = [np.concatenate(self._ids)]
+        return self._ids[0]
+
     def _block_words(self, sinks: int, blocks: int) -> BlockWords:
         """The words of memory blocks 0..blocks-1, each read with OVERLAP tokens either side."""
         have = len(self._words)
         if have < blocks:
             started = time.perf_counter()
-            ids = np.concatenate(self._ids) if len(self._ids) > 1 else self._ids[0]
-            self._ids = [ids]
+            ids = self._joined_ids()
             found = []
             for b in range(have, blocks):
                 start = max(sinks, sinks + b * self.block - OVERLAP)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import HOST, free_port, wait_for_process
+from tests.helpers import HOST, free_port, save_tiny_llama, wait_for_process
 
 API_KEY = "e2e-key"
 
@@ -122,31 +122,14 @@ def tiny_model(tmp_path_factory) -> Path:
     """A tiny random Llama (2 layers, hidden 64) with the embedded model's tokenizer, saved for
     `--model`: for servers whose tests check no answer of the real model (it loads in a second
     where the embedded GGUF takes tens of seconds on a shared CPU)."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     from engine.runner.loader import embedded_model_path
 
     gguf = embedded_model_path()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
     # not "tiny-llama": tests/engine's model of that name is served as "tiny-llama0"
-    path = tmp_path_factory.mktemp("e2e-tiny")
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("e2e-tiny"), tokenizer, positions=4096)
 
 
 @pytest.fixture(scope="session")

@@ -4,10 +4,10 @@ Llama (2 layers, hidden 64), saved to a directory so `load_model` loads it like 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine.config import EngineConfig
 from engine.runner.loader import LoadedModel, embedded_model_path, load_model
+from tests.helpers import save_tiny_llama
 
 
 @pytest.fixture(scope="session")
@@ -20,26 +20,7 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tokenizer, positions=256)
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,6 @@ import json
 
 import httpx
 import pytest
-import torch
 
 from engine.config import EngineConfig
 from engine.protocol import InvalidRequest, StructuredOutput
@@ -33,6 +32,7 @@ from server.serving.tool_formats import (
 )
 from server.settings import ServerSettings
 from tests.engine import chat_templates
+from tests.helpers import save_tiny_llama
 
 TEMPLATES = {
     "llama-3.1": chat_templates.LLAMA_3_1,
@@ -137,24 +137,7 @@ def templated(tokenizer):
 def wide_loaded(tmp_path_factory, tokenizer) -> LoadedModel:
     """The tiny random Llama of conftest with a 1,024-position window: Llama 3.1's template
     alone takes 255 of the embedded tokenizer's tokens for one tool and one question."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("wide-llama")
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    path = save_tiny_llama(tmp_path_factory.mktemp("wide-llama"), tokenizer, positions=1024)
     return load_model(EngineConfig(model=str(path), device="cpu"))
 
 
