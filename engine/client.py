@@ -43,6 +43,7 @@ from engine.protocol import (
     TokenizerInfo,
     TokenPrompt,
 )
+from engine.runner.adapter import AnswerAdapter, load_adapters
 from engine.runner.chat_template import assistant_turn_end, end_token_ids
 from engine.runner.decode_state import KVCacheState
 from engine.runner.decode_step import decoder_of
@@ -159,8 +160,13 @@ class LocalEngine:
         )
         self._larimar_backend = LarimarBackend(self, self._prompts.count, self.config, store)
         self._backends: tuple[SessionBackend, ...] = (self._frame_backend, self._larimar_backend)
+        # answer adapters, by model id (engine/runner/adapter.py)
+        self._adapters = load_adapters(
+            self.loaded.model, self.loaded.model_id, self.config.adapters
+        )
         self._info = ModelInfo(
             id=self.loaded.model_id,
+            adapters=tuple(self._adapters),
             max_model_len=self.loaded.max_model_len,
             strategies=self._frame_backend.strategies + self._larimar_backend.strategies,
             created=int(time.time()),
@@ -225,9 +231,11 @@ class LocalEngine:
         memory: MemorySpec | None = None,
         tenant: str | None = None,
         memory_room: int | None = None,
+        adapter: str | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         self._worker.check_alive()
         _validate_sampling(sampling)
+        answers = self._adapter(adapter)
         prepared: torch.Tensor | None = None
         if isinstance(prompt, PreparedPrompt):  # tokenized, its grammar compiled
             prepared = prompt.token_ids
@@ -237,20 +245,33 @@ class LocalEngine:
         if session_id is not None:
             backend = self._backend_of(session_id)
             return backend.generate(
-                request_id, session_id, prompt, sampling, memory_room, prompt_ids=prepared
+                request_id,
+                session_id,
+                prompt,
+                sampling,
+                memory_room,
+                prompt_ids=prepared,
+                adapter=answers,
             )
         prompt_ids = prepared if prepared is not None else self._prompts.encode(prompt)  # (T,)
         total = len(prompt_ids) + sampling.max_tokens
         queued_at = time.perf_counter()
         if total <= self.loaded.max_model_len:
-            steps = self._kv_steps(prompt_ids, sampling, queued_at, tenant)
+            steps = self._kv_steps(prompt_ids, sampling, queued_at, tenant, answers)
             on_abort = aborted_delta(len(prompt_ids))
             return submit(self._worker, request_id, steps, None, on_abort, tenant=tenant)
         check_memory_cap(total, self.config.max_memory_tokens)
         spec = memory or MemorySpec(strategy=self.config.memory_strategy)
         return self._backend_for(spec).generate_ephemeral(
-            request_id, prompt, prompt_ids, sampling, spec, queued_at, scope=tenant
+            request_id, prompt, prompt_ids, sampling, spec, queued_at, scope=tenant, adapter=answers
         )
+
+    def _adapter(self, name: str | None) -> AnswerAdapter | None:
+        if name is None or name == self.loaded.model_id:
+            return None
+        if name not in self._adapters:
+            raise InvalidRequest(f"no adapter model {name!r} is served", param="model")
+        return self._adapters[name]
 
     async def count_tokens(self, prompt: Prompt) -> int:
         return await self._preprocessor.run(None, lambda: self._prompts.count(prompt))
@@ -367,6 +388,7 @@ class LocalEngine:
         sampling: SamplingParams,
         queued_at: float,
         tenant: str | None,
+        adapter: AnswerAdapter | None = None,
     ) -> Generation:
         # Nothing runs until the worker steps it; its decode steps join the worker's batches.
         state = KVCacheState(
@@ -381,6 +403,7 @@ class LocalEngine:
             self._device_tokenizer,
             queued_at=queued_at,
             reuse=PromptReuse(self._kv_prefixes, tenant, state.cache),
+            adapter=adapter,
             **self._decoding.kwargs(),
         )
 

@@ -61,6 +61,8 @@ class EngineConfig:
     "float16" half of fp32, widened by the CPU decode kernels as they read them. Prefill
     attends them in the model's dtype. Memory blocks have their own knob (memory_dtype,
     engine/memory/config.py).
+    adapters: answer adapter files ("name=path" or a path) served beside the ones shipped in
+    engine/adapters/, each as the model id "<served model>:<name>" (engine/runner/adapter.py).
     lean_decode: decode steps of plain (non-memory) requests on a model of one of
     engine/runner/families.py's families (Llama, Mistral, Qwen2, Qwen3, Phi-3) run
     engine/runner/decode_step.py's lean step instead of transformers' forward (the same function in
@@ -122,6 +124,7 @@ class EngineConfig:
     linear_dtype: str = "auto"
     kv_dtype: str = "auto"
     lean_decode: bool = True
+    adapters: tuple[str, ...] = ()
     batch_invariant: bool = False
     projection_dir: str | None = None
     max_projection_bytes: int = 256 * 1024**2

@@ -333,6 +333,7 @@ class ModelInfo:
     strategies: tuple[str, ...] = ()
     created: int = 0
     tool_format: ToolFormat | None = None
+    adapters: tuple[str, ...] = ()  # answer adapters' model ids: "<id>:<name>"
 
 
 @dataclass(frozen=True)
@@ -397,6 +398,7 @@ class EngineClient(Protocol):
         memory: MemorySpec | None = None,
         tenant: str | None = None,
         memory_room: int | None = None,
+        adapter: str | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         """Queue a generation and stream its deltas; `prompt` as `prepare` made it (a bare
         Prompt is tokenized on the caller's thread). tenant: whose request it is; long prompts
@@ -404,6 +406,8 @@ class EngineClient(Protocol):
         session, how many tokens its memory may still grow by (the tenant's budget left);
         MemoryBudgetExceeded, changing nothing, when the request could take more. Raises EngineOverloaded when the waiting
         queue is full (before anything is yielded), PromptTooLong / InvalidRequest on bad input.
+        adapter: a model id of ModelInfo.adapters: its adapter answers (the base model reads
+        the prompt but its last tokens); None or the model's id: the base model.
         Closing the iterator early aborts the request in the worker."""
         ...
 

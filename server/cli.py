@@ -89,6 +89,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "cores / N each)",
     )
     parser.add_argument(
+        "--adapter",
+        action="append",
+        dest="adapters",
+        metavar="[NAME=]PATH",
+        help="an answer adapter file (longserve adapt) served as the model <id>:NAME "
+        "(repeatable; the shipped ones are always served)",
+    )
+    parser.add_argument(
         "--projection-dir",
         help="neurocache projections clients name by id: <dir>/<id>.pt (default: none)",
     )
@@ -118,6 +126,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         "data_dir",
         "projection_dir",
         "threads",
+        "adapters",
     )
     overrides: dict[str, Any] = {
         name: getattr(args, name) for name in fields if getattr(args, name, None) is not None
@@ -174,6 +183,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "linear_dtype": settings.linear_dtype,
         "kv_dtype": settings.kv_dtype,
         "lean_decode": settings.lean_decode,
+        "adapters": tuple(settings.adapters),
         "batch_invariant": settings.batch_invariant,
         "max_model_len": settings.max_model_len,
         "max_waiting_requests": settings.max_waiting_requests,
@@ -303,6 +313,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "pre-encode documents offline into a memory-store collection",
         _lazy("engine.caches.ingest_cli", "add_arguments"),
         _lazy("engine.caches.ingest_cli", "run"),
+    ),
+    "adapt": Subcommand(
+        "train an answer adapter on synthetic retrieval tasks (bench/adapt.py)",
+        _lazy("bench.adapt", "add_arguments"),
+        _lazy("bench.adapt", "run"),
     ),
     "bench": Subcommand(
         "run a benchmark from bench/ (one JSON line per measurement)",

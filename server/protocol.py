@@ -368,6 +368,8 @@ class ModelCard(OpenAIModel):
     # --- longserve extensions -----------------------------------------------------------------
     max_model_len: int | None = None
     strategies: list[str] = Field(default_factory=list)
+    # an answer adapter's card names the model it adapts (vLLM's LoRA cards do the same)
+    parent: str | None = None
 
 
 class ModelList(OpenAIModel):

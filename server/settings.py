@@ -49,6 +49,9 @@ class ServerSettings(BaseSettings):
     # Plain requests' decode steps on a Llama-shaped model (Llama, Mistral, Qwen2, Qwen3, Phi-3)
     # skip transformers' forward (engine/runner/decode_step.py); false keeps it for every step.
     lean_decode: bool = True
+    # Answer adapters served beside engine/adapters/'s, as "<model id>:<name>" ("name=path" or
+    # a path, comma-separated in LONGSERVE_ADAPTERS); an operator's files, never a client's.
+    adapters: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # The window of one forward (vLLM's --max-model-len); a longer prompt is read into memory.
     # None: the model's max_position_embeddings.
     max_model_len: int | None = Field(default=None, ge=2)
@@ -170,10 +173,10 @@ class ServerSettings(BaseSettings):
     data_dir: str = "./data"
     drain_timeout_seconds: float = Field(default=30.0, ge=0)
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "adapters", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:
-        """LONGSERVE_API_KEYS="k1,k2" (commas), or a list from code or the CLI."""
+        """LONGSERVE_API_KEYS="k1,k2" (commas; LONGSERVE_ADAPTERS too), or a list."""
         if value is None:
             return []
         if isinstance(value, str):

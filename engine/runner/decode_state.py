@@ -92,11 +92,18 @@ def forward_kv(model: Any, states: Sequence[KVCacheState], ids: torch.Tensor) ->
 
 
 def decode_batch(
-    model: Any, states: Sequence[DecodeState], token_ids: Sequence[int]
+    model: Any,
+    states: Sequence[DecodeState],
+    token_ids: Sequence[int],
+    adapters: Sequence[Any] | None = None,
 ) -> torch.Tensor:
     """Append token_ids[b] to states[b] for every b in one forward, whatever each state's
-    path; logits (B, vocab). On failure no state has changed."""
+    path, row b with adapters[b] (engine/runner/adapter.py) where given and not None; logits
+    (B, vocab). On failure no state has changed."""
     rows = [state.decode_row(t) for state, t in zip(states, token_ids, strict=True)]
+    for row, adapter in zip(rows, adapters or (), strict=False):
+        if adapter is not None:
+            row.adapter = adapter  # type: ignore[attr-defined]  # read by the lean decode step
     return decode_rows(model, rows, token_ids)
 
 

@@ -218,6 +218,27 @@ class LeanDecoder:
             out = out if result is None else result
         return out.squeeze(1)
 
+    def _adapt(
+        self,
+        layer: int,
+        qkv_out: torch.Tensor,
+        x: torch.Tensor,
+        w_in: torch.Tensor,
+        adapted: list[tuple[int, Any]],
+        cos: torch.Tensor | None = None,
+        sin: torch.Tensor | None = None,
+    ) -> None:
+        """Add each adapted row's update (engine/runner/adapter.py) to its q|k|v (B, n, d) in
+        place, row by row; with cos and sin, q's and k's turned as the kernel turned them."""
+        n = self.heads + self.kv_heads
+        for b, adapter in adapted:
+            h = self._rms(x[b : b + 1], w_in).float()
+            delta = adapter.delta(layer, h).view(1, -1, self.head_dim)
+            if cos is not None and sin is not None:
+                turned = self._rotate(delta[:, :n], cos[b : b + 1], sin[b : b + 1])
+                delta = torch.cat((turned, delta[:, n:]), 1)
+            qkv_out[b : b + 1] += delta.to(qkv_out.dtype)
+
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Llama's RMSNorm in six small ops (F.rms_norm on the CPU takes twice as long)
         return x * (x.square().mean(-1, keepdim=True) + self.eps).rsqrt() * weight
@@ -246,9 +267,10 @@ class LeanDecoder:
         small = rows <= SMALL_M
         q4 = self._q4 if small and x.dtype == torch.float32 else None
         kernels: Any = None if q4 is None else q4[0]
+        adapted = [(b, a) for b, r in enumerate(batch.rows) if (a := getattr(r, "adapter", None))]
         if q4 is not None:
             cos_rows, sin_rows = cos.view(rows, d), sin.view(rows, d)
-            plain = self._plain_layers(batch, x, positions, cos, sin)
+            plain = None if adapted else self._plain_layers(batch, x, positions, cos, sin)
             if plain is not None:
                 return self._small_head(self._rms(plain, self.norm)).float()
         for layer, (w_in, qkv, o_proj, w_post, gate_up, down) in enumerate(
@@ -260,9 +282,13 @@ class LeanDecoder:
                 qkv_out = kernels.pre_attention(
                     x, w_in, self.eps, *pre, cos_rows, sin_rows, (heads + kv_heads) * d
                 ).view(rows, heads + 2 * kv_heads, d)
+                if adapted:  # q and k come turned: so do their updates
+                    self._adapt(layer, qkv_out, x, w_in, adapted, cos, sin)
                 qk = qkv_out[:, : heads + kv_heads]
             else:
                 qkv_out = qkv(self._rms(x, w_in)).float().view(rows, heads + 2 * kv_heads, d)
+                if adapted:
+                    self._adapt(layer, qkv_out, x, w_in, adapted)
                 qk = qkv_out[:, : heads + kv_heads]  # (B, heads + kv_heads, d)
                 if self.qk_norms is not None:
                     qk = self._rms(qk, self.qk_norms[layer])

@@ -25,6 +25,7 @@ from engine.protocol import (
     SamplingParams,
     TokenLogprob,
 )
+from engine.runner.adapter import AnswerAdapter
 from engine.runner.decode_state import DecodeState, decode_batch, prefill_chunks
 from engine.runner.detokenize import Detokenizer, token_bytes, token_text
 from engine.runner.grammar import Constraint, Grammars
@@ -94,8 +95,11 @@ class Generation:
         grammars: Grammars | None = None,
         hold_final: bool = False,
         reuse: PrefixReuse | None = None,
+        adapter: AnswerAdapter | None = None,
     ) -> None:
         self.state = state
+        # the prompt's last adapter.lead tokens and every later one take the adapter's steps
+        self.adapter = adapter
         # hold_final: the finishing delta (finish_reason, stats) is the iteration's return
         # value, once every step is done, so a session can close its turn before it goes out
         self._hold_final = hold_final
@@ -106,7 +110,7 @@ class Generation:
         self._prompt_tokens = int(prompt_ids.shape[0])
         self._prefilled = prefilled  # the prompt's first tokens, already in state (a reused prefix)
         self._cuts = [c - prefilled for c in prefill_cuts if c > prefilled]
-        self._reuse = reuse
+        self._reuse = None if adapter is not None else reuse  # an adapted tail is not reusable
         self._chunk_tokens = prefill_chunk_tokens
         self._stop_ids = frozenset() if sampling.ignore_eos else frozenset(stop_token_ids)
         self._vocab_size = vocab_size
@@ -185,7 +189,7 @@ class Generation:
             logits, self._loaded = self._loaded, None
             if logits is None:  # else a batched forward read it already
                 with torch.inference_mode():
-                    self.state.step(token)
+                    self._step(token)
             if self._feed:
                 return None
             self.done = True
@@ -195,8 +199,13 @@ class Generation:
         logits, self._loaded = self._loaded, None
         if logits is None:
             with torch.inference_mode():
-                logits = self.state.step(self.next_token)
+                logits = self._step(self.next_token)
         return self.accept(logits)
+
+    def _step(self, token: int) -> torch.Tensor:
+        if self.adapter is None:
+            return self.state.step(token)
+        return self.adapter.step(self.state, token)
 
     def close(self) -> None:
         """Stop here: every later step ends the iteration."""
@@ -216,7 +225,7 @@ class Generation:
                 self._cuts = [c - reused for c in self._cuts if c > reused]
                 self._prefilled += reused
             rest = self._prompt_ids[self._prefilled :]
-            self._prefill = prefill_chunks(self.state, rest, self._chunk_tokens, self._cuts)
+            self._prefill = self._read_prompt(rest)
         logits = next(self._prefill)
         if logits is None:
             return None
@@ -224,6 +233,21 @@ class Generation:
             self._reuse.keep(self._prompt_ids)
         self._prefill_seconds = time.perf_counter() - self._started
         return self.accept(logits)
+
+    def _read_prompt(self, rest: torch.Tensor) -> Generator[torch.Tensor | None, None, None]:
+        """prefill_chunks over the prompt's unread rest; with an adapter, its last `lead`
+        tokens (at most all but one) are decode steps of the adapter instead."""
+        lead = 0 if self.adapter is None else min(self.adapter.lead, int(rest.shape[0]) - 1)
+        if lead <= 0:
+            yield from prefill_chunks(self.state, rest, self._chunk_tokens, self._cuts)
+            return
+        for logits in prefill_chunks(self.state, rest[:-lead], self._chunk_tokens, self._cuts):
+            if logits is None:
+                yield None
+        with torch.inference_mode():
+            for token in rest[-lead:].tolist():
+                logits = self._step(token)
+        yield logits
 
     def accept(self, logits: torch.Tensor) -> GenerationDelta | None:
         """Sample the next token from logits (vocab,); the delta to send, or None."""
@@ -317,7 +341,8 @@ def load_batch(model: Any, generations: Sequence[Generation]) -> None:
     fails; then no state has changed, and the requests can run their step one by one."""
     assert all(g.batch_ready for g in generations), "a generation is not at a decode step"
     tokens = [g.batch_token for g in generations]
-    logits = decode_batch(model, [g.state for g in generations], tokens)  # (B, vocab)
+    states, adapters = [g.state for g in generations], [g.adapter for g in generations]
+    logits = decode_batch(model, states, tokens, adapters)  # (B, vocab)
     for row, generation in enumerate(generations):
         generation.load(logits[row])
 

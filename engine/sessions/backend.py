@@ -22,6 +22,7 @@ from engine.protocol import (
     SamplingParams,
     SessionTurn,
 )
+from engine.runner.adapter import AnswerAdapter
 from engine.runner.grammar import Grammars
 
 if TYPE_CHECKING:
@@ -48,8 +49,10 @@ class SessionBackend(Protocol):
         memory_room: int | None = None,
         *,
         prompt_ids: torch.Tensor | None = None,
+        adapter: AnswerAdapter | None = None,
     ) -> AsyncIterator[GenerationDelta]:
-        """prompt_ids: the prompt's ids (T,) as the engine prepared them; None: encoded here."""
+        """prompt_ids: the prompt's ids (T,) as the engine prepared them; None: encoded here.
+        adapter: what answers (engine/runner/adapter.py); InvalidRequest where it cannot."""
         ...
 
     def generate_ephemeral(
@@ -61,6 +64,7 @@ class SessionBackend(Protocol):
         spec: MemorySpec,
         queued_at: float,
         scope: str | None = None,
+        adapter: AnswerAdapter | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         """A prompt too long for the window, read into a memory that ends with the request;
         it may start from a memory kept for an earlier prompt of the same scope (tenant)."""

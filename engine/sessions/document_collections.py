@@ -26,6 +26,7 @@ from engine.protocol import (
     SessionNotFound,
     StoreUnavailableError,
 )
+from engine.runner.adapter import AnswerAdapter
 from engine.runner.generate import Generation
 from engine.scheduler.stream import aborted_delta, on_device, submit
 from engine.scheduler.worker import Worker
@@ -171,6 +172,7 @@ class DocumentCollections:
         session_id: str,
         queued_at: float,
         memory_room: int | None = None,
+        adapter: AnswerAdapter | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         """A request on a session with a large collection: select, then generate on a fork.
 
@@ -194,7 +196,7 @@ class DocumentCollections:
             self._config.max_memory_tokens,
         )
         steps = self._fork_steps(
-            session_id, chunks, prompt, prompt_ids, sampling, queued_at, memory_room
+            session_id, chunks, prompt, prompt_ids, sampling, queued_at, memory_room, adapter
         )
         stream = submit(self._worker, request_id, steps, session_id, aborted_delta(len(prompt_ids)))
         async for delta in stream:
@@ -209,6 +211,7 @@ class DocumentCollections:
         sampling: SamplingParams,
         queued_at: float,
         memory_room: int | None,
+        adapter: AnswerAdapter | None = None,
     ) -> Generator[GenerationDelta | None, None, None]:
         session = self._conversations.get(session_id)
         if session is None:
@@ -231,6 +234,7 @@ class DocumentCollections:
             self._decoding.tokenizer,
             queued_at=queued_at,
             hold_final=True,
+            adapter=adapter,
             **self._decoding.kwargs(),
         )
         final = yield from generation  # delegated: its decode steps join the worker's batches

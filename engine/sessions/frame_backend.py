@@ -36,6 +36,7 @@ from engine.protocol import (
     SessionNotFound,
     SessionTurn,
 )
+from engine.runner.adapter import AnswerAdapter
 from engine.runner.chat_template import Turn, encode_document
 from engine.runner.generate import Generation
 from engine.scheduler.stream import aborted_delta, on_device, submit
@@ -131,6 +132,7 @@ class FrameBackend:
         memory_room: int | None = None,
         *,
         prompt_ids: torch.Tensor | None = None,
+        adapter: AnswerAdapter | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         if prompt_ids is None:
             prompt_ids = self._encode(prompt)  # (T,)
@@ -142,10 +144,17 @@ class FrameBackend:
         check_memory_cap(session.memory.num_tokens + total, self.config.max_memory_tokens)
         if session.selected:
             return self.collections.selected_generate(
-                request_id, prompt, prompt_ids, sampling, session_id, queued_at, memory_room
+                request_id,
+                prompt,
+                prompt_ids,
+                sampling,
+                session_id,
+                queued_at,
+                memory_room,
+                adapter=adapter,
             )
         steps = self._session_steps(
-            session_id, prompt, prompt_ids, sampling, queued_at, memory_room
+            session_id, prompt, prompt_ids, sampling, queued_at, memory_room, adapter
         )
         return submit(self._worker, request_id, steps, session_id, aborted_delta(len(prompt_ids)))
 
@@ -158,9 +167,10 @@ class FrameBackend:
         spec: MemorySpec,
         queued_at: float,
         scope: str | None = None,
+        adapter: AnswerAdapter | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         self._check_strategy(spec)
-        steps = self._ephemeral_steps(spec, prompt, prompt_ids, sampling, queued_at, scope)
+        steps = self._ephemeral_steps(spec, prompt, prompt_ids, sampling, queued_at, scope, adapter)
         on_abort = aborted_delta(len(prompt_ids))
         return submit(self._worker, request_id, steps, None, on_abort, tenant=scope)
 
@@ -212,6 +222,7 @@ class FrameBackend:
         sampling: SamplingParams,
         queued_at: float,
         scope: str | None,
+        adapter: AnswerAdapter | None = None,
     ) -> Generator[GenerationDelta | None, None, None]:
         """A long prompt: its body (before the question's tail) is a document, read in whole
         chunks, from a memory kept for an earlier prompt of `scope` that started with the same
@@ -243,6 +254,7 @@ class FrameBackend:
             queued_at=queued_at,
             prefilled=reused,
             prefill_cuts=() if document_end is None else (document_end,),
+            adapter=adapter,
             **{**self.decoding.kwargs(), "prefill_chunk_tokens": step},
         )
 
@@ -254,6 +266,7 @@ class FrameBackend:
         sampling: SamplingParams,
         queued_at: float,
         memory_room: int | None = None,
+        adapter: AnswerAdapter | None = None,
     ) -> Generator[GenerationDelta | None, None, None]:
         """One request on a session's memory. Runs when the session's previous request has
         finished (the worker runs a session's jobs one at a time), so it sees its last turn.
@@ -291,6 +304,7 @@ class FrameBackend:
             queued_at=queued_at,
             after=after,
             hold_final=True,
+            adapter=adapter,
             **self.decoding.kwargs(),
         )
         final: GenerationDelta | None = None

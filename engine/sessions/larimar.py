@@ -54,6 +54,7 @@ from engine.protocol import (
     SessionTurn,
     StoreUnavailableError,
 )
+from engine.runner.adapter import AnswerAdapter
 from engine.scheduler.fair import session_tenant
 from memory_store.client import (
     LarimarConfig,
@@ -83,6 +84,14 @@ class LarimarParams:
     top_k: int = 3
     use_prefix: bool = True
     max_segments: int = 16
+
+
+def _no_adapter(adapter: object) -> None:
+    if adapter is not None:
+        raise InvalidRequest(
+            "an adapter model cannot answer from a larimar memory; name the base model",
+            param="model",
+        )
 
 
 def parse_larimar_spec(spec: MemorySpec | None) -> LarimarParams:
@@ -313,7 +322,9 @@ class LarimarBackend:
         memory_room: int | None = None,
         *,
         prompt_ids: torch.Tensor | None = None,
+        adapter: AnswerAdapter | None = None,
     ) -> AsyncIterator[GenerationDelta]:
+        _no_adapter(adapter)
         # the conversation never joins a Larimar memory (only documents are written to it),
         # so a request takes none of the tenant's memory budget and leaves no turn to store
         spec = self._specs[session_id]
@@ -328,7 +339,9 @@ class LarimarBackend:
         spec: MemorySpec,
         queued_at: float,
         scope: str | None = None,
+        adapter: AnswerAdapter | None = None,
     ) -> AsyncIterator[GenerationDelta]:
+        _no_adapter(adapter)
         return self._generate(request_id, prompt, sampling, None, spec, scope)
 
     def ingest(self, request_id: str, session_id: str, text: str) -> AsyncIterator[IngestProgress]:

@@ -17,24 +17,27 @@ router = APIRouter(
 )
 
 
-def _card(engine: EngineClient) -> ModelCard:
+def _cards(engine: EngineClient) -> list[ModelCard]:
+    """The served model, then each of its answer adapters."""
     info = engine.model
-    return ModelCard(
+    base = ModelCard(
         id=info.id,
         created=info.created,
         max_model_len=info.max_model_len,
         strategies=list(info.strategies),
     )
+    adapters = [base.model_copy(update={"id": name, "parent": info.id}) for name in info.adapters]
+    return [base, *adapters]
 
 
 @router.get("/models", response_model=ModelList)
 async def list_models(serving: Serving) -> ModelList:
-    return ModelList(data=[_card(serving.engine)])
+    return ModelList(data=_cards(serving.engine))
 
 
 @router.get("/models/{model_id:path}", response_model=ModelCard)
 async def retrieve_model(model_id: str, serving: Serving) -> ModelCard:
-    card = _card(serving.engine)
-    if model_id != card.id:
-        raise model_not_found(model_id)
-    return card
+    for card in _cards(serving.engine):
+        if card.id == model_id:
+            return card
+    raise model_not_found(model_id)

@@ -26,6 +26,7 @@ from server.protocol import (
 )
 from server.serving.answer import answer_choices
 from server.serving.checks import (
+    adapter_of,
     check_max_tokens,
     check_model,
     check_n,
@@ -99,7 +100,7 @@ def chat_jobs(
         sampling = dataclasses.replace(sampling, response_format=tools.grammar)
     syntax = syntax_of(ctx.engine.model.tool_format)
     messages: list[PromptMessage] = list(render_messages(request.messages, tools, syntax))
-    return fan_out(chat_id, [messages], n, sampling)
+    return fan_out(chat_id, [messages], n, sampling, adapter_of(ctx.engine, request.model))
 
 
 async def create_chat_completion(

@@ -15,10 +15,15 @@ from server.settings import ServerSettings
 
 
 def check_model(engine: EngineClient, model: str) -> str:
-    served = engine.model.id
-    if model != served:
+    """The served model's id, or one of its answer adapters' ("<id>:<name>"); else a 404."""
+    if model != engine.model.id and model not in engine.model.adapters:
         raise model_not_found(model)
-    return served
+    return model
+
+
+def adapter_of(engine: EngineClient, model: str) -> str | None:
+    """The adapter a checked model id names, or None for the base model."""
+    return None if model == engine.model.id else model
 
 
 def stop_sequences(settings: ServerSettings, stop: str | list[str] | None) -> tuple[str, ...]:

@@ -48,6 +48,7 @@ class ChoiceRequest:
     # prepared by `prepare_jobs`, once for all its choices (token ids only ever so)
     prompt: Prompt | TokenPrompt | PreparedPrompt
     sampling: SamplingParams
+    adapter: str | None = None  # an answer adapter's model id (checks.adapter_of)
 
 
 def new_id(prefix: str) -> str:
@@ -63,7 +64,11 @@ def engine_memory(
 
 
 def fan_out(
-    base_id: str, prompts: Sequence[Prompt | TokenPrompt], n: int, sampling: SamplingParams
+    base_id: str,
+    prompts: Sequence[Prompt | TokenPrompt],
+    n: int,
+    sampling: SamplingParams,
+    adapter: str | None = None,
 ) -> list[ChoiceRequest]:
     """n choices per prompt; choice i of prompt p has index p*n+i and seed seed+i."""
     jobs = []
@@ -72,7 +77,8 @@ def fan_out(
             index = p * n + i
             seed = None if sampling.seed is None else sampling.seed + i
             request_id = f"{base_id}-{index}"
-            jobs.append(ChoiceRequest(index, p, request_id, prompt, _with_seed(sampling, seed)))
+            seeded = _with_seed(sampling, seed)
+            jobs.append(ChoiceRequest(index, p, request_id, prompt, seeded, adapter))
     return jobs
 
 
@@ -169,6 +175,7 @@ class ChoiceStreams:
                         memory=memory,
                         tenant=tenant,
                         memory_room=room,
+                        adapter=job.adapter,
                     )
                 )
         except BaseException:

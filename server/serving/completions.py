@@ -19,6 +19,7 @@ from server.protocol import (
 )
 from server.serving.answer import answer_choices
 from server.serving.checks import (
+    adapter_of,
     check_max_tokens,
     check_model,
     check_n,
@@ -84,7 +85,8 @@ def _jobs(
         logprobs=logprobs is not None,
         top_logprobs=logprobs or 0,
     )
-    return fan_out(completion_id, list(prompts), n, sampling)
+    adapter = adapter_of(ctx.engine, request.model)
+    return fan_out(completion_id, list(prompts), n, sampling, adapter)
 
 
 class _LegacyLogprobs:

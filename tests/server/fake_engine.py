@@ -74,6 +74,7 @@ class Call:
     session_id: str | None
     memory: MemorySpec | None
     tenant: str | None = None
+    adapter: str | None = None
 
 
 def prompt_words(prompt: Prompt) -> list[str]:
@@ -102,6 +103,7 @@ class FakeEngine:
             strategies=STRATEGIES,
             created=1_700_000_000,
             tool_format=tool_format,
+            adapters=(f"{model_id}:recall",),
         )
         self.token_delay = token_delay
         self.calls: list[Call] = []
@@ -182,6 +184,7 @@ class FakeEngine:
         memory: MemorySpec | None = None,
         tenant: str | None = None,
         memory_room: int | None = None,
+        adapter: str | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         if isinstance(prompt, PreparedPrompt):
             prompt = prompt.prompt
@@ -193,7 +196,9 @@ class FakeEngine:
             raise InvalidRequest(f"unknown strategy {memory.strategy!r}", param="memory.strategy")
         if session_id is not None and session_id not in self.sessions:
             raise SessionNotFound(f"no session {session_id!r}")
-        self.calls.append(Call(request_id, prompt, sampling, session_id, memory, tenant))
+        if adapter is not None and adapter not in self._model.adapters:
+            raise InvalidRequest(f"no adapter model {adapter!r} is served", param="model")
+        self.calls.append(Call(request_id, prompt, sampling, session_id, memory, tenant, adapter))
         if session_id is not None and memory_room is not None:
             grows = len(prompt_words(prompt)) + sampling.max_tokens
             if grows > memory_room:

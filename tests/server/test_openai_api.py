@@ -18,7 +18,10 @@ MESSAGES = [
 
 async def test_models_list_and_retrieve(oai: openai.AsyncOpenAI) -> None:
     models = await oai.models.list()
-    assert [m.id for m in models.data] == [MODEL]
+    assert [m.id for m in models.data] == [MODEL, f"{MODEL}:recall"]
+    adapter = await oai.models.retrieve(f"{MODEL}:recall")
+    assert adapter.model_extra["parent"] == MODEL
+    assert models.data[0].model_extra["parent"] is None
     model = await oai.models.retrieve(MODEL)
     assert model.id == MODEL and model.object == "model"
     with pytest.raises(openai.NotFoundError):
@@ -227,6 +230,22 @@ async def test_unknown_session_is_404(oai: openai.AsyncOpenAI) -> None:
         await oai.chat.completions.create(
             model=MODEL, messages=MESSAGES, extra_body={"session_id": "missing"}
         )
+
+
+async def test_an_adapter_model_answers_through_its_adapter(
+    oai: openai.AsyncOpenAI, engine: FakeEngine
+) -> None:
+    """Naming an adapter's model id (vLLM's LoRA convention) runs the request with it, on
+    chat, completions and responses alike; the answer names the model asked for."""
+    name = f"{MODEL}:recall"
+    chat = await oai.chat.completions.create(model=name, messages=MESSAGES, temperature=0)
+    done = await oai.completions.create(model=name, prompt="the quick", max_tokens=4)
+    reply = await oai.responses.create(model=name, input="the quick brown fox")
+    plain = await oai.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0)
+    assert chat.model == done.model == reply.model == name and plain.model == MODEL
+    assert [c.adapter for c in engine.calls] == [name, name, name, None]
+    with pytest.raises(openai.NotFoundError):
+        await oai.chat.completions.create(model=f"{MODEL}:other", messages=MESSAGES)
 
 
 async def test_unknown_model_is_not_found(oai: openai.AsyncOpenAI) -> None:

@@ -1,0 +1,244 @@
+"""`longserve adapt`: train the answer adapter (a LoRA on q, k and v) on synthetic retrieval
+tasks from installed text, on this CPU, and write it as safetensors.
+
+The adapter answers; the base model reads. Each example is a chat whose prompt (passage and
+question, the way a session or an inline request holds them) is read by the base model with
+no gradient, then the prompt's last `lead` tokens (the assistant header) and the answer are
+read with the adapter, the loss on the answer: the fact's sentence naming the asked key. So
+documents, sessions and caches stay the base model's, and serving applies the adapter only to
+the tokens a request generates (engine/runner/adapter.py). Tasks: bench/adapt_tasks.py (tuned
+kinds only). Hyperparameters as LoRA names them (Hu et al. 2021): rank r, alpha.
+
+    longserve adapt --steps 150 --out engine/adapters/recall.safetensors
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import random
+import re
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from bench.adapt_tasks import Task, tasks
+
+TARGETS = ("q_proj", "k_proj", "v_proj")
+LEAD = 3  # prompt tokens read with the adapter: SmolLM2's "<|im_start|>assistant\n"
+
+
+class LoRA:
+    """Low-rank updates B A (scaled by alpha / r) added to each layer's q, k and v outputs
+    while `active`."""
+
+    def __init__(self, model, rank: int, alpha: float, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
+        self.active = False
+        self.params: dict[str, torch.Tensor] = {}
+        for i, layer in enumerate(model.model.layers):
+            for target in TARGETS:
+                linear = getattr(layer.self_attn, target)
+                bound = 1 / math.sqrt(linear.in_features)  # LoRA's A init, B zero
+                a = (torch.rand(rank, linear.in_features, generator=gen) * 2 - 1) * bound
+                b = torch.zeros(linear.out_features, rank)
+                name = f"layers.{i}.{target.removesuffix('_proj')}"
+                self.params[f"{name}.A"] = a.requires_grad_()
+                self.params[f"{name}.B"] = b.requires_grad_()
+                linear.register_forward_hook(self._hook(name))
+
+    def _hook(self, name: str):
+        def hook(_module, args, out):
+            if not self.active:
+                return out
+            a, b = self.params[f"{name}.A"], self.params[f"{name}.B"]
+            return out + (args[0] @ a.T @ b.T) * self.scaling
+
+        return hook
+
+    def save(self, path: Path, metadata: dict[str, str]) -> None:
+        tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in self.params.items()}
+        meta = {"rank": str(self.rank), "alpha": str(self.alpha), "lead": str(LEAD), **metadata}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path), metadata=meta)
+
+
+def load_base():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.runner.loader import embedded_model_path
+
+    gguf = embedded_model_path()
+    kwargs = {"gguf_file": gguf.name}
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), dtype=torch.float32, attn_implementation="sdpa", **kwargs
+    )
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval(), tokenizer
+
+
+def prompts(tokenizer, task: Task, session_form: bool) -> list[list[int]]:
+    """Each question's prompt ids as the engine renders it: the passage and the question in
+    one user message (inline, reference), or the passage a user turn of its own (sessions)."""
+    from engine.runner.chat_template import encode_chat
+
+    out = []
+    for question, _ in task.questions:
+        if session_form:
+            messages = [
+                {"role": "user", "content": task.passage},
+                {"role": "user", "content": question},
+            ]
+        else:
+            messages = [{"role": "user", "content": f"{task.passage}\n\n{question}"}]
+        out.append(encode_chat(tokenizer, messages))
+    return out
+
+
+def common_prefix(lists: list[list[int]]) -> int:
+    n = min(len(x) for x in lists)
+    for i in range(n):
+        if any(x[i] != lists[0][i] for x in lists):
+            return i
+    return n
+
+
+def read(model, ids: list[int], cache):
+    return model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+
+
+def task_loss(
+    model, lora: LoRA, tokenizer, task: Task, session_form: bool, end: int
+) -> tuple[float, int]:
+    """Backpropagate the answer loss of every question of `task`; (summed loss, answers)."""
+    from transformers import DynamicCache
+
+    all_ids = prompts(tokenizer, task, session_form)
+    shared = min(common_prefix(all_ids), min(len(x) for x in all_ids) - LEAD)
+    prefix = DynamicCache()
+    lora.active = False
+    with torch.no_grad():
+        read(model, all_ids[0][:shared], prefix)
+    layers = [(layer.keys, layer.values) for layer in prefix.layers]
+    total = 0.0
+    for ids, (_, sentence) in zip(all_ids, task.questions, strict=True):
+        cache = DynamicCache()  # the passage's keys and values, shared by every question
+        for i, (keys, values) in enumerate(layers):
+            cache.update(keys, values, i)
+        answer = tokenizer.encode(sentence, add_special_tokens=False) + [end]
+        lora.active = False
+        with torch.no_grad():
+            if len(ids) - LEAD > shared:
+                read(model, ids[shared:-LEAD], cache)
+        lora.active = True
+        logits = read(model, ids[-LEAD:] + answer[:-1], cache).logits[0, LEAD - 1 :]
+        loss = torch.nn.functional.cross_entropy(logits, torch.tensor(answer))
+        loss.backward()
+        total += float(loss)
+    lora.active = False
+    return total, len(task.questions)
+
+
+@torch.no_grad()
+def answer(model, tokenizer, ids: list[int], end: int, adapted: bool, lora: LoRA) -> str:
+    """Greedy answer to prompt ids: the base model reads, the adapter (if `adapted`) answers."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    lora.active = False
+    read(model, ids[:-LEAD], cache)
+    lora.active = adapted
+    logits = read(model, ids[-LEAD:], cache).logits[0, -1]
+    out: list[int] = []
+    for _ in range(48):
+        token = int(logits.argmax())
+        if token == end:
+            break
+        out.append(token)
+        logits = read(model, [token], cache).logits[0, -1]
+    lora.active = False
+    return tokenizer.decode(out)
+
+
+def evaluate(model, tokenizer, lora: LoRA, held: list[Task], end: int) -> dict[str, int]:
+    right = {"base": 0, "adapter": 0, "n": 0}
+    for i, task in enumerate(held):
+        for ids, (_, sentence) in zip(
+            prompts(tokenizer, task, i % 2 == 0), task.questions, strict=True
+        ):
+            value = re.search(r"\d{5,}", sentence).group()  # type: ignore[union-attr]
+            right["n"] += 1
+            for name, adapted in (("base", False), ("adapter", True)):
+                right[name] += value in answer(model, tokenizer, ids, end, adapted, lora)
+    return right
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps (one passage each)")
+    parser.add_argument("--rank", type=int, default=8, help="LoRA rank r")
+    parser.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (scale alpha / r)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-tasks", type=int, default=6, help="synthetic passages to check on")
+    parser.add_argument("--out", type=Path, default=Path("engine/adapters/recall.safetensors"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="longserve adapt", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    model, tokenizer = load_base()
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def count(texts: list[str]) -> list[int]:
+        return [len(x) for x in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+    lora = LoRA(model, args.rank, args.alpha, args.seed)
+    optimizer = torch.optim.AdamW(list(lora.params.values()), lr=args.lr, weight_decay=0.0)
+    held = list(itertools.islice(tasks(f"eval:{args.seed}", count, facts=(4, 8)), args.eval_tasks))
+    stream = tasks(args.seed, count)
+    started = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        task = next(stream)
+        optimizer.zero_grad()
+        loss, n = task_loss(model, lora, tokenizer, task, step % 2 == 0, end)
+        for p in lora.params.values():
+            p.grad /= n
+        lr = args.lr * min(1.0, step / 10) * (0.5 + 0.5 * math.cos(math.pi * step / args.steps))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        line = {"step": step, "loss": round(loss / n, 4), "questions": n}
+        print(json.dumps({**line, "seconds": round(time.perf_counter() - started, 1)}), flush=True)
+    result = evaluate(model, tokenizer, lora, held, end) if args.eval_tasks else {}
+    print(json.dumps({"eval": result}), flush=True)
+    command = (
+        f"longserve adapt --steps {args.steps} --rank {args.rank} --alpha {args.alpha} "
+        f"--lr {args.lr} --seed {args.seed} --out {args.out}"
+    )
+    lora.save(
+        args.out,
+        {
+            "base": "SmolLM2-135M-Instruct (embedded GGUF)",
+            "command": command,
+            "eval": json.dumps(result),
+        },
+    )
+    print(json.dumps({"saved": str(args.out)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    main()
