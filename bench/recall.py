@@ -36,6 +36,10 @@ questions, so the summary pairs them (McNemar), e.g. float16 against int8 in one
 
     longserve bench recall --lengths 32768 --held-out --strategies segments --modes session \
         --memory-dtypes float16 int8
+
+--adapter NAME asks every question of every mode a second time through the answer adapter
+served as `<model>:NAME` (engine/runner/adapter.py), on the same session or context, as the
+rows `mode+NAME`: the adapter against the base model on the same questions, in one run.
 """
 
 from __future__ import annotations
@@ -84,44 +88,70 @@ class Run:
     info: dict
     count: Callable[[list[str]], list[int]]
     embed: Callable[[list[str]], np.ndarray] | None = None
+    adapted: Asker | None = None  # --adapter: the same questions through the adapter's model id
     cells: dict[tuple, list[Answer]] = field(default_factory=lambda: defaultdict(list))
     read_seconds: dict[tuple, list[float]] = field(default_factory=lambda: defaultdict(list))
 
-    def ask(self, mode: str, strategy: str | None, trial: Trial, doc: Document) -> list[Answer]:
+    def ask(
+        self, mode: str, strategy: str | None, trial: Trial, doc: Document
+    ) -> list[tuple[str, list[Answer]]]:
+        """(mode, answers): the base model's, then with --adapter the adapter's ("mode+name"),
+        asked on the same session or the same context."""
+        askers = [(mode, self.asker)]
+        if self.adapted is not None:
+            askers.append((f"{mode}+{self.args.adapter}", self.adapted))
+        if mode != "session":
+            return [(name, self._ask(asker, mode, strategy, trial, doc)) for name, asker in askers]
+        memory = self._memory(strategy)
+        session_id, tokens, seconds = upload(self.http, memory, doc.text, 3600)
+        try:
+            out = [
+                (name, ask_all(asker, trial, lambda *_: None, {"session_id": session_id}))
+                for name, asker in askers
+            ]
+        finally:
+            self.http.delete(f"/sessions/{session_id}")
+        for _, answers in out:
+            for answer in answers:
+                answer.context_tokens = tokens
+        self.read_seconds[mode, strategy].append(seconds)
+        return out
+
+    def _memory(self, strategy: str | None) -> dict:
+        name, _, dtype = (strategy or "").partition("@")  # combos: "segments@int8"
+        memory = {"strategy": name, **self.args.knobs}
+        if dtype:
+            memory["memory_dtype"] = dtype
+        return memory
+
+    def _ask(
+        self, asker: Asker, mode: str, strategy: str | None, trial: Trial, doc: Document
+    ) -> list[Answer]:
         budget = self.args.rag_tokens
 
         def first(context: str, tokens: int):
             return lambda turn, _q, _prev: (context, tokens) if turn == 0 else None
 
         if mode == "reference":
-            return ask_all(self.asker, trial, first(doc.reference, doc.reference_tokens), {})
+            return ask_all(asker, trial, first(doc.reference, doc.reference_tokens), {})
         if mode == "truncate":
-            return ask_all(self.asker, trial, first(doc.tail, doc.tail_tokens), {})
+            return ask_all(asker, trial, first(doc.tail, doc.tail_tokens), {})
         if mode == "rag":
             if doc.chunk_vectors is None:
                 chunk_document(doc, self.count, self.args.rag_chunk_tokens, self.rag_embedder())
             embed = self.rag_embedder()
             return ask_all(
-                self.asker,
+                asker,
                 trial,
                 lambda _turn, q, prev: retrieve(doc, f"{prev}\n{q}".strip(), budget, embed),
                 {},
             )
-        name, _, dtype = (strategy or "").partition("@")  # combos: "segments@int8"
-        memory = {"strategy": name, **self.args.knobs}
-        if dtype:
-            memory["memory_dtype"] = dtype
-        if mode == "inline":
-            return ask_all(self.asker, trial, first(doc.text, doc.tokens), {"memory": memory})
-        session_id, tokens, seconds = upload(self.http, memory, doc.text, 3600)
-        try:
-            answers = ask_all(self.asker, trial, lambda *_: None, {"session_id": session_id})
-        finally:
-            self.http.delete(f"/sessions/{session_id}")
-        for answer in answers:
-            answer.context_tokens = tokens
-        self.read_seconds[mode, strategy].append(seconds)
-        return answers
+        memory = self._memory(strategy)
+        return ask_all(asker, trial, first(doc.text, doc.tokens), {"memory": memory})
+
+    def rows(self, mode: str) -> list[str]:
+        """The rows a mode's cells fill: its own, and with --adapter the adapter's."""
+        return [mode] + ([f"{mode}+{self.args.adapter}"] if self.adapted is not None else [])
 
     def rag_embedder(self) -> Callable[[list[str]], np.ndarray]:
         if self.embed is None:
@@ -242,21 +272,25 @@ def measure(run: Run) -> dict[str, dict]:
                         doc = build_document(trial, kind, seed, length, fit, run.count)
                         docs[length, kind, i] = trial, doc
                     trial, doc = docs[length, kind, i]
-                    answers = run.ask(mode, strategy, trial, doc)
-                    for j, (question, answer) in enumerate(
-                        zip(trial.questions, answers, strict=True)
-                    ):
-                        answer.question = f"{kind}:{i}:{j}"
-                        answer.paraphrased = question.paraphrased
-                        run.cells[length, kind, question.task, mode, strategy].append(answer)
+                    for row, answers in run.ask(mode, strategy, trial, doc):
+                        for j, (question, answer) in enumerate(
+                            zip(trial.questions, answers, strict=True)
+                        ):
+                            answer.question = f"{kind}:{i}:{j}"
+                            answer.paraphrased = question.paraphrased
+                            run.cells[length, kind, question.task, row, strategy].append(answer)
                 for task in args.tasks:
-                    answers = run.cells[length, kind, task, mode, strategy]
-                    emit(run.line(length, kind, task, mode, strategy, answers))
+                    for row in run.rows(mode):
+                        answers = run.cells[length, kind, task, row, strategy]
+                        emit(run.line(length, kind, task, row, strategy, answers))
             for task in args.tasks:
-                answers = [
-                    a for kind in args.kinds for a in run.cells[length, kind, task, mode, strategy]
-                ]
-                emit(run.line(length, "all", task, mode, strategy, answers))
+                for row in run.rows(mode):
+                    answers = [
+                        a
+                        for kind in args.kinds
+                        for a in run.cells[length, kind, task, row, strategy]
+                    ]
+                    emit(run.line(length, "all", task, row, strategy, answers))
         for key in [key for key in docs if key[0] == length]:
             del docs[key]
         for name, row in compare_length(run, length).items():
@@ -302,6 +336,12 @@ def run(args: argparse.Namespace) -> None:
         headers = {"Authorization": f"Bearer {args.api_key}"}
         with httpx.Client(base_url=f"{base}/v1", headers=headers, timeout=600) as http:
             bench = Run(args, Asker(client, card.id, args.max_tokens), http, info, count)
+            if args.adapter:
+                served_ids = [m.id for m in client.models.list().data]
+                name = f"{card.id}:{args.adapter}"
+                if name not in served_ids:
+                    raise SystemExit(f"the server does not serve {name} (it serves {served_ids})")
+                bench.adapted = Asker(client, name, args.max_tokens)
             table = measure(bench)
             emit(summary(bench, table, time.perf_counter() - started))
 
@@ -355,6 +395,11 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         choices=("auto", "model", "float16", "int8"),
         help="memory_dtype of each inline and session cell, measured in turn (e.g. float16 int8)",
+    )
+    parser.add_argument(
+        "--adapter",
+        help="also ask every question through this answer adapter (model <id>:NAME), on the "
+        "same sessions and contexts: rows named mode+NAME",
     )
     parser.add_argument("--base-url", help="a running server on loopback (default: start one)")
     parser.add_argument("--api-key", default="bench")

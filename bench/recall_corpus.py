@@ -22,7 +22,8 @@ never tuned on, and never a default while tuning:
 The `docs` kind skips the licence file names and most news ones and reads nothing under
 /usr/share/info; `news` leaves it the rest, so no file is in a tuned and a held-out kind. A
 held-out kind also drops a paragraph whose sentences mostly appeared earlier in the document
-(every MIT copy, GPL versions, Info nodes that repeat their manual's introduction).
+(every MIT copy, GPL versions, Info nodes that repeat their manual's introduction), and the
+sentences that did from a paragraph it keeps.
 
 No public-domain book ships with any installed package here, so there is no fiction kind.
 Each text is cut into prose paragraphs (`prose_paragraphs`): code, tables, option lists and
@@ -265,11 +266,14 @@ def kind_paragraphs(kind: str, seed: int | str) -> Generator[str, None, None]:
                     if paragraph in seen:
                         continue
                     seen.add(paragraph)
-                    if fresh_sentences:
-                        own = set(re.split(r"(?<=[.;:])\s+", paragraph))
-                        if 2 * len(own & sentences) > len(own):
+                    if fresh_sentences:  # licences share sentences: keep a paragraph's new ones
+                        own = re.split(r"(?<=[.;:])\s+", paragraph)
+                        new = [s for s in dict.fromkeys(own) if s not in sentences]
+                        if 2 * len(new) < len(set(own)):
                             continue
-                        sentences |= own
+                        sentences.update(own)
+                        if len(new) < len(own):  # else as it was, whitespace and all
+                            paragraph = " ".join(new)
                     yield paragraph
 
 

@@ -110,7 +110,10 @@ class Generation:
         self._prompt_tokens = int(prompt_ids.shape[0])
         self._prefilled = prefilled  # the prompt's first tokens, already in state (a reused prefix)
         self._cuts = [c - prefilled for c in prefill_cuts if c > prefilled]
-        self._reuse = None if adapter is not None else reuse  # an adapted tail is not reusable
+        self._reuse = reuse
+        # what a reused prefix may cover: the tokens the base model reads
+        lead = 0 if adapter is None else min(adapter.lead, self._prompt_tokens - 1)
+        self._reuse_ids = prompt_ids[: self._prompt_tokens - lead]
         self._chunk_tokens = prefill_chunk_tokens
         self._stop_ids = frozenset() if sampling.ignore_eos else frozenset(stop_token_ids)
         self._vocab_size = vocab_size
@@ -221,7 +224,7 @@ class Generation:
             self.state.pop_retrieval_seconds()  # time spent before this request is not ours
             self._detok = Detokenizer(self._tokenizer, self.sampling.stop)
             if self._reuse is not None:
-                reused = self._reuse.start(self._prompt_ids)
+                reused = self._reuse.start(self._reuse_ids)
                 self._cuts = [c - reused for c in self._cuts if c > reused]
                 self._prefilled += reused
             rest = self._prompt_ids[self._prefilled :]
@@ -230,7 +233,7 @@ class Generation:
         if logits is None:
             return None
         if self._reuse is not None:
-            self._reuse.keep(self._prompt_ids)
+            self._reuse.keep(self._reuse_ids)
         self._prefill_seconds = time.perf_counter() - self._started
         return self.accept(logits)
 

@@ -193,3 +193,26 @@ async def test_an_engine_serves_the_adapter_on_every_path(
     assert deltas[-1].finish_reason == "length"
     with pytest.raises(InvalidRequest, match="no adapter model"):
         engine.generate("r6", prompt, greedy, adapter=f"{tiny_loaded.model_id}:other")
+
+
+async def test_kept_prefixes_hold_only_what_the_base_model_read(tmp_path, make_engine, tiny_loaded):
+    """A plain request with the adapter reuses and keeps whole blocks of its prompt but the
+    adapted tail, so base and adapted requests share them and answer as without reuse."""
+    path = write_adapter(tmp_path / "recall.safetensors", tiny_loaded.model)
+    name = f"{tiny_loaded.model_id}:recall"
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    prompt = [{"role": "user", "content": "the tide " * 60 + "Tell me about the sea."}]
+
+    async def text(engine, rid, adapter=None):
+        return "".join(
+            d.text for d in await collect(engine.generate(rid, prompt, greedy, adapter=adapter))
+        )
+
+    fresh = [make_engine(adapters=(str(path),), prefill_chunk_tokens=64) for _ in range(2)]
+    want_adapted = await text(fresh[0], "a", name)
+    want_base = await text(fresh[1], "b")
+    shared = make_engine(adapters=(str(path),), prefill_chunk_tokens=64)
+    assert await text(shared, "1", name) == want_adapted
+    assert await text(shared, "2") == want_base
+    assert await text(shared, "3", name) == want_adapted
+    assert shared.stats().prefix_cache_hits >= 2
