@@ -27,10 +27,20 @@ def metric_value(server, name: str, **labels: str) -> float:
     return total
 
 
-def test_models_list_names_the_embedded_model(client):
+def test_models_list_names_the_embedded_model_and_its_adapter(client):
     models = client.models.list().data
-    assert [m.id for m in models] == ["SmolLM2-135M-Instruct"]
+    assert [m.id for m in models] == ["SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct:recall"]
     assert models[0].object == "model"
+    assert models[1].model_extra["parent"] == "SmolLM2-135M-Instruct"
+
+
+def test_the_shipped_adapter_answers_as_its_model(client, model_id):
+    """engine/adapters/recall.safetensors, named by model id, answers a plain chat."""
+    reply = client.chat.completions.create(
+        model=f"{model_id}:recall", messages=CAPITAL, temperature=0, max_tokens=24
+    )
+    assert reply.model == f"{model_id}:recall"
+    assert reply.choices[0].message.content and reply.usage.completion_tokens > 0
 
 
 def test_chat_answers_paris(client, model_id):
