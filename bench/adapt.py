@@ -68,16 +68,20 @@ class LoRA:
         save_file(tensors, str(path), metadata=meta)
 
 
-def load_base():
+def load_base(directory: str | None = None):
+    """The embedded SmolLM2 in float32 (its GGUF dequantized), or a model directory's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.runner.loader import embedded_model_path
 
-    gguf = embedded_model_path()
-    kwargs = {"gguf_file": gguf.name}
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
+    if directory is None:
+        gguf = embedded_model_path()
+        source, kwargs = str(gguf.parent), {"gguf_file": gguf.name}
+    else:
+        source, kwargs = directory, {}
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), dtype=torch.float32, attn_implementation="sdpa", **kwargs
+        source, dtype=torch.float32, attn_implementation="sdpa", **kwargs
     )
     for p in model.parameters():
         p.requires_grad_(False)
@@ -141,7 +145,7 @@ def task_loss(
         logits = read(model, ids[-LEAD:] + answer[:-1], cache).logits[0, LEAD - 1 :]
         loss = torch.nn.functional.cross_entropy(logits, torch.tensor(answer))
         loss.backward()
-        total += float(loss)
+        total += float(loss.detach())
     lora.active = False
     return total, len(task.questions)
 
@@ -188,6 +192,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-tasks", type=int, default=6, help="synthetic passages to check on")
     parser.add_argument("--out", type=Path, default=Path("engine/adapters/recall.safetensors"))
+    parser.add_argument("--model", help="a model directory (default: the embedded SmolLM2)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -199,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     random.seed(args.seed)
-    model, tokenizer = load_base()
+    model, tokenizer = load_base(args.model)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
     def count(texts: list[str]) -> list[int]:
@@ -231,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     lora.save(
         args.out,
         {
-            "base": "SmolLM2-135M-Instruct (embedded GGUF)",
+            "base": args.model or "SmolLM2-135M-Instruct (embedded GGUF)",
             "command": command,
             "eval": json.dumps(result),
         },

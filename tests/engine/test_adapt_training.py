@@ -1,0 +1,61 @@
+"""`longserve adapt` (bench/adapt.py, bench/adapt_tasks.py): its tasks read only the tuned
+kinds of text and plant relations of their own, asking each fact by its key; a short run on a
+tiny model writes an adapter the engine reads, with the command that made it."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+from safetensors import safe_open
+
+from bench import adapt, adapt_tasks, recall_tasks
+from engine.runner.adapter import read_adapter
+from engine.runner.loader import load_model
+
+
+def words(texts) -> list[int]:
+    return [len(t.split()) for t in texts]
+
+
+def test_tasks_ask_every_planted_fact_by_its_key_in_tuned_prose(monkeypatch):
+    read = []
+    original = adapt_tasks.kind_paragraphs
+    monkeypatch.setattr(
+        adapt_tasks, "kind_paragraphs", lambda kind, seed: read.append(kind) or original(kind, seed)
+    )
+    for task in itertools.islice(adapt_tasks.tasks(3, words, tokens=(100, 300)), 6):
+        assert 2 <= len(task.questions) <= 10
+        for question, sentence in task.questions:
+            assert sentence in task.passage  # the answer is the planted sentence
+            key = next(w for w in re.findall(r"[A-Z][a-z]+", question) if w in sentence)
+            assert task.passage.count(key) == 1  # the key names one fact
+    assert set(read) == set(adapt_tasks.TRAIN_KINDS) == {"manpages", "docs", "docstrings"}
+
+
+def test_the_relations_are_not_the_recall_benchs():
+    ours = {f for r in adapt_tasks.RELATIONS for f in r.facts + r.questions + r.paraphrases}
+    bench = {
+        f
+        for r in [*recall_tasks.RELATIONS.values(), recall_tasks.VAULT]
+        for f in (*r.facts, r.question, r.paraphrase)
+    }
+    assert not ours & bench
+    assert not set(adapt_tasks.SYLLABLES) & set(recall_tasks.SYLLABLES)
+
+
+def test_a_short_run_writes_an_adapter_the_engine_reads(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "tiny.safetensors"
+    adapt.main(
+        ["--steps", "2", "--eval-tasks", "1", "--model", str(tiny_model_dir), "--out", str(out)]
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert '"step": 2' in lines[1] and '"eval"' in lines[2]
+    with safe_open(str(out), framework="pt") as f:
+        meta = f.metadata()
+    assert meta["command"].startswith("longserve adapt --steps 2") and meta["lead"] == "3"
+    from engine.config import EngineConfig
+
+    loaded = load_model(EngineConfig(model=str(tiny_model_dir), device="cpu"))
+    adapter = read_adapter(out, loaded.model)
+    assert adapter.rank == 8 and len(adapter.a) == 2
