@@ -161,6 +161,11 @@ def _session(ns: dict, out: str) -> None:
     assert ns["reply"].choices[0].message.content.strip()
 
 
+def _adapter(ns: dict, out: str) -> None:
+    reply = ns["reply"]  # the same session, answered through the recall adapter
+    assert reply.model == "SmolLM2-135M-Instruct:recall" and reply.choices[0].message.content
+
+
 def _collections(ns: dict, out: str) -> None:
     *ingested, session = out.strip().splitlines()  # a line per file read, then the session
     assert len(ingested) == 2 and json.loads(session)["collections"] == ["manuals"]
@@ -185,6 +190,7 @@ CHECKS: list[Callable[[dict, str], None]] = [
     _responses,
     _inline,
     _session,
+    _adapter,
     _collections,
     _tokenize,
     _metrics,
