@@ -127,3 +127,15 @@ def test_without_api_keys_the_one_tenant_gets_the_whole_queue() -> None:
         "max_waiting_requests_per_tenant": None,  # the engine's defaults: 16 and 6
         "max_running_requests_per_tenant": None,
     }
+
+
+def test_adapters_from_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--adapter NAME=PATH (repeatable) or LONGSERVE_ADAPTERS="a=/x,/y"; `longserve adapt`
+    takes its own arguments."""
+    assert settings_from_args(build_parser().parse_args(["serve"])).adapters == []
+    monkeypatch.setenv("LONGSERVE_ADAPTERS", "a=/x, /y")
+    assert settings_from_args(build_parser().parse_args(["serve"])).adapters == ["a=/x", "/y"]
+    args = build_parser().parse_args(["serve", "--adapter", "b=/z", "--adapter", "/w"])
+    assert settings_from_args(args).adapters == ["b=/z", "/w"]
+    adapt = build_parser().parse_args(["adapt", "--steps", "3", "--rank", "4"])
+    assert adapt.steps == 3 and adapt.rank == 4 and callable(adapt.run)
