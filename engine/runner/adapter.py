@@ -65,6 +65,8 @@ def read_adapter(path: Path, model: Any, name: str | None = None) -> AnswerAdapt
     except (OSError, KeyError, ValueError, SafetensorError) as e:
         raise AdapterError(f"cannot read adapter {path}: {e}") from e
     layers = model.model.layers
+    if not all(hasattr(layer.self_attn, f"{t}_proj") for layer in layers for t in TARGETS):
+        raise AdapterError(f"adapter {path.name}: this model has no separate q, k, v projections")
     dtype = torch.float32
     a_all, b_all = [], []
     for i, layer in enumerate(layers):

@@ -158,6 +158,11 @@ def test_a_file_that_does_not_fit_is_refused(tmp_path):
     path = write_adapter(tmp_path / "a.safetensors", small)
     with pytest.raises(AdapterError, match="does not fit"):
         read_adapter(path, other)
+    fused = tiny_llama()
+    for layer in fused.model.layers:  # Phi-3 keeps q|k|v as one qkv_proj
+        del layer.self_attn.q_proj
+    with pytest.raises(AdapterError, match="no separate q, k, v"):
+        read_adapter(path, fused)
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(AdapterError, match="cannot read"):
         read_adapter(tmp_path / "junk.safetensors", small)
