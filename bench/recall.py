@@ -68,8 +68,8 @@ from bench.recall_corpus import (
     load_token_counter,
     retrieve,
 )
-from bench.recall_report import compare_rows, row_text
-from bench.recall_tasks import DEFAULT_TASKS, TASKS, Trial, make_trial, wilson
+from bench.recall_report import cell_record, compare_rows, row_text
+from bench.recall_tasks import DEFAULT_TASKS, TASKS, Trial, make_trial
 from bench.server_process import model_args, served
 
 BASELINES = ("reference", "truncate", "rag")
@@ -161,42 +161,8 @@ class Run:
         return self.embed
 
     def line(self, length: int, kind: str, task: str, mode: str, strategy, answers) -> dict:
-        correct = sum(a.correct for a in answers)
-        low, high = wilson(correct, len(answers))
-        timed = [a.seconds for a in answers if a.error is None]
-        errors = [a.error for a in answers if a.error]
-        record = {
-            "bench": "recall",
-            "length": length,
-            "kind": kind,
-            "task": task,
-            "mode": mode,
-            "strategy": strategy,
-            "n": len(answers),
-            "correct": correct,
-            "accuracy": round(correct / len(answers), 4) if answers else None,
-            "ci_low": round(low, 4),
-            "ci_high": round(high, 4),
-            "seconds_per_question": round(sum(timed) / len(timed), 2) if timed else None,
-            "context_tokens": round(sum(a.context_tokens for a in answers) / len(answers)),
-            "max_prompt_tokens": max(a.prompt_tokens for a in answers),
-            "errors": len(errors),
-            "first_error": errors[0] if errors else None,
-            "paraphrased": {
-                "n": sum(a.paraphrased for a in answers),
-                "correct": sum(a.paraphrased and a.correct for a in answers),
-            },
-            "misses": [
-                {"expected": list(a.expected), "answer": a.text[:160]}
-                for a in answers
-                if not a.correct
-            ][:3],
-            **self.info,
-        }
         reads = self.read_seconds.get((mode, strategy))
-        if mode == "session" and reads:
-            record["read_seconds_per_document"] = round(sum(reads) / len(reads), 1)
-        return record
+        return cell_record(length, kind, task, mode, strategy, answers, self.info, reads)
 
 
 def emit(record: dict) -> None:

@@ -11,8 +11,12 @@ count one mode wins is Binomial(discordant, 1/2), and p is the two-sided tail of
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from bench.recall_tasks import wilson
+
+if TYPE_CHECKING:
+    from bench.recall_chat import Answer
 
 
 def mcnemar_exact(won: int, lost: int) -> float:
@@ -68,3 +72,49 @@ def row_text(length: int, name: str, row: dict) -> str:
     head = f"{length} {name} {row['correct']}/{row['n']} ({row['ci_low']:.2f}-{row['ci_high']:.2f})"
     pairs = [f"vs {o} +{v['won']} -{v['lost']} p={v['p']:.3g}" for o, v in row["vs"].items()]
     return " | ".join([head, *pairs])
+
+
+def cell_record(
+    length: int,
+    kind: str,
+    task: str,
+    mode: str,
+    strategy: str | None,
+    answers: list[Answer],
+    info: dict,
+    reads: list[float] | None,
+) -> dict:
+    """One cell's JSON line: correct/n, Wilson interval, timing, misses, the server's info."""
+    correct = sum(a.correct for a in answers)
+    low, high = wilson(correct, len(answers))
+    timed = [a.seconds for a in answers if a.error is None]
+    errors = [a.error for a in answers if a.error]
+    record = {
+        "bench": "recall",
+        "length": length,
+        "kind": kind,
+        "task": task,
+        "mode": mode,
+        "strategy": strategy,
+        "n": len(answers),
+        "correct": correct,
+        "accuracy": round(correct / len(answers), 4) if answers else None,
+        "ci_low": round(low, 4),
+        "ci_high": round(high, 4),
+        "seconds_per_question": round(sum(timed) / len(timed), 2) if timed else None,
+        "context_tokens": round(sum(a.context_tokens for a in answers) / len(answers)),
+        "max_prompt_tokens": max(a.prompt_tokens for a in answers),
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+        "paraphrased": {
+            "n": sum(a.paraphrased for a in answers),
+            "correct": sum(a.paraphrased and a.correct for a in answers),
+        },
+        "misses": [
+            {"expected": list(a.expected), "answer": a.text[:160]} for a in answers if not a.correct
+        ][:3],
+        **info,
+    }
+    if mode == "session" and reads:
+        record["read_seconds_per_document"] = round(sum(reads) / len(reads), 1)
+    return record

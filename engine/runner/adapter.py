@@ -19,6 +19,9 @@ from typing import Any
 
 import torch
 
+from engine.runner.decode_state import decode_batch
+from engine.runner.decode_step import decoder_of
+
 logger = logging.getLogger(__name__)
 
 SHIPPED = Path(__file__).resolve().parent.parent / "adapters"  # engine/adapters/*.safetensors
@@ -39,7 +42,7 @@ class AnswerAdapter:
     lead: int  # prompt tokens at the end read with the adapter
     a: list[torch.Tensor]
     b: list[torch.Tensor]
-    model: Any = None
+    model: Any
 
     def delta(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """The update (1, q|k|v out) of one row's normed hidden state h (1, hidden)."""
@@ -47,8 +50,6 @@ class AnswerAdapter:
 
     def step(self, state: Any, token_id: int) -> torch.Tensor:
         """Append token_id to a decode state with the adapter; logits (vocab,)."""
-        from engine.runner.decode_state import decode_batch
-
         return decode_batch(self.model, [state], [token_id], [self])[0]
 
 
@@ -98,8 +99,6 @@ def load_adapters(model: Any, model_id: str, paths: Sequence[str] = ()) -> dict[
     that fits it (others are skipped, with a log line) and each operator-named one
     ("name=path" or a path, whose stem names it; AdapterError where one does not fit). None
     without the lean decode step, which is where they run."""
-    from engine.runner.decode_step import decoder_of
-
     if decoder_of(model) is None:
         if paths:
             raise AdapterError(

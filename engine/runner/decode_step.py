@@ -222,18 +222,17 @@ class LeanDecoder:
         self,
         layer: int,
         qkv_out: torch.Tensor,
-        x: torch.Tensor,
-        w_in: torch.Tensor,
+        h: torch.Tensor,
         adapted: list[tuple[int, Any]],
         cos: torch.Tensor | None = None,
         sin: torch.Tensor | None = None,
     ) -> None:
-        """Add each adapted row's update (engine/runner/adapter.py) to its q|k|v (B, n, d) in
-        place, row by row; with cos and sin, q's and k's turned as the kernel turned them."""
+        """Add each adapted row's update (engine/runner/adapter.py) of its normed input h (B,
+        hidden) to its q|k|v (B, n, d) in place, row by row; with cos and sin, q's and k's
+        turned as the kernel turned them."""
         n = self.heads + self.kv_heads
         for b, adapter in adapted:
-            h = self._rms(x[b : b + 1], w_in).float()
-            delta = adapter.delta(layer, h).view(1, -1, self.head_dim)
+            delta = adapter.delta(layer, h[b : b + 1].float()).view(1, -1, self.head_dim)
             if cos is not None and sin is not None:
                 turned = self._rotate(delta[:, :n], cos[b : b + 1], sin[b : b + 1])
                 delta = torch.cat((turned, delta[:, n:]), 1)
@@ -283,12 +282,13 @@ class LeanDecoder:
                     x, w_in, self.eps, *pre, cos_rows, sin_rows, (heads + kv_heads) * d
                 ).view(rows, heads + 2 * kv_heads, d)
                 if adapted:  # q and k come turned: so do their updates
-                    self._adapt(layer, qkv_out, x, w_in, adapted, cos, sin)
+                    self._adapt(layer, qkv_out, self._rms(x, w_in), adapted, cos, sin)
                 qk = qkv_out[:, : heads + kv_heads]
             else:
-                qkv_out = qkv(self._rms(x, w_in)).float().view(rows, heads + 2 * kv_heads, d)
+                h = self._rms(x, w_in)
+                qkv_out = qkv(h).float().view(rows, heads + 2 * kv_heads, d)
                 if adapted:
-                    self._adapt(layer, qkv_out, x, w_in, adapted)
+                    self._adapt(layer, qkv_out, h, adapted)
                 qk = qkv_out[:, : heads + kv_heads]  # (B, heads + kv_heads, d)
                 if self.qk_norms is not None:
                     qk = self._rms(qk, self.qk_norms[layer])

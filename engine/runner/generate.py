@@ -111,9 +111,9 @@ class Generation:
         self._prefilled = prefilled  # the prompt's first tokens, already in state (a reused prefix)
         self._cuts = [c - prefilled for c in prefill_cuts if c > prefilled]
         self._reuse = reuse
-        # what a reused prefix may cover: the tokens the base model reads
-        lead = 0 if adapter is None else min(adapter.lead, self._prompt_tokens - 1)
-        self._reuse_ids = prompt_ids[: self._prompt_tokens - lead]
+        # the prompt's last tokens read with the adapter; a reused prefix covers only the rest
+        self._lead = 0 if adapter is None else min(adapter.lead, self._prompt_tokens - 1)
+        self._reuse_ids = prompt_ids[: self._prompt_tokens - self._lead]
         self._chunk_tokens = prefill_chunk_tokens
         self._stop_ids = frozenset() if sampling.ignore_eos else frozenset(stop_token_ids)
         self._vocab_size = vocab_size
@@ -240,7 +240,7 @@ class Generation:
     def _read_prompt(self, rest: torch.Tensor) -> Generator[torch.Tensor | None, None, None]:
         """prefill_chunks over the prompt's unread rest; with an adapter, its last `lead`
         tokens (at most all but one) are decode steps of the adapter instead."""
-        lead = 0 if self.adapter is None else min(self.adapter.lead, int(rest.shape[0]) - 1)
+        lead = min(self._lead, int(rest.shape[0]) - 1)
         if lead <= 0:
             yield from prefill_chunks(self.state, rest, self._chunk_tokens, self._cuts)
             return
