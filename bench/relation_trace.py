@@ -4,9 +4,12 @@ an uploaded document (a user turn, chunk by chunk, the text prior attached), the
 asked the way a session chat asks it. Per question: where the text prior ranks the asked
 fact's block and the other facts' blocks, which facts' value tokens the question's retrieval
 holds in the frame (at every layer, at some), the answer, and whose value the answer gives.
-No HTTP: the engine's SessionMemory directly, so each step can be inspected.
+No HTTP: the engine's SessionMemory directly, so each step can be inspected. --adapter NAME
+asks through a shipped answer adapter as the server does (the prompt's last `lead` tokens and
+the answer); --rag also asks each question the bench's RAG way (the nearest 256-token chunks
+by MiniLM, 3,072 tokens, in the model's own window) and says which facts that context holds.
 
-    python -m bench.relation_trace --length 32768 --kind manpages --trials 2
+    python -m bench.relation_trace --length 32768 --kind manpages --trials 2 --adapter recall --rag
 
 One JSON line per question, then a summary line.
 """
@@ -24,13 +27,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.recall_corpus import build_document, load_token_counter
+from bench.recall_corpus import build_document, chunk_document, load_token_counter, retrieve
 from bench.recall_tasks import is_correct, make_trial
 from engine.config import EngineConfig
 from engine.memory.config import MemorySpec
 from engine.memory.session import SessionMemory
+from engine.runner.adapter import AnswerAdapter, load_adapters
 from engine.runner.chat_template import encode_chat, encode_document
+from engine.runner.decode_state import KVCacheState
 from engine.runner.loader import load_model
+from engine.sessions.memory_state import MemoryState
 from engine.sessions.prior_query import prior_encoder, prior_query
 
 
@@ -80,6 +86,27 @@ def _prior_ranks(memory: SessionMemory, spans: list[tuple[int, int]]) -> list[in
     return out
 
 
+def _answer(
+    state: Any, prompt: list[int], adapter: AnswerAdapter | None, end, most: int
+) -> list[int]:
+    """Greedy answer as the server gives it: the prompt read by the base model, its last
+    `lead` tokens and the answer through the adapter's steps when one is named."""
+    lead = 0 if adapter is None else min(adapter.lead, len(prompt) - 1)
+    step = state.step if adapter is None else (lambda t: adapter.step(state, t))
+    with torch.inference_mode():
+        logits = state.prefill(torch.tensor(prompt[: len(prompt) - lead]))
+        for token in prompt[len(prompt) - lead :]:
+            logits = step(token)
+        answer: list[int] = []
+        for _ in range(most):
+            token = int(logits.argmax())
+            if token in end:
+                break
+            answer.append(token)
+            logits = step(token)
+    return answer
+
+
 def _with_variant(memory: SessionMemory, variant: str) -> SessionMemory:
     """memory with frame knobs changed ('k=2,prior_k=2'): config, frame, selector and prior."""
     if not variant:
@@ -93,6 +120,21 @@ def _with_variant(memory: SessionMemory, variant: str) -> SessionMemory:
         memory.prior.k, memory.prior.u = config.prior_k, config.prior_u
         memory.prior.lexical = config.prior_match == "hybrid"
     return memory
+
+
+def _rag(doc, question, values, i, model, loaded, adapter, end, args, embed) -> dict:
+    """The question asked the bench's RAG way; which facts its context holds, and the answer."""
+    context, _ = retrieve(doc, question.turns[0], 3072, embed)
+    content = f"{context}\n\n{question.turns[0]}"
+    prompt = encode_chat(loaded.tokenizer, [{"role": "user", "content": content}])
+    state = KVCacheState(model, kv_dtype=loaded.kv_dtype)
+    text = str(loaded.tokenizer.decode(_answer(state, prompt, adapter, end, args.max_tokens)))
+    return {
+        "rag_holds_asked": values[i] in context,
+        "rag_others_held": sum(v in context for j, v in enumerate(values) if j != i),
+        "rag_answer": text.strip()[:80],
+        "rag_correct": is_correct(text, question.expected),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -111,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=[],
         help="frame knobs changed on each question's fork, e.g. 'k=2,prior_k=2' (diagnosis)",
     )
+    parser.add_argument("--adapter", help="ask through this shipped answer adapter (its name)")
+    parser.add_argument("--rag", action="store_true", help="also ask each question the RAG way")
     args = parser.parse_args(argv)
 
     config = EngineConfig()
@@ -118,15 +162,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer, model = loaded.tokenizer, loaded.model
     count = load_token_counter(None)
     encoder = prior_encoder(config)
+    adapter = None
+    if args.adapter:
+        adapter = load_adapters(model, "m")[f"m:{args.adapter}"]
+    embed = None
+    if args.rag:
+        from memory_store.client import default_embedder
+
+        embed = default_embedder().embed
     end = set(tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
     knobs = {k: json.loads(v) for k, _, v in (kv.partition("=") for kv in args.knob)}
     totals = {"n": 0, "correct": 0, "other_value": 0, "in_frame_all": 0, "prior_top": 0}
+    totals |= {"rag_correct": 0, "rag_holds_asked": 0} if args.rag else {}
     for trial_no in range(args.first_trial, args.first_trial + args.trials):
         seed = f"{args.kind}:{trial_no}"
         trial = make_trial(seed, ("relation",), facts_of_relation=args.facts)
         doc = build_document(trial, args.kind, seed, args.length, 7600, count)
         ids = encode_document(tokenizer, doc.text)
         values = [q.expected[0] for q in trial.questions]
+        if embed is not None:
+            chunk_document(doc, count, 256, embed)
         spans = [_value_span(tokenizer, ids, v) for v in values]
         spec = MemorySpec(strategy=args.strategy, **knobs)
         base = SessionMemory(model, spec, loaded.kv_dtype)
@@ -145,17 +200,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             memory = _with_variant(base.fork(), variant)
             memory.set_query(prior_query(messages))
             prompt = encode_chat(tokenizer, messages, history)
+            state = MemoryState(memory, args.strategy)
+            answer = _answer(state, prompt, adapter, end, args.max_tokens)
+            held = [_held(memory._frame, span) for span in spans]  # the answer's last step
             with torch.inference_mode():
-                logits = memory.append(torch.tensor(prompt))
-                held = [_held(memory._frame, span) for span in spans]
                 ranks = _prior_ranks(memory, spans) if memory.prior is not None else []
-                answer: list[int] = []
-                for _ in range(args.max_tokens):
-                    token = int(logits.argmax())
-                    if token in end:
-                        break
-                    answer.append(token)
-                    logits = memory.append(torch.tensor([token]))
             text = str(tokenizer.decode(answer))
             layers = len(memory._frame.last_selected) or 1
             others = [j for j, v in enumerate(values) if j != i and v in text]
@@ -176,6 +225,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "correct": is_correct(text, question.expected),
                 "gave_other_fact": others,
             }
+            if embed is not None and not variant:
+                record |= _rag(doc, question, values, i, model, loaded, adapter, end, args, embed)
+                totals["rag_correct"] += record["rag_correct"]
+                totals["rag_holds_asked"] += record["rag_holds_asked"]
             print(json.dumps(record), flush=True)
             totals["n"] += 1
             totals["correct"] += record["correct"]
