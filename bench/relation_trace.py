@@ -87,7 +87,7 @@ def _prior_ranks(memory: SessionMemory, spans: list[tuple[int, int]]) -> list[in
 
 
 def _answer(
-    state: Any, prompt: list[int], adapter: AnswerAdapter | None, end, most: int
+    state: Any, prompt: list[int], adapter: AnswerAdapter | None, end, most: int, on_prompt=None
 ) -> list[int]:
     """Greedy answer as the server gives it: the prompt read by the base model, its last
     `lead` tokens and the answer through the adapter's steps when one is named."""
@@ -97,6 +97,8 @@ def _answer(
         logits = state.prefill(torch.tensor(prompt[: len(prompt) - lead]))
         for token in prompt[len(prompt) - lead :]:
             logits = step(token)
+        if on_prompt is not None:
+            on_prompt()
         answer: list[int] = []
         for _ in range(most):
             token = int(logits.argmax())
@@ -120,6 +122,20 @@ def _with_variant(memory: SessionMemory, variant: str) -> SessionMemory:
         memory.prior.k, memory.prior.u = config.prior_k, config.prior_u
         memory.prior.lexical = config.prior_match == "hybrid"
     return memory
+
+
+def _frame_text(ids, n_sinks, rows, prompt, model, loaded, adapter, end, args, question):
+    """The frame's own tokens (sinks, then the retrieved rows in slot order) read afresh by
+    the model's own attention, then the session's question: the frame's content without its
+    memory keys and values (--frame-text)."""
+    replica = ids[:n_sinks] + [ids[n_sinks + r] for r in rows] + prompt
+    state = KVCacheState(model, kv_dtype=loaded.kv_dtype)
+    text = str(loaded.tokenizer.decode(_answer(state, replica, adapter, end, args.max_tokens)))
+    return {
+        "frame_text_tokens": len(replica),
+        "frame_text_answer": text.strip()[:80],
+        "frame_text_correct": is_correct(text, question.expected),
+    }
 
 
 def _rag(doc, question, values, i, model, loaded, adapter, end, args, embed) -> dict:
@@ -155,6 +171,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--adapter", help="ask through this shipped answer adapter (its name)")
     parser.add_argument("--rag", action="store_true", help="also ask each question the RAG way")
+    parser.add_argument(
+        "--frame-text",
+        action="store_true",
+        help="also ask with the frame's tokens (sinks, retrieved rows) as plain text in the window",
+    )
     args = parser.parse_args(argv)
 
     config = EngineConfig()
@@ -201,7 +222,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             memory.set_query(prior_query(messages))
             prompt = encode_chat(tokenizer, messages, history)
             state = MemoryState(memory, args.strategy)
-            answer = _answer(state, prompt, adapter, end, args.max_tokens)
+            seen: list[list[int]] = []  # the last layer's rows at the answer's first step
+
+            def keep_rows(frame=memory._frame, seen=seen) -> None:
+                last = frame.last_selected[max(frame.last_selected)][0]
+                seen.append(last[last >= 0].tolist())
+
+            answer = _answer(state, prompt, adapter, end, args.max_tokens, keep_rows)
             held = [_held(memory._frame, span) for span in spans]  # the answer's last step
             with torch.inference_mode():
                 ranks = _prior_ranks(memory, spans) if memory.prior is not None else []
@@ -225,6 +252,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "correct": is_correct(text, question.expected),
                 "gave_other_fact": others,
             }
+            if args.frame_text and seen:
+                n_sinks = memory._frame.n_sinks
+                record |= _frame_text(
+                    ids, n_sinks, seen[0], prompt, model, loaded, adapter, end, args, question
+                )
+                totals["frame_text_correct"] = (
+                    totals.get("frame_text_correct", 0) + record["frame_text_correct"]
+                )
             if embed is not None and not variant:
                 record |= _rag(doc, question, values, i, model, loaded, adapter, end, args, embed)
                 totals["rag_correct"] += record["rag_correct"]

@@ -95,6 +95,10 @@ class TextPrior:
         self._ids.append(piece)
         self._num_ids += piece.size
 
+    def token_ids(self) -> np.ndarray:
+        """Every token read, in order (int64)."""
+        return self._joined_ids()
+
     def truncate(self, num_tokens: int) -> None:
         """Forget the token ids read after the first num_tokens (a rewind; memory blocks, and
         so their EmbD, are unchanged)."""

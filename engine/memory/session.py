@@ -19,6 +19,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -167,6 +168,26 @@ class SessionMemory(EncodingTransfer):
         self.reload()
         with torch.inference_mode():
             self._frame.flush_window()
+
+    def frame_ids(self) -> list[int] | None:
+        """The tokens of the last forward's frame in frame order: sinks, the last layer's
+        retrieved rows, the window (engine/sessions/frame_text.py). None when that forward
+        retrieved nothing, or the token ids are not kept (no text prior)."""
+        frame = self._frame
+        if not frame.last_selected or self.prior is None:
+            return None
+        ids = self.prior.token_ids()
+        if ids.size != frame.num_tokens:
+            return None
+        selected = frame.last_selected[max(frame.last_selected)][0]
+        at = frame.n_sinks + frame.moved - frame.n_memory  # token position of memory row 0
+        rows = selected[selected >= 0].cpu().numpy() + at
+        window = ids[frame.n_sinks + frame.moved :]
+        return np.concatenate([ids[: frame.n_sinks], ids[rows], window]).tolist()
+
+    def forget_selection(self) -> None:
+        """Drop what the last forward retrieved, so `frame_ids` tells whether the next one did."""
+        self._frame.last_selected.clear()
 
     def mark(self) -> MemoryMark:
         """Where this memory stands now, for a later `rewind`."""

@@ -44,6 +44,7 @@ from engine.scheduler.worker import Worker
 from engine.sessions.backend import Decoding
 from engine.sessions.conversation import Conversation, check_memory_cap, turn_prompt
 from engine.sessions.document_collections import DocumentCollections
+from engine.sessions.frame_text import FrameTextState
 from engine.sessions.memory_state import MemoryState
 from engine.sessions.prior_query import prior_encoder, prior_query
 
@@ -206,6 +207,13 @@ class FrameBackend:
 
     # -- the device thread ----------------------------------------------------------------------
 
+    def _answering(self, state: MemoryState) -> MemoryState | FrameTextState:
+        """The state a request's answer runs on: its memory's, or (answer_read "afresh") the
+        frame's tokens read again in a plain cache (frame_text.py)."""
+        if state.memory.config.answer_read != "afresh":
+            return state
+        return FrameTextState(state, self.model, self.kv_dtype)
+
     def new_memory(self, spec: MemorySpec) -> SessionMemory:
         """A memory of this engine's model, with the text prior when the engine has one."""
         memory = SessionMemory(self.model, spec, self.kv_dtype, self.projections)
@@ -243,8 +251,8 @@ class FrameBackend:
             if point is not None and point > reused:
                 keep = (point, lambda read: self.prefixes.put(scope, read))
         memory.set_query(prior_query(prompt))
-        state = MemoryState(
-            memory, spec.strategy, document_end, read=reused, keep=keep, write=write
+        state = self._answering(
+            MemoryState(memory, spec.strategy, document_end, read=reused, keep=keep, write=write)
         )
         yield from Generation(
             state,
@@ -296,8 +304,9 @@ class FrameBackend:
             session.restart()
         mark, hash_before = session.begin_turn()
         session.memory.set_query(prior_query(prompt, session.turns))
+        state = self._answering(MemoryState(session.memory, session.strategy))
         generation = Generation(
-            MemoryState(session.memory, session.strategy),
+            state,
             prompt_ids,
             sampling,
             self.decoding.tokenizer,
@@ -313,6 +322,8 @@ class FrameBackend:
             final = yield from generation  # delegated: its decode steps join the worker's batches
         finally:  # finished, failed or aborted: the memory keeps a whole turn or none
             if self.conversations.get(session_id) is session:
+                if isinstance(state, FrameTextState):
+                    state.flush()  # the answer read afresh joins the memory
                 turn = self._end_turn(session, generation, mark, hash_before, new, restart, final)
                 session.memory.end_request()
         if final is not None and turn is not None:

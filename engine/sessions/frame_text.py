@@ -1,0 +1,85 @@
+"""A question on memory answered over its frame read afresh (memory knob answer_read "afresh").
+
+The session reads the question as always: its tail retrieves (the strategy's blocks and the
+text prior's), and memory keeps every token. Then the frame's tokens (sinks, the retrieved
+rows, the window with the question) are read again by the model's own attention into a plain
+KV cache, and the answer is generated there. The same tokens through their stored keys and
+values (each block's read in its own place in the document, none of them seeing the others)
+answered far worse than read afresh (docs/decisions/076-answer-read-afresh.md). The answer's
+tokens join the session's memory when the request ends (`flush`), one forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.runner.decode_state import KVCacheState
+from engine.runner.rows import DecodeRow
+from engine.sessions.memory_state import MemoryState
+
+
+class FrameTextState:
+    """A MemoryState whose answer runs on a plain cache of the question's frame tokens."""
+
+    def __init__(self, inner: MemoryState, model: Any, kv_dtype: str) -> None:
+        self.inner = inner
+        self.strategy = inner.strategy
+        self._model, self._kv_dtype = model, kv_dtype
+        self._kv: KVCacheState | None = None  # the frame read afresh, once a forward retrieved
+        self._base = 0  # tokens of the frame in _kv; later ones are the answer's
+        self._offered: list[int] = []  # tokens stepped on _kv, the session's memory still owes
+
+    @property
+    def num_tokens(self) -> int:
+        return self.inner.num_tokens + len(self._owed())
+
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self._kv is not None:  # more prompt after the answer began: both read it
+            self.flush()
+            self.inner.prefill(input_ids)
+            return self._kv.prefill(input_ids)
+        memory = self.inner.memory
+        memory.forget_selection()
+        logits = self.inner.prefill(input_ids)
+        ids = memory.frame_ids()
+        if ids is None:  # nothing retrieved (the session fits, or a document chunk)
+            return logits
+        self._kv = KVCacheState(self._model, kv_dtype=self._kv_dtype)
+        logits = self._kv.prefill(torch.tensor(ids, dtype=torch.long))
+        self._base = self._kv.num_tokens
+        return logits
+
+    def step(self, token_id: int) -> torch.Tensor:
+        if self._kv is None:
+            return self.inner.step(token_id)
+        self._offer(token_id)
+        return self._kv.step(token_id)
+
+    def decode_row(self, token_id: int) -> DecodeRow:
+        if self._kv is None:
+            return self.inner.decode_row(token_id)
+        self._offer(token_id)
+        return self._kv.decode_row(token_id)
+
+    def pop_retrieval_seconds(self) -> float:
+        return self.inner.pop_retrieval_seconds()
+
+    def flush(self) -> None:
+        """The answer's tokens so far join the session's memory (the request ends)."""
+        owed = self._owed()
+        self._offered = []
+        if self._kv is not None:
+            self._base = self._kv.num_tokens
+        if owed:
+            self.inner.prefill(torch.tensor(owed, dtype=torch.long))
+
+    def _owed(self) -> list[int]:
+        """The offered tokens the plain cache took (a failed step's token is not among them)."""
+        if self._kv is None:
+            return []
+        return self._offered[: self._kv.num_tokens - self._base]
+
+    def _offer(self, token_id: int) -> None:
+        self._offered = [*self._owed(), token_id]
