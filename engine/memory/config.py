@@ -69,13 +69,13 @@ class FrameConfig:
         block holds (lexical.py), pinning only the lines within 0.1 of the best when those
         words single blocks out; it lost on the held-out set, so it is not the default
         (docs/decisions/074-lexical-prior.md).
-    answer_read: how a question's answer reads what its retrieval chose. "memory" (default):
-        attention over the frame's stored keys and values, as the seeds do. "afresh": the
-        frame's tokens (sinks, the retrieved rows of the last layer, the window with the
+    answer_read: how a question's answer reads what its retrieval chose. "afresh" (default):
+        the frame's tokens (sinks, the retrieved rows of the last layer, the window with the
         question) read again by the model's own attention in a plain cache, and the answer
         generated there; the session still reads the question and the answer into memory
         (engine/sessions/frame_text.py; docs/decisions/076-answer-read-afresh.md). Needs the
-        text prior's token ids; without them the answer reads memory.
+        text prior's token ids; without them the answer reads memory. "memory": attention over
+        the frame's stored keys and values, as the seeds do.
     tier: where memory blocks live. "device" (default) keeps them beside the model; "host"
         keeps them in (page-locked) host memory and copies only the rows a forward retrieves
         to the device, so a GPU holds sinks, window, summaries and indices while the bulk of
@@ -110,7 +110,7 @@ class FrameConfig:
     prior_u: int = 1
     prior_order: str = "relevance"
     prior_match: str = "dense"
-    answer_read: str = "memory"
+    answer_read: str = "afresh"
 
     def tail_start(self, total: int) -> int:
         """Where the last `tail` tokens of an append of `total` tokens begin (they are

@@ -9,7 +9,7 @@ import asyncio
 import dataclasses
 import functools
 import time
-from collections.abc import AsyncIterator, Generator, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Sequence
 
 import torch
 
@@ -27,6 +27,7 @@ from engine.protocol import (
     StoreUnavailableError,
 )
 from engine.runner.adapter import AnswerAdapter
+from engine.runner.decode_state import DecodeState
 from engine.runner.generate import Generation
 from engine.scheduler.stream import aborted_delta, on_device, submit
 from engine.scheduler.worker import Worker
@@ -49,6 +50,7 @@ class DocumentCollections:
         worker: Worker,
         store: StoreBridge | None,
         model_fingerprint: str,
+        answering: Callable[[MemoryState], DecodeState] = lambda state: state,
     ) -> None:
         self._conversations = conversations  # the backend's table (device thread writes it)
         self._config = config
@@ -56,6 +58,7 @@ class DocumentCollections:
         self._worker = worker
         self._store = store
         self._model_fingerprint = model_fingerprint
+        self._answering = answering  # the state an answer runs on (answer_read; frame_text.py)
         # EmbQ for collections too large to load whole; None: the bundled MiniLM (EmbD's).
         self.query_encoder: TextEncoder | None = None
 
@@ -228,7 +231,7 @@ class DocumentCollections:
         for chunk in chunks:
             fork.import_chunk(chunk)
         generation = Generation(
-            MemoryState(fork, session.strategy),
+            self._answering(MemoryState(fork, session.strategy)),
             prompt_ids,
             sampling,
             self._decoding.tokenizer,

@@ -83,7 +83,7 @@ class FrameBackend:
         self.conversations: dict[str, Conversation] = {}  # written on the device thread only
         self._ingest_ids: set[str] = set()  # running ingestions (drop fails them)
         self.collections = DocumentCollections(
-            self.conversations, config, decoding, worker, store, model_fingerprint
+            self.conversations, config, decoding, worker, store, model_fingerprint, self._answering
         )
         self.prefixes = PrefixCache(config.prefix_cache_bytes)  # long prompts' reused memories
         self.prefix_store = (  # ... and the same through the memory store, for every replica

@@ -94,9 +94,9 @@ def test_a_session_that_fits_answers_as_memory_does(tiny_loaded):
 
 
 def test_answer_read_is_checked():
-    spec = MemorySpec("segments", {"answer_read": "afresh"})
-    assert parse_memory_spec(spec, max_positions=8192).answer_read == "afresh"
-    assert parse_memory_spec(MemorySpec("segments"), max_positions=8192).answer_read == "memory"
+    spec = MemorySpec("segments", {"answer_read": "memory"})
+    assert parse_memory_spec(spec, max_positions=8192).answer_read == "memory"
+    assert parse_memory_spec(MemorySpec("segments"), max_positions=8192).answer_read == "afresh"
     with pytest.raises(InvalidRequest, match="answer_read"):
         parse_memory_spec(MemorySpec("segments", {"answer_read": "text"}), max_positions=8192)
 
