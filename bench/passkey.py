@@ -12,7 +12,9 @@ model's own full attention at a length that fits its window (the baseline). One 
     python -m bench.passkey --lengths 4096 16384 32768 --strategies segments tokens neurocache -n 10
 
 --memory-dtypes measures every cell once per memory_dtype (float16 against int8 in one run,
-the same keys at the same depths); each line then carries `memory_dtype`.
+the same keys at the same depths); each line then carries `memory_dtype`. --served reads with
+the text prior attached and answers as the server does (`answer_read`, by default the frame's
+tokens read afresh: engine/sessions/frame_text.py); without it, over the stored keys and values.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import random
 import re
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -30,6 +33,9 @@ from engine.config import EngineConfig
 from engine.memory.session import STRATEGIES, SessionMemory
 from engine.protocol import MemorySpec
 from engine.runner.loader import load_model
+from engine.sessions.frame_text import FrameTextState
+from engine.sessions.memory_state import MemoryState
+from engine.sessions.prior_query import prior_encoder, prior_query
 
 INTRO = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
@@ -65,15 +71,29 @@ def answer_with_memory(
     return decode_answer(tokenizer, memory, ids, new_tokens)
 
 
-def decode_answer(tokenizer, memory: SessionMemory, ids: list[int], new_tokens: int):
-    """Append ids to memory (a question: its tail forwarded on its own), decode greedily."""
+def decode_answer(
+    tokenizer,
+    memory: SessionMemory,
+    ids: list[int],
+    new_tokens: int,
+    question: str = "",
+    kv_dtype: str = "model",
+):
+    """Append ids to memory (a question: its tail forwarded on its own), decode greedily. With
+    the text prior attached, the question is its query and the answer reads as the server's
+    (answer_read)."""
     device = next(memory.model.parameters()).device
-    logits = memory.append(torch.tensor(ids, device=device))
+    state: Any = MemoryState(memory, None)
+    if memory.prior is not None:
+        memory.set_query(prior_query(question))
+        if memory.config.answer_read == "afresh":
+            state = FrameTextState(state, memory.model, kv_dtype)
+    logits = state.prefill(torch.tensor(ids, device=device))
     out: list[int] = []
     for _ in range(new_tokens):
         token = int(logits.argmax())
         out.append(token)
-        logits = memory.append(torch.tensor([token], device=device))
+        logits = state.step(token)
     return tokenizer.decode(out), memory
 
 
@@ -94,6 +114,7 @@ def answers_sharing_prefix(
     spec: MemorySpec,
     new_tokens: int,
     kv_dtype: str = "model",
+    prior: tuple[Any, Any] | None = None,
 ):
     """Answer every prompt of a cell, reading the opening they share only once.
 
@@ -107,6 +128,8 @@ def answers_sharing_prefix(
     needle first (any order is exact, that one shares most). kv_dtype: the frames' sinks and
     window, as the server holds them (LoadedModel.kv_dtype). Yields (index, text, memory)."""
     base = SessionMemory(model, spec, kv_dtype)
+    if prior is not None:  # (encoder, decode): the text prior, as the server attaches it
+        base.attach_prior(*prior)
     chunk = base.config.chunk_size
     device = next(model.parameters()).device
     read = 0
@@ -121,7 +144,8 @@ def answers_sharing_prefix(
             base.append(torch.tensor(ids[read:cut], device=device), document=True)
             read = cut
         memory = base.fork() if i + 1 < len(prompts) else base
-        text, memory = decode_answer(tokenizer, memory, ids[read:], new_tokens)
+        question = str(tokenizer.decode(ids[-64:])) if prior is not None else ""
+        text, memory = decode_answer(tokenizer, memory, ids[read:], new_tokens, question, kv_dtype)
         yield i, text, memory
         # the caller is done with this fork: drop it before the next one is made, so at most
         # the base and one fork are alive (a 32K tokens-strategy cell was OOM-killed at 24 GB)
@@ -166,6 +190,11 @@ def main(argv: list[str] | None = None) -> None:
         choices=("auto", "model", "float16", "int8"),
         help="memory_dtype of each cell, measured in turn (default: the knobs' own)",
     )
+    parser.add_argument(
+        "--served",
+        action="store_true",
+        help="the text prior attached and the answer read as the server does (answer_read)",
+    )
     args = parser.parse_args(argv)
 
     params = {}
@@ -175,6 +204,10 @@ def main(argv: list[str] | None = None) -> None:
 
     loaded = load_model(EngineConfig(model=args.model, linear_dtype=args.linear_dtype))
     model, tokenizer = loaded.model, loaded.tokenizer
+    prior = None
+    if args.served:
+        encoder = prior_encoder(EngineConfig())
+        prior = None if encoder is None else (encoder, lambda t: str(tokenizer.decode(list(t))))
     rng = random.Random(args.seed)
     cases = [(str(rng.randint(10000, 99999)), rng.random()) for _ in range(args.samples)]
 
@@ -208,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
             prompts = [passkey_prompt(tokenizer, length, key, depth) for key, depth in by_depth]
             spec = MemorySpec(strategy, knobs)
             answers = answers_sharing_prefix(
-                model, tokenizer, prompts, spec, args.new_tokens, loaded.kv_dtype
+                model, tokenizer, prompts, spec, args.new_tokens, loaded.kv_dtype, prior
             )
             for i, text, memory in answers:
                 key, depth = by_depth[i]
@@ -226,6 +259,7 @@ def main(argv: list[str] | None = None) -> None:
                     "bench": "passkey",
                     "strategy": strategy,
                     "params": knobs,
+                    "served": prior is not None,
                     **({"memory_dtype": dtype} if dtype is not None else {}),
                     "tokens": length,
                     "n": len(cases),
