@@ -124,15 +124,13 @@ def _with_variant(memory: SessionMemory, variant: str) -> SessionMemory:
     return memory
 
 
-def _frame_text(ids, n_sinks, rows, prompt, model, loaded, adapter, end, args, question):
-    """The frame's own tokens (sinks, then the retrieved rows in slot order) read afresh by
-    the model's own attention, then the session's question: the frame's content without its
-    memory keys and values (--frame-text)."""
-    replica = ids[:n_sinks] + [ids[n_sinks + r] for r in rows] + prompt
+def _frame_text(frame_ids, model, loaded, adapter, end, args, question):
+    """The frame's own tokens (SessionMemory.frame_ids at the answer's first step) read afresh
+    by the model's own attention: the frame's content without its stored keys and values."""
     state = KVCacheState(model, kv_dtype=loaded.kv_dtype)
-    text = str(loaded.tokenizer.decode(_answer(state, replica, adapter, end, args.max_tokens)))
+    text = str(loaded.tokenizer.decode(_answer(state, frame_ids, adapter, end, args.max_tokens)))
     return {
-        "frame_text_tokens": len(replica),
+        "frame_text_tokens": len(frame_ids),
         "frame_text_answer": text.strip()[:80],
         "frame_text_correct": is_correct(text, question.expected),
     }
@@ -222,13 +220,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             memory.set_query(prior_query(messages))
             prompt = encode_chat(tokenizer, messages, history)
             state = MemoryState(memory, args.strategy)
-            seen: list[list[int]] = []  # the last layer's rows at the answer's first step
-
-            def keep_rows(frame=memory._frame, seen=seen) -> None:
-                last = frame.last_selected[max(frame.last_selected)][0]
-                seen.append(last[last >= 0].tolist())
-
-            answer = _answer(state, prompt, adapter, end, args.max_tokens, keep_rows)
+            seen: list[list[int] | None] = []  # the frame's tokens at the answer's first step
+            answer = _answer(
+                state,
+                prompt,
+                adapter,
+                end,
+                args.max_tokens,
+                lambda m=memory, seen=seen: seen.append(m.frame_ids()),
+            )
             held = [_held(memory._frame, span) for span in spans]  # the answer's last step
             with torch.inference_mode():
                 ranks = _prior_ranks(memory, spans) if memory.prior is not None else []
@@ -252,11 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "correct": is_correct(text, question.expected),
                 "gave_other_fact": others,
             }
-            if args.frame_text and seen:
-                n_sinks = memory._frame.n_sinks
-                record |= _frame_text(
-                    ids, n_sinks, seen[0], prompt, model, loaded, adapter, end, args, question
-                )
+            if args.frame_text and seen and seen[0] is not None:
+                record |= _frame_text(seen[0], model, loaded, adapter, end, args, question)
                 totals["frame_text_correct"] = (
                     totals.get("frame_text_correct", 0) + record["frame_text_correct"]
                 )

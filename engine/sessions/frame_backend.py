@@ -44,7 +44,7 @@ from engine.scheduler.worker import Worker
 from engine.sessions.backend import Decoding
 from engine.sessions.conversation import Conversation, check_memory_cap, turn_prompt
 from engine.sessions.document_collections import DocumentCollections
-from engine.sessions.frame_text import FrameTextState
+from engine.sessions.frame_text import FrameTextState, answering
 from engine.sessions.memory_state import MemoryState
 from engine.sessions.prior_query import prior_encoder, prior_query
 
@@ -208,11 +208,7 @@ class FrameBackend:
     # -- the device thread ----------------------------------------------------------------------
 
     def _answering(self, state: MemoryState) -> MemoryState | FrameTextState:
-        """The state a request's answer runs on: its memory's, or (answer_read "afresh") the
-        frame's tokens read again in a plain cache (frame_text.py)."""
-        if state.memory.config.answer_read != "afresh":
-            return state
-        return FrameTextState(state, self.model, self.kv_dtype)
+        return answering(state, self.model, self.kv_dtype)  # frame_text.py
 
     def new_memory(self, spec: MemorySpec) -> SessionMemory:
         """A memory of this engine's model, with the text prior when the engine has one."""

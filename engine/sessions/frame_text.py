@@ -83,3 +83,10 @@ class FrameTextState:
 
     def _offer(self, token_id: int) -> None:
         self._offered = [*self._owed(), token_id]
+
+
+def answering(state: MemoryState, model: Any, kv_dtype: str) -> MemoryState | FrameTextState:
+    """The state a request's answer runs on: its memory's, or (answer_read "afresh") this."""
+    if state.memory.config.answer_read != "afresh":
+        return state
+    return FrameTextState(state, model, kv_dtype)
