@@ -133,13 +133,16 @@ class LocalEngine:
         rows = decoder.invariant_rows if decoder is not None else 1
         self._invariant_rows = rows if self.config.batch_invariant or rows > 1 else 0
         offload_after = self.config.session_offload_after_s
+        spills = self.config.memory_ram_bytes > 0 and self.config.memory_disk_bytes > 0
         self._worker = Worker(
             self.config.max_waiting_requests,
             self.config.max_running_requests,
             run_batch=self._step_batch,
             can_batch=_can_batch,
-            housekeeping=self._offload_idle_sessions if offload_after > 0 else None,
-            housekeeping_interval_s=min(max(offload_after / 4, 0.01), 10.0),
+            housekeeping=self._offload_idle_sessions if offload_after > 0 or spills else None,
+            housekeeping_interval_s=min(max(offload_after / 4, 0.01), 10.0)
+            if offload_after
+            else 10.0,
             decode_share=self.config.decode_share,
             max_waiting_per_tenant=self.config.waiting_per_tenant,
             max_running_per_tenant=self.config.running_per_tenant,
@@ -359,6 +362,8 @@ class LocalEngine:
             sessions_active=len(sessions),
             memory_tokens=sum(int(s.memory.num_tokens) for s in sessions),
             sessions_offloaded=sum(1 for s in sessions if s.memory.offloaded),
+            sessions_on_disk=sum(1 for s in sessions if s.memory.on_disk),
+            memory_disk_bytes=arena.used if (arena := self._frame_backend.arena) else 0,
             prefix_cache_hits=prefixes.hits,
             prefix_cache_misses=prefixes.misses,
             prefix_cache_tokens_reused=prefixes.tokens_reused,

@@ -30,6 +30,13 @@ class EngineConfig:
     memory_store_token: the memory service's shared secret (LONGSERVE_MEMORY_STORE_TOKEN).
     session_offload_after_s: a session idle this long (no request or ingestion) moves from the
     device to host memory (SessionMemory.offload); its next request moves it back. 0 never.
+    memory_disk_dir: where the disk tier keeps memory blocks (files unlinked as soon as they
+    are mapped: engine/memory/mapped.py); None: DATA_DIR/blocks with a data_dir, else the
+    system's temporary directory. memory_disk_bytes: the most the disk tier's files may span,
+    over all sessions; 0 turns the tier off. session_ram_bytes: a session whose memory blocks
+    pass this many bytes moves them to the disk tier instead of growing in RAM (0: never).
+    memory_ram_bytes: while the sessions' memory blocks in RAM pass this, the least recently
+    used idle session moves its blocks to the disk tier (checked every few seconds; 0: never).
     collection_max_chunks: a collection of at most this many chunks is read whole into a
     session's memory when attached (64 chunks of 512 tokens is about 32K tokens); a larger one
     is searched per request: EmbQ(last user message) picks its collection_top_k chunks.
@@ -112,6 +119,10 @@ class EngineConfig:
     memory_store_timeout_s: float = 30.0
     memory_store_token: str | None = field(default=None, repr=False)
     session_offload_after_s: float = 300.0
+    memory_disk_dir: str | None = None
+    memory_disk_bytes: int = 32 * 1024**3
+    session_ram_bytes: int = 4 * 1024**3
+    memory_ram_bytes: int = 12 * 1024**3
     collection_max_chunks: int = 64
     collection_top_k: int = 16
     text_prior: bool = True
@@ -213,6 +224,12 @@ class EngineConfig:
             raise ValueError("max_projection_bytes must be a positive integer")
         if not self.session_offload_after_s >= 0:
             raise ValueError("session_offload_after_s must be >= 0 (0 never offloads)")
+        for name in ("memory_disk_bytes", "session_ram_bytes", "memory_ram_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.memory_disk_dir is not None and not self.memory_disk_dir.strip():
+            raise ValueError("memory_disk_dir must be a non-empty path when given")
 
     @property
     def waiting_per_tenant(self) -> int:

@@ -293,6 +293,8 @@ class EngineStats:
     sessions_active: int = 0
     memory_tokens: int = 0
     sessions_offloaded: int = 0  # of sessions_active, those moved to host memory while idle
+    sessions_on_disk: int = 0  # ... those whose memory blocks are in the disk tier
+    memory_disk_bytes: int = 0  # what the disk tier's files span now (engine/memory/mapped.py)
     # long prompts' prefix reuse (engine/caches/prefix_cache.py): counters since start, and what the
     # cache holds now
     prefix_cache_hits: int = 0
@@ -316,10 +318,11 @@ class EngineStats:
 class SessionMemoryInfo:
     """Where a session's memory is now. tier "host": in host memory (an idle session moved
     off the device, or one whose memory is configured to live there), "device": beside the
-    model. On a CPU-only engine both are the same memory."""
+    model (on a CPU-only engine both are the same memory); "disk": its memory blocks are in
+    the disk tier (engine/memory/mapped.py)."""
 
     tokens: int
-    tier: Literal["device", "host"]
+    tier: Literal["device", "host", "disk"]
 
 
 @dataclass(frozen=True)

@@ -150,6 +150,16 @@ class _EngineStatsCollector(Collector):
             "Sessions whose memory was moved to host memory while idle.",
             value=stats.sessions_offloaded,
         )
+        yield GaugeMetricFamily(
+            f"{PREFIX}sessions_on_disk",
+            "Sessions whose memory blocks are in the disk tier.",
+            value=stats.sessions_on_disk,
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}memory_disk_bytes",
+            "Bytes the disk tier's files span (memory blocks of every session).",
+            value=stats.memory_disk_bytes,
+        )
         counters = (
             ("prefix_cache_hits", "Long prompts that started from a kept memory.", "hits"),
             ("prefix_cache_misses", "Long prompts that found no kept memory.", "misses"),

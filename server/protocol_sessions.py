@@ -30,8 +30,9 @@ class SessionMemoryView(OpenAIModel):
     strategy: str | None  # None: the engine's configured default strategy
     params: dict[str, Any] = Field(default_factory=dict)
     # "device": beside the model; "host": in host memory (idle sessions move there after
-    # session_offload_after_seconds). None: kept in the memory service (larimar).
-    tier: Literal["device", "host"] | None = None
+    # session_offload_after_seconds); "disk": memory blocks in the disk tier (memory knob
+    # tier "disk", or past session_ram_bytes). None: kept in the memory service (larimar).
+    tier: Literal["device", "host", "disk"] | None = None
 
 
 class SessionObject(OpenAIModel):

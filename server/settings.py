@@ -109,6 +109,17 @@ class ServerSettings(BaseSettings):
     # A session idle this long moves from device to host memory (its next request brings it
     # back); 0 never moves it. Eviction is default_session_ttl_seconds' business.
     session_offload_after_seconds: float = Field(default=300.0, ge=0)
+    # Memory blocks' disk tier (engine/memory/mapped.py): files mapped under memory_disk_dir
+    # (default DATA_DIR/blocks, else the system's temporary directory), unlinked at once, at
+    # most memory_disk_bytes over all sessions (0: no disk tier). A session whose blocks pass
+    # session_ram_bytes moves them there instead of growing in RAM (0: never); memory knob
+    # tier "disk" starts there.
+    memory_disk_dir: str | None = None
+    memory_disk_bytes: int = Field(default=32 * 1024**3, ge=0)
+    session_ram_bytes: int = Field(default=4 * 1024**3, ge=0)
+    # While the sessions' blocks in RAM pass this, the least recently used idle one moves
+    # its blocks to the disk tier (0: never).
+    memory_ram_bytes: int = Field(default=12 * 1024**3, ge=0)
 
     # Collections written by `longserve ingest`, attached to sessions (engine/client.py): one
     # of at most collection_max_chunks chunks loads whole; a larger one is searched per request

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from engine.memory.mapped import DiskArena
     from engine.memory.quantized import QuantizedBuffer
 
 
@@ -41,24 +42,41 @@ class GrowingBuffer:
         self.size = 0
         self.pin = pin and device.type == "cpu" and torch.cuda.is_available()
 
+    on_disk = False  # as MappedBuffer (mapped.py, the disk tier) while its rows are there
+
     def append(self, x: torch.Tensor) -> None:  # x (heads, n, dim)
         n = x.shape[1]
         capacity = self.data.shape[1]
         if self.start + self.size + n > capacity:
-            live = self.view()
-            if self.size + n <= capacity // 2:
-                self.data[:, : self.size] = live.clone()
-            else:
-                capacity = max(2 * capacity, self.size + n, 256)
-                grown = self.data.new_empty(self.data.shape[0], capacity, self.data.shape[2])
-                if self.pin:
-                    grown = grown.pin_memory()
-                grown[:, : self.size] = live
-                self.data = grown
-            self.start = 0
+            self._make_room(n)
         end = self.start + self.size
         self.data[:, end : end + n] = x.to(self.data.device)
         self.size += n
+
+    def _make_room(self, n: int) -> None:
+        """Room for n more rows after the live ones."""
+        capacity = self.data.shape[1]
+        if self.size + n <= capacity // 2:
+            self._to_front()
+        else:
+            self._grow(max(2 * capacity, self.size + n, 256))
+
+    def _grow(self, capacity: int) -> None:
+        """Room for `capacity` rows, the live rows moved to the front."""
+        grown = self.data.new_empty(self.data.shape[0], capacity, self.data.shape[2])
+        if self.pin:
+            grown = grown.pin_memory()
+        grown[:, : self.size] = self.view()
+        self.data, self.start = grown, 0
+
+    def _to_front(self) -> None:
+        """Move the live rows to the front, in pieces no longer than the gap they close (a
+        piece never overlaps its own source, and no copy of them all is made)."""
+        step = max(min(self.start, 4096), 1)
+        for i in range(0, self.size, step):
+            n = min(step, self.size - i)
+            self.data[:, i : i + n] = self.data[:, self.start + i : self.start + i + n]
+        self.start = 0
 
     @property
     def device(self) -> torch.device:
@@ -97,9 +115,11 @@ class GrowingBuffer:
         whole rows over the flat buffer: a row is one copy, where `gather` along the rows
         reads element by element (docs/decisions/017-frame-copies-and-masks.md)."""
         heads, capacity, dim = self.data.shape
-        offsets = torch.arange(heads, device=idx.device)[:, None] * capacity + self.start
+        stride = self.data.stride(0) // dim  # rows between heads: capacity, or the disk tier's
+        offsets = torch.arange(heads, device=idx.device)[:, None] * stride + self.start
         rows = (idx + offsets).reshape(-1)
-        return self.data.view(heads * capacity, dim).index_select(0, rows).view(heads, -1, dim)
+        flat = self.data.as_strided(((heads - 1) * stride + capacity, dim), (dim, 1))
+        return flat.index_select(0, rows).view(heads, -1, dim)
 
     def take_to(self, idx: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """take(idx) in dtype on device (QuantizedBuffer.take_to's contract)."""
@@ -144,6 +164,23 @@ class LayerStore:
         return sum(t.numel() * t.element_size() for t in (self.sink_k, self.sink_v)) + sum(
             b.nbytes() for b in buffers
         )
+
+    def spill(self, arena: DiskArena) -> bool:
+        """Move the memory blocks to the disk tier (mapped.py); False when it is full (a
+        buffer moved before that stays moved: it reads the same)."""
+        from engine.memory.mapped import spilled  # mapped.py builds on this module
+
+        for name in ("mem_k", "mem_v"):
+            buffer = getattr(self, name)
+            if buffer.quantized:
+                if not buffer.spill(arena):
+                    return False
+                continue
+            moved = spilled(buffer, arena)
+            if moved is None:
+                return False
+            setattr(self, name, moved)
+        return True
 
 
 def storage_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -80,7 +80,10 @@ class FrameConfig:
         keeps them in (page-locked) host memory and copies only the rows a forward retrieves
         to the device, so a GPU holds sinks, window, summaries and indices while the bulk of
         a long session sits in host RAM. Sinks and window always stay on the device. On a
-        CPU-only machine both tiers are the same memory.
+        CPU-only machine both tiers are the same memory. "disk" keeps them in files the
+        server maps (engine/memory/mapped.py): what a step reads comes through the page
+        cache, the rest stays on disk. Any session also moves there once its blocks pass the
+        server's session_ram_bytes (docs/decisions/077-memory-on-disk.md).
     memory_dtype: what memory blocks hold their keys and values in. "float16" half
         precision, as the memory store keeps them: half the bytes a session holds, and half
         what a decode step reads from its retrieved blocks (the CPU kernel widens them as it
@@ -226,7 +229,7 @@ _CHOICES = {
     "score": ("mean", "bound"),
     "select": ("consensus", "head"),
     "index": ("auto", "sketch", "torch", "faiss-flat", "faiss-hnsw", "faiss-ivf"),
-    "tier": ("device", "host"),
+    "tier": ("device", "host", "disk"),
     "memory_dtype": ("auto", "model", "float16", "int8"),
     "read_dtype": ("auto", "model", "bfloat16"),
     "prior_order": ("document", "relevance"),

@@ -34,6 +34,7 @@ strategy plugs in is selector.py; how the rows it chooses are read is retrieval.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,6 +47,9 @@ from engine.memory.retrieval import RowReader
 from engine.memory.rotary import RotaryTable
 from engine.memory.selector import Selector
 from engine.memory.step_cache import StepCache
+
+if TYPE_CHECKING:
+    from engine.memory.mapped import DiskArena
 
 # Bumped whenever a chunk's keys and values come out differently for the same tokens (the
 # layout of the frame it attends changed): stored encodings of another layout are not reused.
@@ -67,9 +71,20 @@ class Frame(FrameState):
         dtype: torch.dtype,
         device: torch.device,
         window_dtype: torch.dtype | None = None,
+        arena: DiskArena | None = None,
+        spill_bytes: int = 0,
     ) -> None:
         super().__init__(
-            config, rotary, num_layers, kv_heads, head_dim, dtype, device, window_dtype
+            config,
+            rotary,
+            num_layers,
+            kv_heads,
+            head_dim,
+            dtype,
+            device,
+            window_dtype,
+            arena,
+            spill_bytes,
         )
         self.selector = selector
         self.step_cache = StepCache()  # what decode steps keep between steps
@@ -79,10 +94,11 @@ class Frame(FrameState):
 
     def to(self, device: torch.device) -> None:
         """Move the whole frame (sinks, window, memory, the strategy's structures) to device;
-        with tier "host" the memory blocks stay on the host whatever the device."""
+        with tier "host" the memory blocks stay on the host whatever the device, and in the
+        disk tier they stay there."""
         device = torch.device(device)
         host = self.config.tier == "host"
-        memory_device = torch.device("cpu") if host else device
+        memory_device = torch.device("cpu") if host or self.on_disk else device
         for store in self.layers:
             store.to(device, memory_device, pin=host)
         self._sinks_rotated = {}
@@ -296,6 +312,7 @@ class Frame(FrameState):
                 store.mem_v.drop_front(c.block)
                 self.selector.on_memory_dropped(layer, c.block)
             self.n_memory -= c.block
+        self.spill_if_over()
 
     def mark(self) -> FrameMark:
         """Where the frame stands now, for a later `rewind`."""

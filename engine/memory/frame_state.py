@@ -7,7 +7,7 @@ this state, so none of them imports frame.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,9 @@ from engine.memory.buffers import GrowingBuffer, LayerStore
 from engine.memory.config import FrameConfig
 from engine.memory.quantized import memory_buffers
 from engine.memory.rotary import Angles, RotaryTable
+
+if TYPE_CHECKING:
+    from engine.memory.mapped import DiskArena
 
 
 @dataclass(frozen=True)
@@ -50,16 +53,26 @@ class FrameState:
         dtype: torch.dtype,
         device: torch.device,
         window_dtype: torch.dtype | None = None,
+        arena: DiskArena | None = None,
+        spill_bytes: int = 0,
     ) -> None:
+        """arena: the server's disk tier; memory blocks are held there from the start under
+        tier "disk", and move there (`spill`) once they pass spill_bytes (0: never)."""
         self.config = config
         self.rotary = rotary
         self.kv_heads = kv_heads
+        self.arena = arena
+        self.spill_bytes = spill_bytes
+        self._spilled = config.tier == "disk"
         # sinks and window hold keys and values in window_dtype (the engine's kv_dtype: float16
         # under int4 weights, as plain KV caches), else in the model's dtype
         self.window_dtype = window_dtype or dtype
         empty = torch.empty(kv_heads, 0, head_dim, dtype=self.window_dtype, device=device)
         host = config.tier == "host"
-        memory_device = torch.device("cpu") if host else device
+        on_disk = config.tier == "disk"
+        if on_disk and arena is None:
+            raise ValueError('tier "disk" needs the server\'s disk tier (an arena)')
+        memory_device = torch.device("cpu") if host or on_disk else device
         # the CPU memory-step kernels serve float32 models (sinks, window and memory in float32
         # or float16); a bfloat16 model's lean step has float32 queries, but its steps take
         # torch's ops (RowReader gathers under the same rule)
@@ -78,6 +91,7 @@ class FrameState:
                     dtype,
                     memory_device,
                     host,
+                    arena if on_disk else None,
                 ),
             )
             for _ in range(num_layers)
@@ -109,6 +123,33 @@ class FrameState:
     @property
     def device(self) -> torch.device:
         return self._device
+
+    # -- the disk tier -----------------------------------------------------------------------
+
+    @property
+    def on_disk(self) -> bool:
+        """Whether any memory blocks are held in the disk tier (tier "disk", or spilled)."""
+        return any(s.mem_k.on_disk or s.mem_v.on_disk for s in self.layers)
+
+    def memory_nbytes(self) -> int:
+        """Bytes of the memory blocks' keys and values, in whatever tier they are."""
+        return sum(s.mem_k.nbytes() + s.mem_v.nbytes() for s in self.layers)
+
+    def spill(self) -> bool:
+        """Move every layer's memory blocks to the disk tier. False when it is full: the
+        layers moved before that stay moved (they read the same), the rest stay in RAM."""
+        if self.arena is None:
+            return False
+        return all(store.spill(self.arena) for store in self.layers)
+
+    def spill_if_over(self) -> None:
+        """Spill once the memory blocks pass spill_bytes: a session past its fast tier's
+        budget moves to the disk tier instead of failing (and stays in RAM, growing up to
+        max_memory_tokens, while the disk tier is full)."""
+        if self.arena is None or not self.spill_bytes or self._spilled:
+            return
+        if self.memory_nbytes() > self.spill_bytes:
+            self._spilled = self.spill()
 
     # -- positions ---------------------------------------------------------------------------
 

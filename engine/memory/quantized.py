@@ -17,9 +17,14 @@ docs/decisions/070-int8-memory-blocks.md.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.memory.buffers import GrowingBuffer, storage_dtype
+
+if TYPE_CHECKING:
+    from engine.memory.mapped import DiskArena
 
 LEVELS = 255  # uint8 codes 0..255
 HELD = torch.float16  # scales and zeros
@@ -36,12 +41,21 @@ class QuantizedBuffer:
     quantized = True
 
     def __init__(
-        self, heads: int, dim: int, group: int, device: torch.device, pin: bool = False
+        self,
+        heads: int,
+        dim: int,
+        group: int,
+        device: torch.device,
+        pin: bool = False,
+        arena: DiskArena | None = None,
     ) -> None:
+        """arena: hold codes and scales in the disk tier (mapped.py)."""
+        from engine.memory.mapped import buffer  # mapped.py builds on buffers.py
+
         self.group, self.dim = group, dim
-        self.codes = GrowingBuffer(heads, dim, torch.uint8, device, pin)
+        self.codes = buffer(heads, dim, torch.uint8, device, pin, arena)
         # per group: keys (heads, blocks, 2 * dim) [scale | zero]; values (heads, n, 2)
-        self.params = GrowingBuffer(heads, 2 * dim if group else 2, HELD, device, pin)
+        self.params = buffer(heads, 2 * dim if group else 2, HELD, device, pin, arena)
 
     @property
     def size(self) -> int:
@@ -50,6 +64,21 @@ class QuantizedBuffer:
     @property
     def device(self) -> torch.device:
         return self.codes.device
+
+    @property
+    def on_disk(self) -> bool:
+        return self.codes.on_disk
+
+    def spill(self, arena: DiskArena) -> bool:
+        """Codes and scales to the disk tier (mapped.py); False when it is full."""
+        from engine.memory.mapped import spilled
+
+        for name in ("codes", "params"):
+            moved = spilled(getattr(self, name), arena)
+            if moved is None:
+                return False
+            setattr(self, name, moved)
+        return True
 
     def append(self, x: torch.Tensor) -> None:  # x (heads, n, dim)
         heads, n, dim = x.shape
@@ -154,15 +183,19 @@ def memory_buffers(
     model_dtype: torch.dtype,
     device: torch.device,
     pin: bool,
+    arena: DiskArena | None = None,
 ) -> tuple[GrowingBuffer | QuantizedBuffer, GrowingBuffer | QuantizedBuffer]:
     """One layer's memory keys and values as FrameConfig.memory_dtype holds them: "int8"
-    quantized (keys per channel over each block, values per token), else in storage_dtype."""
+    quantized (keys per channel over each block, values per token), else in storage_dtype;
+    in the disk tier when arena is given (mapped.py)."""
+    from engine.memory.mapped import buffer
+
     if setting == "int8":
-        return QuantizedBuffer(heads, dim, block, device, pin), QuantizedBuffer(
-            heads, dim, 0, device, pin
+        return QuantizedBuffer(heads, dim, block, device, pin, arena), QuantizedBuffer(
+            heads, dim, 0, device, pin, arena
         )
     held = storage_dtype(setting, model_dtype)
     return (
-        GrowingBuffer(heads, dim, held, device, pin=pin),
-        GrowingBuffer(heads, dim, held, device, pin=pin),
+        buffer(heads, dim, held, device, pin, arena),
+        buffer(heads, dim, held, device, pin, arena),
     )

@@ -32,6 +32,7 @@ from engine.memory.config import (
 from engine.memory.decode_row import MemoryRow
 from engine.memory.frame import Frame
 from engine.memory.frame_state import FrameMark
+from engine.memory.mapped import DiskArena
 from engine.memory.prior import TextPrior
 from engine.memory.projections import Projections
 from engine.memory.rotary import RotaryTable
@@ -60,15 +61,24 @@ class SessionMemory(EncodingTransfer):
         spec: MemorySpec | None = None,
         kv_dtype: str = "model",
         projections: Projections | None = None,
+        arena: DiskArena | None = None,
+        spill_bytes: int = 0,
     ) -> None:
         """kv_dtype: what the frame's sinks and local window hold keys and values in, the
         engine's resolved EngineConfig.kv_dtype ("model" or "float16"); memory blocks follow
         FrameConfig.memory_dtype. projections: the operator's neurocache projections, which
-        `memory.projection` names by id (None: none can be named)."""
+        `memory.projection` names by id (None: none can be named). arena: the server's disk
+        tier (mapped.py), where tier "disk" keeps memory blocks and where they move once they
+        pass spill_bytes (0: never); None: no disk tier."""
         cfg = model.config
         max_positions = int(cfg.max_position_embeddings)
         require_longserve_attention(model)
         config = parse_memory_spec(spec, max_positions=max_positions)
+        if config.tier == "disk" and arena is None:
+            raise InvalidRequest(
+                'memory.tier "disk" is not offered by this server (memory_disk_bytes is 0)',
+                param="memory.tier",
+            )
         # the prior's budget is frame positions: kept only once a prior is attached, so a
         # memory without one has no gap of unused positions between sinks and retrieved rows
         self._prior_k = config.prior_k
@@ -106,6 +116,8 @@ class SessionMemory(EncodingTransfer):
             dtype,
             device,
             None if kv_dtype in ("model", "auto") else getattr(torch, kv_dtype),
+            arena,
+            spill_bytes,
         )
         selector.frame = self._frame
         self.prior: TextPrior | None = None  # attach_prior: DCP's EmbQ . EmbD (prior.py)
@@ -213,6 +225,20 @@ class SessionMemory(EncodingTransfer):
         return True
 
     # -- tiers: an idle session leaves the device ------------------------------------------
+
+    @property
+    def on_disk(self) -> bool:
+        """Whether memory blocks are held in the disk tier (tier "disk", or spilled)."""
+        return self._frame.on_disk
+
+    def memory_nbytes(self) -> int:
+        """Bytes of the memory blocks' keys and values, in whatever tier they are."""
+        return self._frame.memory_nbytes()
+
+    def spill(self) -> bool:
+        """Move the memory blocks to the disk tier; False when there is none or it is full
+        (FrameState.spill)."""
+        return self._frame.spill()
 
     @property
     def offloaded(self) -> bool:

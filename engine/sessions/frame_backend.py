@@ -22,6 +22,7 @@ from engine.caches.prefix_store import PrefixStore
 from engine.caches.store import StoreBridge, document_id
 from engine.caches.store import ingest_steps as store_ingest_steps
 from engine.config import EngineConfig
+from engine.memory.mapped import disk_arena
 from engine.memory.projections import Projections
 from engine.memory.session import STRATEGIES, MemoryMark, SessionMemory
 from engine.protocol import (
@@ -80,6 +81,7 @@ class FrameBackend:
         self._model_fingerprint = model_fingerprint
         self.encoder = prior_encoder(config)  # the memories' text prior (None: off)
         self.projections = Projections(config.projection_dir, config.max_projection_bytes)
+        self.arena = disk_arena(config)  # memory blocks' disk tier (mapped.py); None: off
         self.conversations: dict[str, Conversation] = {}  # written on the device thread only
         self._ingest_ids: set[str] = set()  # running ingestions (drop fails them)
         self.collections = DocumentCollections(
@@ -200,9 +202,11 @@ class FrameBackend:
         if session is None:
             return None
         memory = session.memory
-        tier: Literal["device", "host"] = (
-            "host" if memory.offloaded or memory.config.tier == "host" else "device"
-        )
+        tier: Literal["device", "host", "disk"] = "device"
+        if memory.on_disk:
+            tier = "disk"
+        elif memory.offloaded or memory.config.tier == "host":
+            tier = "host"
         return SessionMemoryInfo(tokens=int(memory.num_tokens), tier=tier)
 
     # -- the device thread ----------------------------------------------------------------------
@@ -212,7 +216,14 @@ class FrameBackend:
 
     def new_memory(self, spec: MemorySpec) -> SessionMemory:
         """A memory of this engine's model, with the text prior when the engine has one."""
-        memory = SessionMemory(self.model, spec, self.kv_dtype, self.projections)
+        memory = SessionMemory(
+            self.model,
+            spec,
+            self.kv_dtype,
+            self.projections,
+            self.arena,
+            self.config.session_ram_bytes if self.arena is not None else 0,
+        )
         if self.encoder is not None:
             tokenizer = self.decoding.tokenizer
             memory.attach_prior(self.encoder, lambda ids: str(tokenizer.decode(list(ids))))
@@ -418,8 +429,34 @@ class FrameBackend:
             if session_id in busy:
                 session.last_used = now
             elif (
-                not session.memory.offloaded
+                self.config.session_offload_after_s > 0
+                and not session.memory.offloaded
                 and now - session.last_used >= self.config.session_offload_after_s
             ):
                 session.memory.offload()
                 logger.info("session %s idle: its memory moved to host memory", session_id)
+        self.spill_past_budget(busy)
+
+    def spill_past_budget(self, busy: set[str]) -> None:
+        """Worker housekeeping (device thread): while the sessions' memory blocks in RAM pass
+        memory_ram_bytes, the least recently used idle session moves its blocks to the disk
+        tier (mapped.py). A busy session is left alone; it spills on its own past
+        session_ram_bytes."""
+        budget = self.config.memory_ram_bytes
+        if self.arena is None or not budget:
+            return
+        held = {
+            sid: s.memory.memory_nbytes()
+            for sid, s in self.conversations.items()
+            if not s.memory.on_disk
+        }
+        total = sum(held.values())
+        idle = sorted((self.conversations[sid].last_used, sid) for sid in held if sid not in busy)
+        for _, sid in idle:
+            if total <= budget:
+                return
+            if not self.conversations[sid].memory.spill():
+                logger.warning("the disk tier is full: session %s stays in RAM", sid)
+                return
+            total -= held[sid]
+            logger.info("session %s idle past memory_ram_bytes: its blocks moved to disk", sid)

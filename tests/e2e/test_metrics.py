@@ -31,6 +31,8 @@ EXPECTED = {
     "longserve:memory_tokens": "gauge",
     "longserve:sessions_active": "gauge",
     "longserve:sessions_offloaded": "gauge",
+    "longserve:sessions_on_disk": "gauge",
+    "longserve:memory_disk_bytes": "gauge",
     "longserve:prefix_cache_hits": "counter",
     "longserve:prefix_cache_misses": "counter",
     "longserve:prefix_cache_tokens_reused": "counter",
