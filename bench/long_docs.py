@@ -39,8 +39,16 @@ def document(tokens_per_filler: float, n_tokens: int, key: str, depth: float, sa
 
 
 def ask(
-    http: httpx.Client, model: str, text: str, strategy: str, max_tokens: int, api: str
+    http: httpx.Client,
+    model: str,
+    text: str,
+    strategy: str,
+    max_tokens: int,
+    api: str,
+    session: str | None = None,
 ) -> dict:
+    """text and the passkey question, streamed; on `session` (its memory already holds the
+    document) instead of a memory of its own when given."""
     body = {
         "model": model,
         "max_tokens": max_tokens,
@@ -50,6 +58,9 @@ def ask(
         "ignore_eos": True,
         "memory": {"strategy": strategy},
     }
+    if session is not None:
+        body["session_id"] = session
+        del body["memory"]
     if api == "chat":
         body["messages"] = [{"role": "user", "content": text + QUESTION}]
     else:
