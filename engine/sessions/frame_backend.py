@@ -48,6 +48,7 @@ from engine.sessions.document_collections import DocumentCollections
 from engine.sessions.frame_text import FrameTextState, answering
 from engine.sessions.memory_state import MemoryState
 from engine.sessions.prior_query import prior_encoder, prior_query
+from engine.sessions.tiers import offload_idle, spill_past_budget
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -420,43 +421,9 @@ class FrameBackend:
         session.read_document(("user", text))
 
     def offload_idle(self) -> None:
-        """Worker housekeeping (device thread): move sessions idle for session_offload_after_s
-        to host memory. A session with a request or ingestion in flight is not idle; its
-        memory moves back by itself on its next append."""
-        now = time.monotonic()
+        """Worker housekeeping (device thread): idle sessions to host memory, and past the
+        RAM budget to the disk tier (tiers.py)."""
         busy = self._worker.busy_sessions()
-        for session_id, session in list(self.conversations.items()):
-            if session_id in busy:
-                session.last_used = now
-            elif (
-                self.config.session_offload_after_s > 0
-                and not session.memory.offloaded
-                and now - session.last_used >= self.config.session_offload_after_s
-            ):
-                session.memory.offload()
-                logger.info("session %s idle: its memory moved to host memory", session_id)
-        self.spill_past_budget(busy)
-
-    def spill_past_budget(self, busy: set[str]) -> None:
-        """Worker housekeeping (device thread): while the sessions' memory blocks in RAM pass
-        memory_ram_bytes, the least recently used idle session moves its blocks to the disk
-        tier (mapped.py). A busy session is left alone; it spills on its own past
-        session_ram_bytes."""
-        budget = self.config.memory_ram_bytes
-        if self.arena is None or not budget:
-            return
-        held = {
-            sid: s.memory.memory_nbytes()
-            for sid, s in self.conversations.items()
-            if not s.memory.on_disk
-        }
-        total = sum(held.values())
-        idle = sorted((self.conversations[sid].last_used, sid) for sid in held if sid not in busy)
-        for _, sid in idle:
-            if total <= budget:
-                return
-            if not self.conversations[sid].memory.spill():
-                logger.warning("the disk tier is full: session %s stays in RAM", sid)
-                return
-            total -= held[sid]
-            logger.info("session %s idle past memory_ram_bytes: its blocks moved to disk", sid)
+        offload_idle(self.conversations, busy, self.config.session_offload_after_s)
+        if self.arena is not None:
+            spill_past_budget(self.conversations, busy, self.config.memory_ram_bytes)

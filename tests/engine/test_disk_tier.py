@@ -7,7 +7,6 @@ from disk as from RAM (same logits, forks and offloads included)."""
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import os
 
@@ -20,6 +19,7 @@ from engine.memory.buffers import GrowingBuffer
 from engine.memory.mapped import DiskArena, buffer, disk_arena, spilled
 from engine.memory.session import STRATEGIES, SessionMemory
 from engine.protocol import InvalidRequest, MemorySpec
+from engine.sessions.tiers import spill_past_budget
 from server.app import build_app
 from server.settings import ServerSettings
 
@@ -224,11 +224,14 @@ async def test_idle_sessions_past_the_server_s_ram_budget_move_to_disk_and_answe
     answers = [await ask(e, "a", question, session_id="s1") for e in (spills, stays)]
     assert answers[0][0] == answers[1][0]
 
-    backend = stays._frame_backend  # busy sessions stay; the least recently used goes first
-    backend.arena = DiskArena(str(tmp_path), 1 << 26, 4096)
-    backend.config = dataclasses.replace(backend.config, memory_ram_bytes=1)
-    backend.spill_past_budget(busy={"s1", "s2"})
-    assert not any(s.memory.on_disk for s in backend.conversations.values())
-    backend.spill_past_budget(busy={"s2"})
-    assert backend.conversations["s1"].memory.on_disk
-    assert not backend.conversations["s2"].memory.on_disk
+    sessions = stays._frame_backend.conversations  # busy ones stay; least recently used first
+    arena = DiskArena(str(tmp_path), 1 << 26, 4096)
+    for session in sessions.values():
+        session.memory._frame.arena = arena
+    spill_past_budget(sessions, busy={"s1", "s2"}, budget=1)
+    assert not any(s.memory.on_disk for s in sessions.values())
+    spill_past_budget(sessions, busy={"s2"}, budget=1)
+    assert sessions["s1"].memory.on_disk and not sessions["s2"].memory.on_disk
+    sessions["s2"].last_used = 0.0  # now the least recently used: it goes, s1 is there already
+    spill_past_budget(sessions, busy=set(), budget=1)
+    assert sessions["s2"].memory.on_disk
