@@ -13,6 +13,7 @@ memory that every forward attends to through a frame (docs/architecture.md secti
     step_cache.py  the decode-step path and what decode steps keep between steps
     buffers.py     GrowingBuffer, LayerStore: where each layer's keys and values live
     quantized.py   QuantizedBuffer: memory blocks in int8 (memory_dtype "int8", KIVI's split)
+    mapped.py      the disk tier: memory blocks in mapped, unlinked sparse files (MappedBuffer)
     selector.py    Selector, the base class a strategy plugs into the frame
     rotary.py      un-rotating and re-rotating keys at frame positions
     config.py      one frozen dataclass of hyperparameters per strategy, MemorySpec parsing

@@ -3,7 +3,8 @@ it. `backend` is the interface the engine calls (`SessionBackend`) and what ever
 with (`Decoding`); `frame_backend` keeps each session's memory on the device, a `Conversation`
 (`conversation`) holding its `SessionMemory`, its turns and its collections
 (`document_collections`); `larimar` keeps it in the memory store's Larimar memory;
-`memory_state` is how a generation reads and grows a memory, `prior_query` the text prior's query.
+`memory_state` is how a generation reads and grows a memory, `prior_query` the text prior's query,
+`frame_text` how an answer reads its frame afresh, `tiers` which tier idle sessions sit in.
 
 Names, one per thing:
 - Session: the API object a client creates (server/sessions/models.py `Session`).
