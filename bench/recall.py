@@ -256,7 +256,11 @@ def measure(run: Run) -> dict[str, dict]:
                         for kind in args.kinds
                         for a in run.cells[length, kind, task, row, strategy]
                     ]
-                    emit(run.line(length, "all", task, row, strategy, answers))
+                    line = run.line(length, "all", task, row, strategy, answers)
+                    # which questions it got right, so that a run stopped before its summary
+                    # can still be paired row by row (bench/recall_report.py)
+                    line["questions_right"] = sorted(a.question for a in answers if a.correct)
+                    emit(line)
         for key in [key for key in docs if key[0] == length]:
             del docs[key]
         for name, row in compare_length(run, length).items():
