@@ -125,6 +125,10 @@ class GrowingBuffer:
         """take(idx) in dtype on device (QuantizedBuffer.take_to's contract)."""
         return self.take(idx).to(device, dtype, non_blocking=True)
 
+    def row_bytes(self) -> int:
+        """Bytes one more row takes (every head)."""
+        return self.data.shape[0] * self.data.shape[2] * self.data.element_size()
+
     def nbytes(self) -> int:
         """Bytes of the rows held (the capacity behind them, grown by doubling, is up to twice
         that while a session grows)."""

@@ -131,6 +131,10 @@ class FrameState:
         """Whether any memory blocks are held in the disk tier (tier "disk", or spilled)."""
         return any(s.mem_k.on_disk or s.mem_v.on_disk for s in self.layers)
 
+    def memory_row_bytes(self) -> int:
+        """Bytes one more token takes in memory blocks, over every layer."""
+        return sum(s.mem_k.row_bytes() + s.mem_v.row_bytes() for s in self.layers)
+
     def memory_nbytes(self) -> int:
         """Bytes of the memory blocks' keys and values, in whatever tier they are."""
         return sum(s.mem_k.nbytes() + s.mem_v.nbytes() for s in self.layers)

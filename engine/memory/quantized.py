@@ -128,6 +128,10 @@ class QuantizedBuffer:
         self.codes.to(device, pin)
         self.params.to(device, pin)
 
+    def row_bytes(self) -> int:
+        """Bytes one more row takes, its share of its group's scales included."""
+        return self.codes.row_bytes() + self.params.row_bytes() // (self.group or 1)
+
     def nbytes(self) -> int:
         """Bytes of the codes and scales held."""
         return self.codes.nbytes() + self.params.nbytes()

@@ -235,6 +235,14 @@ class SessionMemory(EncodingTransfer):
         """Bytes of the memory blocks' keys and values, in whatever tier they are."""
         return self._frame.memory_nbytes()
 
+    def memory_row_bytes(self) -> int:
+        """Bytes one more token takes in memory blocks."""
+        return self._frame.memory_row_bytes()
+
+    @property
+    def disk_arena(self) -> DiskArena | None:
+        return self._frame.arena
+
     def spill(self) -> bool:
         """Move the memory blocks to the disk tier; False when there is none or it is full
         (FrameState.spill)."""

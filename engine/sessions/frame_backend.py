@@ -48,7 +48,7 @@ from engine.sessions.document_collections import DocumentCollections
 from engine.sessions.frame_text import FrameTextState, answering
 from engine.sessions.memory_state import MemoryState
 from engine.sessions.prior_query import prior_encoder, prior_query
-from engine.sessions.tiers import offload_idle, spill_past_budget
+from engine.sessions.tiers import check_disk_room, offload_idle, spill_past_budget
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -385,6 +385,7 @@ class FrameBackend:
                 raise SessionNotFound(f"session {session_id!r} has no memory")
             ids = encode_document(self.decoding.tokenizer, text, session.rendered)
             check_memory_cap(session.memory.num_tokens + len(ids), self.config.max_memory_tokens)
+            check_disk_room(session.memory, len(ids), self.config.session_ram_bytes)
             yield IngestProgress(0, len(ids), time.perf_counter() - started, done=not ids)
             if self._store is not None and ids:
                 yield from store_ingest_steps(

@@ -13,6 +13,8 @@ import logging
 import time
 from collections.abc import Mapping
 
+from engine.memory.session import SessionMemory
+from engine.protocol import MemoryBudgetExceeded
 from engine.sessions.conversation import Conversation
 
 logger = logging.getLogger(__name__)
@@ -46,3 +48,29 @@ def spill_past_budget(sessions: Mapping[str, Conversation], busy: set[str], budg
             return
         total -= held[sid]
         logger.info("session %s idle past memory_ram_bytes: its blocks moved to disk", sid)
+
+
+def check_disk_room(memory: SessionMemory, tokens: int, session_ram_bytes: int) -> None:
+    """A document of `tokens` that takes memory to the disk tier (past session_ram_bytes, or
+    there already) needs room there: MemoryBudgetExceeded, reading nothing, when the tier has
+    not got it. Growing in RAM instead is only the fallback of a race, not a way around the
+    tier's bound."""
+    arena = memory.disk_arena
+    if arena is None:
+        return
+    grows = tokens * memory.memory_row_bytes()
+    after = memory.memory_nbytes() + grows
+    if memory.on_disk or memory.config.tier == "disk":
+        need = grows
+    elif session_ram_bytes and after > session_ram_bytes:
+        need = after  # spilling copies the blocks held so far too
+    else:
+        return
+    room = max(arena.budget - arena.used, 0)
+    if need > room:
+        raise MemoryBudgetExceeded(
+            f"the server's disk tier for memory blocks has {room} bytes free; this document"
+            f" needs {need}",
+            needed=need,
+            room=room,
+        )

@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.memory.buffers import GrowingBuffer
 from engine.memory.mapped import DiskArena, buffer, disk_arena, spilled
 from engine.memory.session import STRATEGIES, SessionMemory
-from engine.protocol import InvalidRequest, MemorySpec
+from engine.protocol import InvalidRequest, MemoryBudgetExceeded, MemorySpec
 from engine.sessions.tiers import spill_past_budget
 from server.app import build_app
 from server.settings import ServerSettings
@@ -235,3 +235,17 @@ async def test_idle_sessions_past_the_server_s_ram_budget_move_to_disk_and_answe
     sessions["s2"].last_used = 0.0  # now the least recently used: it goes, s1 is there already
     spill_past_budget(sessions, busy=set(), budget=1)
     assert sessions["s2"].memory.on_disk
+
+
+async def test_a_document_the_disk_tier_cannot_take_is_refused_before_it_is_read(
+    make_engine, small_memory_spec, tmp_path
+):
+    """Past session_ram_bytes a document needs room in the disk tier; without it the ingest
+    fails with MemoryBudgetExceeded and the session holds what it held."""
+    engine = make_engine(memory_disk_dir=str(tmp_path), memory_disk_bytes=4096, session_ram_bytes=1)
+    await engine.create_session("s", small_memory_spec)
+    memory = engine._frame_backend.conversations["s"].memory
+    with pytest.raises(MemoryBudgetExceeded) as err:
+        await collect(engine.ingest("i", "s", "The access code is 4721. " * 20))
+    assert err.value.room == 4096 and err.value.needed > 4096
+    assert memory.num_tokens == 0 and not memory.on_disk
