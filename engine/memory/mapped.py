@@ -64,17 +64,18 @@ class DiskArena:
 
 
 class Region:
-    """One buffer's storage in the arena: `data(capacity)` is the (heads, capacity, dim) view
-    of the rows taken so far (its head stride is max_rows rows); `grow(capacity)` takes more
-    from the budget, in place."""
+    """One buffer's storage in the arena: `data()` is the (heads, capacity, dim) view of the
+    rows taken so far (its head stride is max_rows rows); `grow(capacity)` takes more from the
+    budget, in place."""
 
     def __init__(self, arena: DiskArena, heads: int, dim: int, dtype: torch.dtype) -> None:
         self.arena, self.rows = arena, arena.max_rows
-        self.row_bytes = heads * dim * torch.empty((), dtype=dtype).element_size()
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.row_bytes = heads * dim * itemsize
         numel = heads * self.rows * dim
         fd, path = tempfile.mkstemp(prefix="longserve-blocks-", dir=arena.directory)
         try:
-            os.ftruncate(fd, numel * (self.row_bytes // (heads * dim)))
+            os.ftruncate(fd, numel * itemsize)  # sparse: no disk until rows are written
             flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
         finally:
             os.unlink(path)
