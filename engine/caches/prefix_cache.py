@@ -153,6 +153,9 @@ class PrefixCache:
         kept = memory.fork()
         kept.end_request()  # no question, no decode caches
         kept.offload()  # host memory: the device keeps room for running requests
+        # ... and its blocks in the disk tier when the server has one (mapped.py): kept
+        # copies of 128K prompts held in RAM took a 24 GB server out of memory (decision 077)
+        kept.spill()
         self._entries[key] = _Entry(kept, memory.num_tokens, nbytes)
         self._bytes += nbytes
 

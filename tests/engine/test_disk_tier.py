@@ -249,3 +249,17 @@ async def test_a_document_the_disk_tier_cannot_take_is_refused_before_it_is_read
         await collect(engine.ingest("i", "s", "The access code is 4721. " * 20))
     assert err.value.room == 4096 and err.value.needed > 4096
     assert memory.num_tokens == 0 and not memory.on_disk
+
+
+def test_the_prefix_cache_keeps_its_copies_in_the_disk_tier(tmp_path):
+    """A long prompt's kept memory (engine/caches/prefix_cache.py) moves its blocks to disk:
+    kept copies in RAM took a 24 GB server out of memory at 128K (decision 077)."""
+    from engine.caches.prefix_cache import PrefixCache
+
+    arena = DiskArena(str(tmp_path), budget=1 << 26, max_rows=4096)
+    memory = SessionMemory(tiny("llama"), MemorySpec("segments", SMALL["segments"]), arena=arena)
+    memory.append(torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(1)))
+    cache = PrefixCache(1 << 30)
+    cache.put("tenant", memory)
+    [entry] = cache._entries.values()
+    assert entry.memory._frame.on_disk and not memory._frame.on_disk
