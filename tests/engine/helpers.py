@@ -48,3 +48,18 @@ def ingest_args(
         "--memory",
         json.dumps(spec.params),
     ]
+
+
+async def complete_on_session(http, model_id: str, session_id: str):
+    """A short completion on a session through the API (an httpx client on the app): it reads
+    a 400-token prompt into the session's memory and answers 4 tokens."""
+    return await http.post(
+        "/v1/completions",
+        json={
+            "model": model_id,
+            "prompt": "The river ran slowly past the mill. " * 40 + "Where did it run?",
+            "max_tokens": 4,
+            "temperature": 0,
+            "session_id": session_id,
+        },
+    )

@@ -23,6 +23,7 @@ from engine.sessions.tiers import spill_past_budget
 from server.app import build_app
 from server.settings import ServerSettings
 
+from .helpers import complete_on_session
 from .test_memory_frame import tiny
 from .test_memory_session import SMALL, _run
 from .test_session_turns import ask, collect, wait_for_tier
@@ -176,16 +177,7 @@ async def test_a_session_on_disk_over_http(make_engine, tmp_path):
         made = await http.post("/v1/sessions", json={"memory": memory})
         assert made.status_code == 200, made.text
         session_id = made.json()["id"]
-        answer = await http.post(
-            "/v1/completions",
-            json={
-                "model": engine.model.id,
-                "prompt": "The river ran slowly past the mill. " * 40 + "Where did it run?",
-                "max_tokens": 4,
-                "temperature": 0,
-                "session_id": session_id,
-            },
-        )
+        answer = await complete_on_session(http, engine.model.id, session_id)
         assert answer.status_code == 200, answer.text
         shown = (await http.get(f"/v1/sessions/{session_id}")).json()
         metrics = (await http.get("/metrics")).text

@@ -17,6 +17,7 @@ from memory_store.encodings import decode_chunk, encode_chunk
 from server.app import build_app
 from server.settings import ServerSettings
 
+from .helpers import complete_on_session
 from .test_memory_frame import tiny
 from .test_memory_session import SMALL, _run
 
@@ -227,16 +228,7 @@ async def test_memory_dtype_over_http(make_engine):
         assert bad.json()["error"]["param"] == "memory.memory_dtype"
         good = await http.post("/v1/sessions", json={"memory": {**memory, "memory_dtype": "int8"}})
         assert good.status_code == 200, good.text
-        answer = await http.post(
-            "/v1/completions",
-            json={
-                "model": engine.model.id,
-                "prompt": "The river ran slowly past the mill. " * 40 + "Where did it run?",
-                "max_tokens": 4,
-                "temperature": 0,
-                "session_id": good.json()["id"],
-            },
-        )
+        answer = await complete_on_session(http, engine.model.id, good.json()["id"])
     assert answer.status_code == 200, answer.text
     [session] = engine._frame_backend.conversations.values()
     assert session.memory.memory_tokens > 0
