@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.memory.mapped import DiskArena
     from engine.memory.quantized import QuantizedBuffer
 
 
@@ -168,23 +167,6 @@ class LayerStore:
         return sum(t.numel() * t.element_size() for t in (self.sink_k, self.sink_v)) + sum(
             b.nbytes() for b in buffers
         )
-
-    def spill(self, arena: DiskArena) -> bool:
-        """Move the memory blocks to the disk tier (mapped.py); False when it is full (a
-        buffer moved before that stays moved: it reads the same)."""
-        from engine.memory.mapped import spilled  # mapped.py builds on this module
-
-        for name in ("mem_k", "mem_v"):
-            buffer = getattr(self, name)
-            if buffer.quantized:
-                if not buffer.spill(arena):
-                    return False
-                continue
-            moved = spilled(buffer, arena)
-            if moved is None:
-                return False
-            setattr(self, name, moved)
-        return True
 
 
 def storage_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -13,6 +13,7 @@ import torch
 
 from engine.memory.buffers import GrowingBuffer, LayerStore
 from engine.memory.config import FrameConfig
+from engine.memory.mapped import spill_store
 from engine.memory.quantized import memory_buffers
 from engine.memory.rotary import Angles, RotaryTable
 
@@ -144,7 +145,7 @@ class FrameState:
         layers moved before that stay moved (they read the same), the rest stay in RAM."""
         if self.arena is None:
             return False
-        return all(store.spill(self.arena) for store in self.layers)
+        return all(spill_store(store, self.arena) for store in self.layers)
 
     def spill_if_over(self) -> None:
         """Spill once the memory blocks pass spill_bytes: a session past its fast tier's

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.memory.buffers import GrowingBuffer
+from engine.memory.buffers import GrowingBuffer, LayerStore
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -190,6 +190,22 @@ def copied(rows: GrowingBuffer, arena: DiskArena) -> MappedBuffer | None:
     moved.data[:, : rows.size] = rows.view()
     moved.size = rows.size
     return moved
+
+
+def spill_store(store: LayerStore, arena: DiskArena) -> bool:
+    """Move one layer's memory blocks to the disk tier; False when it is full (a buffer
+    moved before that stays moved: it reads the same)."""
+    for name in ("mem_k", "mem_v"):
+        rows = getattr(store, name)
+        if rows.quantized:  # QuantizedBuffer: its codes and scales
+            if not rows.spill(arena):
+                return False
+            continue
+        moved = spilled(rows, arena)
+        if moved is None:
+            return False
+        setattr(store, name, moved)
+    return True
 
 
 def disk_arena(config: EngineConfig) -> DiskArena | None:
