@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks of issue #17 in one short run, for a machine with CUDA lent for minutes:
 # the gpu-marked tests, memory decode against plain decode, longserve vs transformers'
-# generate, and TTFT / decode for 8K, 128K and 1M-token documents through the HTTP API.
+# generate, and TTFT / decode for 8K, 128K and 1M-token documents through the HTTP API; and of
+# issue #43: batched memory rows and int8 against float16 memory blocks (passkey, bytes per
+# token) up to 1M tokens.
 #
 #   bash bench/gpu_checks.sh [SECONDS] [STEP...]   # budget (default 520); results under $OUT
 #
@@ -51,7 +53,14 @@ step memory_speed 150 python3 -m bench.memory_speed --strategies segments tokens
     --small 4096 --large 32768 --decode-rounds 3 --rounds 2
 wait
 step gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
-    tests/engine/test_cuda.py tests/engine/test_memory_session.py
+    tests/engine/test_cuda.py tests/engine/test_cuda_tiers.py tests/engine/test_memory_session.py
+# the device machine's installed text holds about 6K tokens of docs (decision 078)
+step memory_batch 90 python3 -m bench.memory_batch --rows 1 2 4 8 --memory-dtypes float16 int8 \
+    --tokens 6000
+step passkey_int8 120 python3 -m bench.passkey --lengths 131072 -n 4 --strategies segments \
+    --memory-dtypes float16 int8
+step passkey_1m 420 python3 -m bench.passkey --lengths 1048576 -n 2 --strategies segments \
+    --memory-dtypes int8 float16
 step long_docs 300 python3 -m bench.long_docs --device cuda --api completions \
     --lengths 8192 131072 1048576 --strategies segments --timeout 600
 step long_docs_strategies 120 python3 -m bench.long_docs --device cuda --api completions \

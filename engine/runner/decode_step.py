@@ -59,7 +59,8 @@ logger = logging.getLogger(__name__)
 
 class LeanDecoder:
     """One decode token for B decode rows (engine/runner/rows.py) of a model of one of
-    engine/runner/families.py's families (`unsupported` is None)."""
+    engine/runner/families.py's families (`unsupported` is None). Built once the model is on
+    its device: its fused weights and rotary tables are made there and do not follow a move."""
 
     def __init__(self, model: Any) -> None:
         cfg, inner = model.config, model.model
