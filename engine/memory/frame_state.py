@@ -65,6 +65,7 @@ class FrameState:
         self.arena = arena
         self.spill_bytes = spill_bytes
         self._spilled = config.tier == "disk"
+        self._spill_failed_at = 0  # memory_nbytes when the disk tier last could not take them
         # sinks and window hold keys and values in window_dtype (the engine's kv_dtype: float16
         # under int4 weights, as plain KV caches), else in the model's dtype
         self.window_dtype = window_dtype or dtype
@@ -153,8 +154,11 @@ class FrameState:
         max_memory_tokens, while the disk tier is full)."""
         if self.arena is None or not self.spill_bytes or self._spilled:
             return
-        if self.memory_nbytes() > self.spill_bytes:
+        held = self.memory_nbytes()
+        # after a failed try, wait for a quarter more blocks: each try copies layers
+        if held > max(self.spill_bytes, self._spill_failed_at * 5 // 4):
             self._spilled = self.spill()
+            self._spill_failed_at = 0 if self._spilled else held
 
     # -- positions ---------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from disk as from RAM (same logits, forks and offloads included)."""
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 
 import httpx
@@ -145,6 +146,34 @@ def test_a_session_past_its_ram_budget_spills_and_reads_the_same(tmp_path):
     assert not ram._frame.on_disk
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
+
+
+def test_a_full_disk_tier_is_tried_again_only_after_a_quarter_more_blocks(tmp_path, monkeypatch):
+    """A failed spill copies layers before it finds the tier full: it is not tried again at
+    every block move, only once the blocks have grown by a quarter."""
+    from engine.memory.frame_state import FrameState
+
+    tries: list[int] = []
+    spill = FrameState.spill
+
+    def counted(self):
+        tries.append(self.memory_nbytes())
+        return spill(self)
+
+    monkeypatch.setattr(FrameState, "spill", counted)
+    model = tiny("llama")
+    arena = DiskArena(str(tmp_path), budget=4096, max_rows=4096)  # too small for any layer
+    memory = SessionMemory(model, MemorySpec("segments", SMALL["segments"]), arena=arena,
+                           spill_bytes=10_000)  # fmt: skip
+    ids = torch.randint(0, 300, (600,), generator=torch.Generator().manual_seed(9))
+    sizes_over = set()  # the distinct sizes the blocks had past spill_bytes: one per move
+    for start in range(0, 600, 4):
+        memory.append(ids[start : start + 4])
+        if memory.memory_nbytes() > 10_000:
+            sizes_over.add(memory.memory_nbytes())
+    assert not memory.on_disk and len(tries) >= 2
+    assert all(later >= earlier * 5 / 4 for earlier, later in itertools.pairwise(tries))
+    assert len(tries) * 3 < len(sizes_over)
 
 
 def test_tier_disk_without_a_disk_tier_is_an_invalid_request():
