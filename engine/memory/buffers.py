@@ -52,6 +52,12 @@ class GrowingBuffer:
         self.data[:, end : end + n] = x.to(self.data.device)
         self.size += n
 
+    def reserve(self, n: int) -> None:
+        """Room for n more rows in one allocation (a document of known length): no doubling
+        steps, each holding the old rows and twice as many new ones, on the way there."""
+        if self.start + self.size + n > self.data.shape[1]:
+            self._grow(self.size + n)
+
     def _make_room(self, n: int) -> None:
         """Room for n more rows after the live ones."""
         capacity = self.data.shape[1]

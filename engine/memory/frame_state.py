@@ -148,6 +148,20 @@ class FrameState:
             return False
         return all(spill_store(store, self.arena) for store in self.layers)
 
+    def reserve(self, n: int) -> None:
+        """Room for n more tokens in every layer's memory blocks, taken at once. Blocks that
+        would pass spill_bytes go to the disk tier now instead, where they grow in place."""
+        if self.config.m:  # a FIFO memory holds at most m
+            n = min(n, self.config.m - self.n_memory)
+        if n <= 0:
+            return
+        over = self.memory_nbytes() + n * self.memory_row_bytes() > self.spill_bytes
+        if self.arena is not None and self.spill_bytes and not self._spilled and over:
+            self._spilled = self.spill()
+        for store in self.layers:
+            store.mem_k.reserve(n)
+            store.mem_v.reserve(n)
+
     def spill_if_over(self) -> None:
         """Spill once the memory blocks pass spill_bytes: a session past its fast tier's
         budget moves to the disk tier instead of failing (and stays in RAM, growing up to

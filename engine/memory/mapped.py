@@ -137,6 +137,11 @@ class MappedBuffer(GrowingBuffer):
         self.region = None  # the tier is full: RAM from here on
         self._grow(max(2 * capacity, self.size + n, 256))
 
+    def reserve(self, n: int) -> None:
+        """Nothing: a region grows in place, without a copy."""
+        if self.region is None:
+            super().reserve(n)
+
     def to(self, device: torch.device, pin: bool = False) -> None:
         """Rows on disk stay there for the CPU (the tier is CPU storage); another device
         takes a plain copy."""

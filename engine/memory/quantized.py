@@ -94,6 +94,10 @@ class QuantizedBuffer:
             self.codes.append(codes)
             self.params.append(torch.cat((scale, zero), dim=-1))
 
+    def reserve(self, n: int) -> None:
+        self.codes.reserve(n)
+        self.params.reserve(-(-n // self.group) if self.group else n)
+
     def drop_front(self, n: int) -> None:
         n = min(n, self.size)
         if self.group and n % self.group:

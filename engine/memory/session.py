@@ -243,6 +243,11 @@ class SessionMemory(EncodingTransfer):
     def disk_arena(self) -> DiskArena | None:
         return self._frame.arena
 
+    def reserve(self, n_tokens: int) -> None:
+        """Room for a document of n_tokens in memory blocks before it is read
+        (FrameState.reserve)."""
+        self._frame.reserve(n_tokens)
+
     def spill(self) -> bool:
         """Move the memory blocks to the disk tier; False when there is none or it is full
         (FrameState.spill)."""

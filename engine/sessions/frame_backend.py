@@ -387,6 +387,7 @@ class FrameBackend:
             check_memory_cap(session.memory.num_tokens + len(ids), self.config.max_memory_tokens)
             check_disk_room(session.memory, len(ids), self.config.session_ram_bytes)
             yield IngestProgress(0, len(ids), time.perf_counter() - started, done=not ids)
+            session.memory.reserve(len(ids))  # its blocks' room at once, not by doubling
             if self._store is not None and ids:
                 yield from store_ingest_steps(
                     self._store,

@@ -40,6 +40,7 @@ class MemoryState:
         self.strategy = strategy
         self._document_end = document_end
         self._read = read
+        self._reserve = max((document_end or 0) - read, 0)  # taken at the first read
         self._keep = keep
         self._write = write
 
@@ -54,6 +55,9 @@ class MemoryState:
         self._read += ids.numel()
         if end is None or start >= end:
             return self.memory.append(ids)
+        if self._reserve:
+            self.memory.reserve(self._reserve)
+            self._reserve = 0
         document, rest = ids[: end - start], ids[end - start :]
         if self._keep is not None and start < self._keep[0] <= start + document.numel():
             (point, callback), self._keep = self._keep, None
