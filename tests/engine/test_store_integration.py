@@ -176,6 +176,36 @@ async def test_second_engine_rebuilds_from_the_store_without_forwards(engines, t
     assert manifests[0].doc_id == "doc-2"
 
 
+async def test_a_replica_restores_a_session_past_its_ram_budget_into_the_disk_tier(
+    engines, tmp_path, monkeypatch
+):
+    """Another replica imports the stored chunks of a document that will not fit its RAM
+    budget straight into the disk tier: the room is taken there before the first chunk."""
+    from engine.memory.frame_state import FrameState
+
+    spilled_at: list[int] = []  # tokens in memory blocks when they went to disk
+    spill = FrameState.spill
+
+    def recorded(self):
+        spilled_at.append(self.n_memory)
+        return spill(self)
+
+    monkeypatch.setattr(FrameState, "spill", recorded)
+    first = engines()
+    await first.create_session("s1", SPEC)
+    await _collect(first.ingest("doc-1", "s1", DOC))
+    answer1 = await _collect(first.generate("g1", "What is the code?", GREEDY, session_id="s1"))
+    assert first.session_memory_info("s1").tier == "device"
+
+    second = engines(memory_disk_dir=str(tmp_path / "blocks"), session_ram_bytes=1)
+    await second.create_session("s2", SPEC)
+    progress = await _collect(second.ingest("doc-2", "s2", DOC))
+    assert progress[-1].tokens_from_store == progress[-1].tokens_total > 64
+    assert second.session_memory_info("s2").tier == "disk" and spilled_at == [0]
+    answer2 = await _collect(second.generate("g2", "What is the code?", GREEDY, session_id="s2"))
+    assert [d.token_ids for d in answer2] == [d.token_ids for d in answer1]
+
+
 async def test_identical_documents_in_two_sessions_are_stored_once(engines, tmp_path):
     engine = engines()
     await engine.create_session("a", SPEC)
