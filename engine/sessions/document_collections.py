@@ -133,6 +133,7 @@ class DocumentCollections:
                 raise SessionNotFound(f"session {session_id!r} was dropped")
             if name in session.collections:
                 return
+            session.memory.reserve(tokens)
             for chunk in chunks:
                 session.memory.import_chunk(chunk)
             session.collections[name] = Collection(attached, order)
