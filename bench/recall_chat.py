@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from bench.recall_tasks import Question, Trial, is_correct
+from bench.recall_tasks import Question, Trial, answer_budget, is_correct
 
 
 @dataclass
@@ -48,7 +48,7 @@ class Asker:
                 model=self.model,
                 messages=messages,
                 temperature=0,
-                max_tokens=self.max_tokens,
+                max_tokens=answer_budget(self.max_tokens, question),
                 extra_body=extra_body,
             )
             answers.append(reply.choices[0].message.content or "")
@@ -67,7 +67,7 @@ def ask_all(asker: Asker, trial: Trial, context_for, extra_body: dict) -> list[A
         except Exception as e:  # a failed request is a wrong answer, and is reported
             out.append(Answer(False, 0.0, 0, "", question.expected, f"{type(e).__name__}: {e}"))
             continue
-        correct = is_correct(answers[-1], question.expected)
+        correct = is_correct(answers[-1], question.expected, exact=question.task == "multivalue")
         out.append(
             Answer(
                 correct,

@@ -28,6 +28,7 @@ import random
 import re
 from dataclasses import dataclass
 
+TOKENS_PER_LISTED_VALUE = 24  # answer room for each further value of a multivalue list
 TASKS = ("relation", "single", "multikey", "multivalue", "paraphrase", "followup")
 # the mix of issue 15 that the recall figures before decision 069 were measured with
 MIXED_TASKS = ("single", "multikey", "multivalue", "paraphrase", "followup")
@@ -284,8 +285,19 @@ def contains(answer: str, expected: str) -> bool:
     return expected.lower() in answer.lower()
 
 
-def is_correct(answer: str, expected: tuple[str, ...]) -> bool:
-    return all(contains(answer, value) for value in expected)
+def is_correct(answer: str, expected: tuple[str, ...], exact: bool = False) -> bool:
+    """Every expected value in the answer; with `exact` (a list, multivalue) also no other
+    number of a value's size (5 digits or more): a list with an invented entry is wrong."""
+    if not all(contains(answer, value) for value in expected):
+        return False
+    listed = re.findall(r"(?<!\d)\d{5,}(?!\d)", normalize(answer))
+    return not exact or set(listed) <= set(expected)
+
+
+def answer_budget(max_tokens: int, question: Question) -> int:
+    """max_tokens for one value; a list (multivalue) gets room for each further value: a
+    7-digit value takes 7 tokens of SmolLM2's, a numbered line 11, one that names the key 20."""
+    return max_tokens + TOKENS_PER_LISTED_VALUE * (len(question.expected) - 1)
 
 
 def wilson(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:

@@ -35,7 +35,10 @@ from bench.recall_report import compare_rows, mcnemar_exact, paired, row_text
 from bench.recall_tasks import (
     FOLLOWUP_QUESTION,
     RELATIONS,
+    TOKENS_PER_LISTED_VALUE,
     VAULT,
+    Question,
+    answer_budget,
     contains,
     is_correct,
     make_trial,
@@ -185,6 +188,21 @@ def test_scoring_finds_the_value_and_nothing_like_it():
     assert contains("The vault is the quinmar vault.", "Quinmar")
     assert is_correct("codes: 11111, 22222 and 33333", ("11111", "22222", "33333"))
     assert not is_correct("codes: 11111 and 33333", ("11111", "22222", "33333"))
+
+
+def test_a_list_is_judged_whole_and_given_room_for_each_value():
+    """multivalue: every value, no invented one beside them (a number of a value's size),
+    and an answer budget that grows with the values to list."""
+    three = ("4018591", "6676506", "4950751")
+    listed = "The badges are:\n\n1. 4018591\n2. 6676506\n3. 4950751"
+    assert is_correct(listed, three, exact=True)
+    assert is_correct(listed + "\n4. 4018591", three, exact=True)  # a value said twice
+    assert not is_correct(listed + "\n4. 6676507", three, exact=True)
+    assert is_correct(listed + "\n4. 6676507", three)  # one fact asked: extra text is fine
+    assert is_correct("Issued in 2019: 1. 4018591 2. 6676506 3. 4950751", three, exact=True)
+    question = Question("multivalue", ("Which badges?",), three)
+    assert answer_budget(48, question) == 48 + 2 * TOKENS_PER_LISTED_VALUE
+    assert answer_budget(48, Question("relation", ("What?",), ("4018591",))) == 48
 
 
 def test_wilson_interval():
