@@ -290,8 +290,9 @@ def is_correct(answer: str, expected: tuple[str, ...], exact: bool = False) -> b
     number of a value's size (5 digits or more): a list with an invented entry is wrong."""
     if not all(contains(answer, value) for value in expected):
         return False
-    listed = re.findall(r"(?<!\d)\d{5,}(?!\d)", normalize(answer))
-    return not exact or set(listed) <= set(expected)
+    if not exact:
+        return True
+    return set(re.findall(r"(?<!\d)\d{5,}(?!\d)", normalize(answer))) <= set(expected)
 
 
 def answer_budget(max_tokens: int, question: Question) -> int:

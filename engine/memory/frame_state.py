@@ -155,20 +155,18 @@ class FrameState:
             n = min(n, self.config.m - self.n_memory)
         if n <= 0:
             return
-        over = self.memory_nbytes() + n * self.memory_row_bytes() > self.spill_bytes
-        if self.arena is not None and self.spill_bytes and not self._spilled and over:
-            self._spilled = self.spill()
+        self.spill_if_over(coming=n * self.memory_row_bytes())
         for store in self.layers:
             store.mem_k.reserve(n)
             store.mem_v.reserve(n)
 
-    def spill_if_over(self) -> None:
-        """Spill once the memory blocks pass spill_bytes: a session past its fast tier's
-        budget moves to the disk tier instead of failing (and stays in RAM, growing up to
-        max_memory_tokens, while the disk tier is full)."""
+    def spill_if_over(self, coming: int = 0) -> None:
+        """Spill once the memory blocks (with `coming` bytes about to be added) pass
+        spill_bytes: a session past its fast tier's budget moves to the disk tier instead of
+        failing (and stays in RAM, growing up to max_memory_tokens, while the tier is full)."""
         if self.arena is None or not self.spill_bytes or self._spilled:
             return
-        held = self.memory_nbytes()
+        held = self.memory_nbytes() + coming
         # after a failed try, wait for a quarter more blocks: each try copies layers
         if held > max(self.spill_bytes, self._spill_failed_at * 5 // 4):
             self._spilled = self.spill()
