@@ -285,6 +285,7 @@ BENCHMARKS = (
     "int8_memory",
     "long_docs",
     "disk_tier",
+    "million",
     "concurrency",
     "store_profile",
     "gguf_types",

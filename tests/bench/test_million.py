@@ -1,0 +1,53 @@
+"""bench/million's questions and documents (no model, no server): every fact and key planted
+once, values that cannot answer another question, held-out text only, and a shorter length's
+document the opening of a longer one's, so questions pair across lengths."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import million
+from bench.recall_corpus import HELD_OUT_KINDS, kind_paragraphs
+
+
+def words(texts: list[str]) -> list[int]:
+    return [len(text.split()) for text in texts]
+
+
+def have_held_out_text() -> bool:
+    return any(next(kind_paragraphs(kind, "probe"), None) for kind in million.HAYSTACK_KINDS)
+
+
+def test_the_haystack_is_held_out_text_only():
+    assert set(million.HAYSTACK_KINDS) <= set(HELD_OUT_KINDS)
+
+
+def test_questions_are_the_relation_s_facts_and_one_key_per_door():
+    trial = million.questions_of(seed=3, facts=8, keys=10)
+    tasks = [q.task for q in trial.questions]
+    assert tasks.count("relation") == 8 and tasks.count("passkey") == 10
+    values = [q.expected[0] for q in trial.questions]
+    assert len(set(values)) == len(values)  # no answer fits two questions
+    keys = [q for q in trial.questions if q.task == "passkey"]
+    for question in keys:
+        (key,) = question.expected
+        assert len(key) == 5 and key.isdigit()
+        planted = [f.sentence for f in trial.facts if key in f.sentence]
+        assert len(planted) == 1
+    depths = sorted(f.depth for f in trial.facts if "pass key" in f.sentence)
+    assert [int(d * 10) for d in depths] == list(range(10))  # one per band of depth
+    assert million.questions_of(seed=3, facts=8, keys=10) == trial
+
+
+@pytest.mark.skipif(not have_held_out_text(), reason="no held-out text on this machine")
+def test_a_shorter_document_opens_a_longer_one_and_holds_every_fact_once():
+    trial = million.questions_of(seed=0, facts=4, keys=3)
+    short = million.document(trial, 0, 3000, words)
+    long = million.document(trial, 0, 9000, words)
+    for text in (short, long):
+        for fact in trial.facts:
+            assert text.count(fact.sentence) == 1
+    assert 2500 < len(short.split()) <= 3000 and 8000 < len(long.split()) <= 9000
+    strip = [p for p in short.split("\n\n") if p not in {f.sentence for f in trial.facts}]
+    opening = [p for p in long.split("\n\n") if p not in {f.sentence for f in trial.facts}]
+    assert opening[: len(strip)] == strip
