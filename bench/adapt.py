@@ -161,7 +161,7 @@ def answer(model, tokenizer, ids: list[int], end: int, adapted: bool, lora: LoRA
     lora.active = adapted
     logits = read(model, ids[-LEAD:], cache).logits[0, -1]
     out: list[int] = []
-    for _ in range(48):
+    for _ in range(96):  # room for a list of four values
         token = int(logits.argmax())
         if token == end:
             break
@@ -177,10 +177,14 @@ def evaluate(model, tokenizer, lora: LoRA, held: list[Task], end: int) -> dict[s
         for ids, (_, sentence) in zip(
             prompts(tokenizer, task, i % 2 == 0), task.questions, strict=True
         ):
-            value = re.search(r"\d{5,}", sentence).group()  # type: ignore[union-attr]
+            values = set(re.findall(r"\d{5,}", sentence))
             right["n"] += 1
             for name, adapted in (("base", False), ("adapter", True)):
-                right[name] += value in answer(model, tokenizer, ids, end, adapted, lora)
+                said = answer(model, tokenizer, ids, end, adapted, lora)
+                if len(values) == 1:
+                    right[name] += next(iter(values)) in said
+                else:  # a list: every value and no other number of a value's size
+                    right[name] += set(re.findall(r"\d{5,}", said)) == values
     return right
 
 
@@ -191,6 +195,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-tasks", type=int, default=6, help="synthetic passages to check on")
+    parser.add_argument(
+        "--lists", type=float, default=0.0, help="share of passages whose keys hold lists"
+    )
     parser.add_argument("--out", type=Path, default=Path("engine/adapters/recall.safetensors"))
     parser.add_argument("--model", help="a model directory (default: the embedded SmolLM2)")
 
@@ -212,8 +219,9 @@ def run(args: argparse.Namespace) -> int:
 
     lora = LoRA(model, args.rank, args.alpha, args.seed)
     optimizer = torch.optim.AdamW(list(lora.params.values()), lr=args.lr, weight_decay=0.0)
-    held = list(itertools.islice(tasks(f"eval:{args.seed}", count, facts=(4, 8)), args.eval_tasks))
-    stream = tasks(args.seed, count)
+    evals = tasks(f"eval:{args.seed}", count, facts=(4, 8), lists=args.lists)
+    held = list(itertools.islice(evals, args.eval_tasks))
+    stream = tasks(args.seed, count, lists=args.lists)
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
         task = next(stream)
@@ -232,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
     command = (
         f"longserve adapt --steps {args.steps} --rank {args.rank} --alpha {args.alpha} "
         f"--lr {args.lr} --seed {args.seed} --out {args.out}"
-    )
+    ) + (f" --lists {args.lists}" if args.lists else "")
     lora.save(
         args.out,
         {

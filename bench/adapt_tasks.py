@@ -1,5 +1,7 @@
 """Synthetic retrieval tasks for `longserve adapt`: a passage of installed prose holding several
-facts of one relation, a question naming one fact's key, and the fact's sentence as the answer.
+facts of one relation, a question naming one fact's key, and the fact's sentence as the answer;
+or (with `lists`) keys that each hold several values, one sentence per value, a question asking
+for all of a key's values, and one sentence listing them as the answer.
 
 The text comes from the recall bench's tuned kinds only (`manpages`, `docs`, `docstrings`); the
 held-out kinds (`news`, `info`, `licenses`) are never read here, so the adapter is judged on
@@ -138,6 +140,47 @@ RELATIONS = (
         ("Which file identifier does the clinic use for {key}?",),
     ),
 )
+
+
+@dataclass(frozen=True)
+class ListRelation:
+    facts: tuple[str, ...]  # one value each: {key} and {value}
+    questions: tuple[str, ...]  # all of a key's values
+    answer: str  # {key} and {values}: "A, B and C"
+
+
+LIST_RELATIONS = (
+    ListRelation(
+        ("Cabinet {key} holds folder {value}.", "Folder {value} is kept in cabinet {key}."),
+        ("Which folders does cabinet {key} hold?", "List the folders kept in cabinet {key}."),
+        "Cabinet {key} holds folders {values}.",
+    ),
+    ListRelation(
+        ("Ship {key} carried container {value}.", "Container {value} sailed on ship {key}."),
+        ("Which containers did ship {key} carry?", "Name every container that sailed on {key}."),
+        "Ship {key} carried containers {values}.",
+    ),
+    ListRelation(
+        ("Runner {key} wore bib {value} in one race.", "In another race, {key} wore bib {value}."),
+        ("Which bibs did runner {key} wear?", "What were all of {key}'s race bibs?"),
+        "Runner {key} wore bibs {values}.",
+    ),
+    ListRelation(
+        ("Meter {value} belongs to the {key} plant.", "The {key} plant also runs meter {value}."),
+        ("Which meters belong to the {key} plant?", "List every meter the {key} plant runs."),
+        "The {key} plant runs meters {values}.",
+    ),
+    ListRelation(
+        ("Recipe {key} calls for jar {value}.", "Jar {value} is used in recipe {key}."),
+        ("Which jars does recipe {key} call for?", "Name all the jars used in recipe {key}."),
+        "Recipe {key} calls for jars {values}.",
+    ),
+    ListRelation(
+        ("Pilot {key} flew route {value}.", "Route {value} was flown by pilot {key} as well."),
+        ("Which routes did pilot {key} fly?", "What are all the routes {key} has flown?"),
+        "Pilot {key} flew routes {values}.",
+    ),
+)
 SYLLABLES = [
     "ka",
     "ne",
@@ -196,16 +239,43 @@ def _value(rng: random.Random, used: set[str]) -> str:
             return value
 
 
+def listed(values: list[str]) -> str:
+    return values[0] if len(values) == 1 else f"{', '.join(values[:-1])} and {values[-1]}"
+
+
+def list_facts(rng: random.Random, used: set[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """A list relation's facts and questions: 2-4 keys of 1-4 values each, the values'
+    sentences apart; the answer lists a key's values in the passage's order of its facts."""
+    relation = rng.choice(LIST_RELATIONS)
+    planted: list[tuple[str, str, str]] = []  # (sentence, key, value)
+    for _ in range(rng.randint(2, 4)):
+        key = _name(rng, used)
+        for _ in range(rng.randint(1, 4)):
+            value = _value(rng, used)
+            planted.append((rng.choice(relation.facts).format(key=key, value=value), key, value))
+    rng.shuffle(planted)
+    asked = []
+    for key in dict.fromkeys(key for _, key, _ in planted):
+        values = [value for _, k, value in planted if k == key]
+        answer = relation.answer.format(key=key, values=listed(values))
+        asked.append((rng.choice(relation.questions).format(key=key), answer))
+    return [sentence for sentence, _, _ in planted], asked
+
+
 def tasks(
     seed: int | str,
     count_tokens: Callable[[list[str]], list[int]],
     tokens: tuple[int, int] = (300, 1400),
     facts: tuple[int, int] = (2, 10),
+    lists: float = 0.0,
 ) -> Iterator[Task]:
     """Endless tasks of this seed: a passage of `tokens` (range) of one tuned kind's prose with
     `facts` (range) facts of one relation at random places, and sometimes one or two of another
-    relation; every fact of the first relation asked, about half of them by a paraphrase."""
+    relation; every fact of the first relation asked, about half of them by a paraphrase. A
+    `lists` share of passages holds list_facts instead (their facts in passage order), with
+    the same distractors. lists=0 draws exactly what it drew before lists existed."""
     rng = random.Random(f"adapt:{seed}")
+    list_rng = random.Random(f"adapt-lists:{seed}")
     sources = {kind: kind_paragraphs(kind, f"adapt:{seed}") for kind in TRAIN_KINDS}
     while True:
         kind = rng.choice(TRAIN_KINDS)
@@ -219,12 +289,21 @@ def tasks(
         used: set[str] = set()
         relation, other = rng.sample(RELATIONS, 2)
         planted, asked = [], []
-        for _ in range(rng.randint(*facts)):
-            key, value = _name(rng, used), _value(rng, used)
-            sentence = rng.choice(relation.facts).format(key=key, value=value)
-            planted.append(sentence)
-            forms = relation.paraphrases if rng.random() < 0.5 else relation.questions
-            asked.append((rng.choice(forms).format(key=key), sentence))
+        as_list = lists > 0 and list_rng.random() < lists
+        if as_list:
+            planted, asked = list_facts(list_rng, used)
+        else:
+            for _ in range(rng.randint(*facts)):
+                key, value = _name(rng, used), _value(rng, used)
+                sentence = rng.choice(relation.facts).format(key=key, value=value)
+                planted.append(sentence)
+                forms = relation.paraphrases if rng.random() < 0.5 else relation.questions
+                asked.append((rng.choice(forms).format(key=key), sentence))
+        if as_list:  # in order: the answer lists a key's values as the passage gives them
+            spots = sorted(list_rng.randint(0, len(paragraphs)) for _ in planted)
+            for offset, (spot, sentence) in enumerate(zip(spots, planted, strict=True)):
+                paragraphs.insert(spot + offset, sentence)
+            planted = []
         for _ in range(rng.choice((0, 0, 1, 2))):
             key, value = _name(rng, used), _value(rng, used)
             planted.append(rng.choice(other.facts).format(key=key, value=value))

@@ -33,14 +33,50 @@ def test_tasks_ask_every_planted_fact_by_its_key_in_tuned_prose(monkeypatch):
     assert set(read) == set(adapt_tasks.TRAIN_KINDS) == {"manpages", "docs", "docstrings"}
 
 
+def test_list_tasks_ask_every_key_for_all_its_values_in_passage_order():
+    lists = 0
+    for task in itertools.islice(adapt_tasks.tasks(5, words, tokens=(100, 300), lists=0.5), 12):
+        for question, answer in task.questions:
+            values = re.findall(r"\d{5,}", answer)
+            if len(values) < 2:
+                continue
+            lists += 1
+            places = [task.passage.index(value) for value in values]
+            assert places == sorted(places)  # listed as the passage gives them
+            key = next(w for w in re.findall(r"[A-Z][a-z]+", question) if w in answer)
+            facts = [s for s in task.passage.split("\n\n") if key in s]
+            assert sorted(re.findall(r"\d{5,}", " ".join(facts))) == sorted(values)
+    assert lists >= 3
+
+
+def test_no_lists_draws_the_tasks_the_shipped_adapter_was_trained_on():
+    def take(**kw):
+        return list(itertools.islice(adapt_tasks.tasks(2, words, tokens=(100, 200), **kw), 4))
+
+    # drawn by bench/adapt_tasks.py before list tasks existed (a7c3181)
+    assert take()[0].questions[0] == (
+        "What is the record number of patient Eftekvescha?",
+        "The record number of patient Eftekvescha is 2128045.",
+    )
+    assert take()[3].questions[0] == (
+        "How high above Earth does the spacecraft Yolin circle?",
+        "The Yolin satellite orbits 6504855 metres above the ground.",
+    )
+    assert take() != take(lists=1.0)
+
+
 def test_the_relations_are_not_the_recall_benchs():
     ours = {f for r in adapt_tasks.RELATIONS for f in r.facts + r.questions + r.paraphrases}
+    ours |= {f for r in adapt_tasks.LIST_RELATIONS for f in (*r.facts, *r.questions, r.answer)}
     bench = {
         f
         for r in [*recall_tasks.RELATIONS.values(), recall_tasks.VAULT]
         for f in (*r.facts, r.question, r.paraphrase)
     }
     assert not ours & bench
+    bench_lists = {*recall_tasks.MULTIVALUE_FACTS, recall_tasks.MULTIVALUE_QUESTION}
+    assert not ours & bench_lists
+    assert not any("badge" in f or "expedition" in f for f in ours)
     assert not set(adapt_tasks.SYLLABLES) & set(recall_tasks.SYLLABLES)
 
 
