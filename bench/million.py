@@ -23,6 +23,7 @@ rows against the others' (McNemar's exact test):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import random
@@ -84,16 +85,14 @@ def document(trial: Trial, seed: int, length: int, count: Callable[[list[str]], 
             total += tokens + 2
 
 
-def cell(args: argparse.Namespace, length: int, trial: Trial, text: str) -> tuple[dict, dict]:
-    """One length on its own server: its JSON line, and {row: {question: right}}."""
-    line: dict = {"bench": "million", "length": length}
-    rows: dict[str, dict[str, bool]] = {}
-    serve_args = ["--device", args.device] + (["--model", args.model] if args.model else [])
-    with served(
-        None, serve_args=serve_args, ready_timeout=600, env={"HF_HUB_OFFLINE": "1"}
-    ) as base:
-        import openai
+@contextlib.contextmanager
+def server(args: argparse.Namespace, env: dict[str, str]) -> Iterator[tuple]:
+    """A fresh server: (base, httpx client, [(row, Asker)], model id, RSS sampler started)."""
+    import openai
 
+    serve_args = ["--device", args.device] + (["--model", args.model] if args.model else [])
+    env = {"HF_HUB_OFFLINE": "1", **env}
+    with served(None, serve_args=serve_args, ready_timeout=600, env=env) as base:
         http = httpx.Client(base_url=f"{base}/v1", timeout=args.timeout)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="bench", timeout=args.timeout)
         model = http.get("/models").json()["data"][0]["id"]
@@ -104,41 +103,97 @@ def cell(args: argparse.Namespace, length: int, trial: Trial, text: str) -> tupl
         sampler = Sampler(server_pid(base), args.every)
         sampler.start()
         try:
-            idle = status_kb(sampler.pid)
-            session, tokens, seconds = upload(http, {"strategy": "segments"}, text, args.timeout)
-            read_at = len(sampler.samples)
-            line |= {"tokens": tokens, "ingest_s": round(seconds, 1)}
-            line["ingest_tok_s"] = round(tokens / seconds, 1)
-            line["tier"] = http.get(f"/sessions/{session}").json()["memory"].get("tier")
-            line["memory_disk_bytes"] = gauge(http, base, "longserve:memory_disk_bytes")
-            for name, asker in askers:
-                answers = ask_all(asker, trial, lambda *_: None, {"session_id": session})
-                right = {}
-                for i, (question, answer) in enumerate(zip(trial.questions, answers, strict=True)):
-                    right[f"{question.task}:{i}"] = answer.correct
-                    if answer.error:
-                        line.setdefault("errors", []).append(answer.error[:200])
-                rows[name] = right
-                line[name] = {
-                    task: f"{sum(v for k, v in right.items() if k.startswith(task))}"
-                    f"/{sum(k.startswith(task) for k in right)}"
-                    for task in ("relation", "passkey")
-                }
-                line[f"{name}_s_per_question"] = round(
-                    sum(a.seconds for a in answers) / max(1, len(answers)), 1
-                )
-                line[f"{name}_answers"] = [a.text[:60] for a in answers]
-            step = ask(http, model, "", "segments", args.decode_tokens, "completions", session)
-            line["decode"] = {k: step[k] for k in ("ttft_s", "decode_tok_s", "completion_tokens")}
+            yield base, http, askers, model, sampler
         finally:
             sampler.stop()
-        line["rss_anon_idle"] = idle.get("RssAnon")
-        line["rss_anon_peak"] = sampler.peak(1)
-        line["rss_anon_peak_reading"] = max((s[1] for s in sampler.samples[:read_at]), default=0)
-        line["rss_file_peak"] = sampler.peak(2)
-        if args.series:
-            line["samples"] = sampler.samples[:: max(1, int(args.series_every / args.every))]
+
+
+def ask_session(askers: list, trial: Trial, session: str, line: dict) -> dict[str, dict]:
+    """Every question of trial on session through each asker: {row: {question: right}}, and
+    each row's score, seconds per question and answers into line."""
+    rows = {}
+    for name, asker in askers:
+        answers = ask_all(asker, trial, lambda *_: None, {"session_id": session})
+        right = {}
+        for i, (question, answer) in enumerate(zip(trial.questions, answers, strict=True)):
+            right[f"{question.task}:{i}"] = answer.correct
+            if answer.error:
+                line.setdefault("errors", []).append(answer.error[:200])
+        rows[name] = right
+        line[name] = {
+            task: f"{sum(v for k, v in right.items() if k.startswith(task))}"
+            f"/{sum(k.startswith(task) for k in right)}"
+            for task in ("relation", "passkey")
+        }
+        line[f"{name}_s_per_question"] = round(
+            sum(a.seconds for a in answers) / max(1, len(answers)), 1
+        )
+        line[f"{name}_first_s"] = round(answers[0].seconds, 1)
+        line[f"{name}_answers"] = [a.text[:60] for a in answers]
+    return rows
+
+
+def memory_line(args: argparse.Namespace, line: dict, sampler: Sampler, idle: dict, read_at: int):
+    line["rss_anon_idle"] = idle.get("RssAnon")
+    line["rss_anon_peak"] = sampler.peak(1)
+    line["rss_anon_peak_reading"] = max((s[1] for s in sampler.samples[:read_at]), default=0)
+    line["rss_file_peak"] = sampler.peak(2)
+    if args.series:
+        line["samples"] = sampler.samples[:: max(1, int(args.series_every / args.every))]
+
+
+def cell(args: argparse.Namespace, length: int, trial: Trial, text: str) -> tuple[dict, dict]:
+    """One length on its own server, defaults: its JSON line, and {row: {question: right}}."""
+    line: dict = {"bench": "million", "length": length}
+    with server(args, {}) as (base, http, askers, model, sampler):
+        idle = status_kb(sampler.pid)
+        session, tokens, seconds = upload(http, {"strategy": "segments"}, text, args.timeout)
+        read_at = len(sampler.samples)
+        line |= {"tokens": tokens, "ingest_s": round(seconds, 1)}
+        line["ingest_tok_s"] = round(tokens / seconds, 1)
+        line["tier"] = http.get(f"/sessions/{session}").json()["memory"].get("tier")
+        line["memory_disk_bytes"] = gauge(http, base, "longserve:memory_disk_bytes")
+        rows = ask_session(askers, trial, session, line)
+        step = ask(http, model, "", "segments", args.decode_tokens, "completions", session)
+        line["decode"] = {k: step[k] for k in ("ttft_s", "decode_tok_s", "completion_tokens")}
+    memory_line(args, line, sampler, idle, read_at)
     return line, rows
+
+
+def switching(args: argparse.Namespace) -> None:
+    """--sessions documents of --lengths[0] each, every one its own seed, read one after
+    another into one server whose RAM holds --session-ram-bytes per session and
+    --memory-ram-bytes over all (idle ones past it spill to disk); then each session asked in
+    turn, its tier seen as the switch reaches it. A line per session, then the server's."""
+    count = load_token_counter(args.model)
+    length = args.lengths[0]
+    env = {
+        "LONGSERVE_SESSION_RAM_BYTES": str(args.session_ram_bytes),
+        "LONGSERVE_MEMORY_RAM_BYTES": str(args.memory_ram_bytes),
+    }
+    line: dict = {"bench": "million", "sessions": args.sessions, "length": length, **env}
+    with server(args, env) as (base, http, askers, model, sampler):
+        idle = status_kb(sampler.pid)
+        held = []
+        for s in range(args.sessions):
+            trial = questions_of(args.seed + s, args.facts, args.keys)
+            text = document(trial, args.seed + s, length, count)
+            session, tokens, seconds = upload(http, {"strategy": "segments"}, text, args.timeout)
+            own: dict = {"session": s, "tokens": tokens, "ingest_s": round(seconds, 1)}
+            own["ingest_tok_s"] = round(tokens / seconds, 1)
+            held.append((session, trial, own))
+        read_at = len(sampler.samples)
+        for session, trial, own in held:
+            own["tiers_at_switch"] = {
+                i: http.get(f"/sessions/{sid}").json()["memory"].get("tier")
+                for i, (sid, _, _) in enumerate(held)
+            }
+            ask_session(askers, trial, session, own)
+            print(json.dumps({"bench": "million", **own}), flush=True)
+        line["memory_disk_bytes"] = gauge(http, base, "longserve:memory_disk_bytes")
+        line["sessions_on_disk"] = gauge(http, base, "longserve:sessions_on_disk")
+    memory_line(args, line, sampler, idle, read_at)
+    print(json.dumps(line), flush=True)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -175,10 +230,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="auto", help="the server's --device")
     parser.add_argument("--model", default=None, help="the server's --model (default: embedded)")
     parser.add_argument("--timeout", type=float, default=7200.0, help="seconds per request")
+    parser.add_argument(
+        "--sessions", type=int, default=1, help="more than 1: that many sessions of one length"
+    )
+    parser.add_argument("--session-ram-bytes", type=int, default=8 * 1024**3)
+    parser.add_argument("--memory-ram-bytes", type=int, default=6 * 1024**3)
     args = parser.parse_args(argv)
-    if min(args.facts, args.keys) < 1:
-        parser.error("--facts and --keys must be >= 1")
-    run(args)
+    if min(args.facts, args.keys, args.sessions) < 1:
+        parser.error("--facts, --keys and --sessions must be >= 1")
+    switching(args) if args.sessions > 1 else run(args)
 
 
 if __name__ == "__main__":
