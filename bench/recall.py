@@ -88,7 +88,8 @@ class Run:
     info: dict
     count: Callable[[list[str]], list[int]]
     embed: Callable[[list[str]], np.ndarray] | None = None
-    adapted: Asker | None = None  # --adapter: the same questions through the adapter's model id
+    # --adapter: the same questions through each adapter's model id, by adapter name
+    adapted: dict[str, Asker] = field(default_factory=dict)
     cells: dict[tuple, list[Answer]] = field(default_factory=lambda: defaultdict(list))
     read_seconds: dict[tuple, list[float]] = field(default_factory=lambda: defaultdict(list))
 
@@ -98,8 +99,7 @@ class Run:
         """(mode, answers): the base model's, then with --adapter the adapter's ("mode+name"),
         asked on the same session or the same context."""
         askers = [(mode, self.asker)]
-        if self.adapted is not None:
-            askers.append((f"{mode}+{self.args.adapter}", self.adapted))
+        askers += [(f"{mode}+{name}", asker) for name, asker in self.adapted.items()]
         if mode != "session":
             return [(name, self._ask(asker, mode, strategy, trial, doc)) for name, asker in askers]
         memory = self._memory(strategy)
@@ -151,7 +151,7 @@ class Run:
 
     def rows(self, mode: str) -> list[str]:
         """The rows a mode's cells fill: its own, and with --adapter the adapter's."""
-        return [mode] + ([f"{mode}+{self.args.adapter}"] if self.adapted is not None else [])
+        return [mode] + [f"{mode}+{name}" for name in self.adapted]
 
     def rag_embedder(self) -> Callable[[list[str]], np.ndarray]:
         if self.embed is None:
@@ -287,7 +287,7 @@ def run(args: argparse.Namespace) -> None:
     count = load_token_counter(args.model)
     serving = served(
         args.base_url,
-        serve_args=model_args(args),
+        serve_args=model_args(args) + [f"--adapter={a}" for a in args.serve_adapter or ()],
         ready_timeout=args.ready_timeout,
         prefix="longserve-recall-",
         env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
@@ -306,12 +306,12 @@ def run(args: argparse.Namespace) -> None:
         headers = {"Authorization": f"Bearer {args.api_key}"}
         with httpx.Client(base_url=f"{base}/v1", headers=headers, timeout=600) as http:
             bench = Run(args, Asker(client, card.id, args.max_tokens), http, info, count)
-            if args.adapter:
-                served_ids = [m.id for m in client.models.list().data]
-                name = f"{card.id}:{args.adapter}"
+            served_ids = [m.id for m in client.models.list().data]
+            for adapter in args.adapter or ():
+                name = f"{card.id}:{adapter}"
                 if name not in served_ids:
                     raise SystemExit(f"the server does not serve {name} (it serves {served_ids})")
-                bench.adapted = Asker(client, name, args.max_tokens)
+                bench.adapted[adapter] = Asker(client, name, args.max_tokens)
             table = measure(bench)
             emit(summary(bench, table, time.perf_counter() - started))
 
@@ -368,8 +368,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--adapter",
-        help="also ask every question through this answer adapter (model <id>:NAME), on the "
+        nargs="+",
+        help="also ask every question through these answer adapters (model <id>:NAME), on the "
         "same sessions and contexts: rows named mode+NAME",
+    )
+    parser.add_argument(
+        "--serve-adapter",
+        nargs="+",
+        metavar="NAME=PATH",
+        help="adapter files the started server serves besides its shipped ones (its --adapter)",
     )
     parser.add_argument("--base-url", help="a running server on loopback (default: start one)")
     parser.add_argument("--api-key", default="bench")
