@@ -57,6 +57,9 @@ def questions_of(seed: int, facts: int, keys: int) -> Trial:
     planted, asked = list(trial.facts), list(trial.questions)
     for band in range(keys):
         key, value = names.name(), str(rng.randint(10_000, 99_999))
+        while value in names.used:  # no key may answer a relation question, or another door
+            value = str(rng.randint(10_000, 99_999))
+        names.used.add(value)
         depth = (band + rng.random()) / keys
         planted.append(Fact(KEY_FACT.format(key=key, value=value), depth))
         asked.append(Question("passkey", (KEY_QUESTION.format(key=key),), (value,)))
