@@ -61,6 +61,19 @@ class LoRA:
 
         return hook
 
+    def load(self, path: Path) -> None:
+        """Start from a saved adapter's A and B (the same rank and targets)."""
+        from safetensors.torch import load_file
+
+        saved = load_file(str(path))
+        if saved.keys() != self.params.keys():
+            raise SystemExit(f"{path}: not an adapter of this model's layers and rank")
+        with torch.no_grad():
+            for name, param in self.params.items():
+                if saved[name].shape != param.shape:
+                    raise SystemExit(f"{path}: {name} is {tuple(saved[name].shape)}")
+                param.copy_(saved[name].float())
+
     def save(self, path: Path, metadata: dict[str, str]) -> None:
         tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in self.params.items()}
         meta = {"rank": str(self.rank), "alpha": str(self.alpha), "lead": str(LEAD), **metadata}
@@ -198,6 +211,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lists", type=float, default=0.0, help="share of passages whose keys hold lists"
     )
+    parser.add_argument("--init", type=Path, help="start from this adapter (same rank) instead")
     parser.add_argument("--out", type=Path, default=Path("engine/adapters/recall.safetensors"))
     parser.add_argument("--model", help="a model directory (default: the embedded SmolLM2)")
 
@@ -218,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
         return [len(x) for x in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
     lora = LoRA(model, args.rank, args.alpha, args.seed)
+    if args.init:
+        lora.load(args.init)
     optimizer = torch.optim.AdamW(list(lora.params.values()), lr=args.lr, weight_decay=0.0)
     evals = tasks(f"eval:{args.seed}", count, facts=(4, 8), lists=args.lists)
     held = list(itertools.islice(evals, args.eval_tasks))
@@ -238,9 +254,13 @@ def run(args: argparse.Namespace) -> int:
     result = evaluate(model, tokenizer, lora, held, end) if args.eval_tasks else {}
     print(json.dumps({"eval": result}), flush=True)
     command = (
-        f"longserve adapt --steps {args.steps} --rank {args.rank} --alpha {args.alpha} "
-        f"--lr {args.lr} --seed {args.seed} --out {args.out}"
-    ) + (f" --lists {args.lists}" if args.lists else "")
+        (
+            f"longserve adapt --steps {args.steps} --rank {args.rank} --alpha {args.alpha} "
+            f"--lr {args.lr} --seed {args.seed} --out {args.out}"
+        )
+        + (f" --lists {args.lists}" if args.lists else "")
+        + (f" --init {args.init}" if args.init else "")
+    )
     lora.save(
         args.out,
         {

@@ -4,12 +4,14 @@ an uploaded document (a user turn, chunk by chunk, the text prior attached), the
 asked the way a session chat asks it. Per question: where the text prior ranks the asked
 fact's block and the other facts' blocks, which facts' value tokens the question's retrieval
 holds in the frame (at every layer, at some), the answer, and whose value the answer gives.
-No HTTP: the engine's SessionMemory directly, so each step can be inspected. --adapter NAME
+--task multivalue plants --facts keys of three values each (`multivalue`, a list asked once)
+and says the same of every value of the asked key. No HTTP: the engine's SessionMemory directly, so each step can be inspected. --adapter NAME
 asks through a shipped answer adapter as the server does (the prompt's last `lead` tokens and
 the answer); --rag also asks each question the bench's RAG way (the nearest 256-token chunks
 by MiniLM, 3,072 tokens, in the model's own window) and says which facts that context holds.
 
     python -m bench.relation_trace --length 32768 --kind manpages --trials 2 --adapter recall --rag
+    python -m bench.relation_trace --length 16384 --task multivalue --facts 4 --max-tokens 48
 
 One JSON line per question, then a summary line.
 """
@@ -28,7 +30,7 @@ import numpy as np
 import torch
 
 from bench.recall_corpus import build_document, chunk_document, load_token_counter, retrieve
-from bench.recall_tasks import is_correct, make_trial
+from bench.recall_tasks import answer_budget, contains, is_correct, make_trial
 from engine.config import EngineConfig
 from engine.memory.config import MemorySpec
 from engine.memory.session import SessionMemory
@@ -124,30 +126,32 @@ def _with_variant(memory: SessionMemory, variant: str) -> SessionMemory:
     return memory
 
 
-def _frame_text(frame_ids, model, loaded, adapter, end, args, question):
+def _frame_text(frame_ids, model, loaded, adapter, end, most, question):
     """The frame's own tokens (SessionMemory.frame_ids at the answer's first step) read afresh
     by the model's own attention: the frame's content without its stored keys and values."""
     state = KVCacheState(model, kv_dtype=loaded.kv_dtype)
-    text = str(loaded.tokenizer.decode(_answer(state, frame_ids, adapter, end, args.max_tokens)))
+    text = str(loaded.tokenizer.decode(_answer(state, frame_ids, adapter, end, most)))
+    exact = question.task == "multivalue"
     return {
         "frame_text_tokens": len(frame_ids),
-        "frame_text_answer": text.strip()[:80],
-        "frame_text_correct": is_correct(text, question.expected),
+        "frame_text_answer": text.strip()[:160],
+        "frame_text_asked_in_answer": sum(contains(text, v) for v in question.expected),
+        "frame_text_correct": is_correct(text, question.expected, exact=exact),
     }
 
 
-def _rag(doc, question, values, i, model, loaded, adapter, end, args, embed) -> dict:
+def _rag(doc, question, values, asked, model, loaded, adapter, end, most, embed) -> dict:
     """The question asked the bench's RAG way; which facts its context holds, and the answer."""
     context, _ = retrieve(doc, question.turns[0], 3072, embed)
     content = f"{context}\n\n{question.turns[0]}"
     prompt = encode_chat(loaded.tokenizer, [{"role": "user", "content": content}])
     state = KVCacheState(model, kv_dtype=loaded.kv_dtype)
-    text = str(loaded.tokenizer.decode(_answer(state, prompt, adapter, end, args.max_tokens)))
+    text = str(loaded.tokenizer.decode(_answer(state, prompt, adapter, end, most)))
     return {
-        "rag_holds_asked": values[i] in context,
-        "rag_others_held": sum(v in context for j, v in enumerate(values) if j != i),
-        "rag_answer": text.strip()[:80],
-        "rag_correct": is_correct(text, question.expected),
+        "rag_holds_asked": all(values[a] in context for a in asked),
+        "rag_others_held": sum(v in context for j, v in enumerate(values) if j not in asked),
+        "rag_answer": text.strip()[:160],
+        "rag_correct": is_correct(text, question.expected, exact=question.task == "multivalue"),
     }
 
 
@@ -157,7 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kind", default="manpages")
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--first-trial", type=int, default=0)
-    parser.add_argument("--facts", type=int, default=8)
+    parser.add_argument("--task", choices=("relation", "multivalue"), default="relation")
+    parser.add_argument("--facts", type=int, default=8, help="relation facts, or multivalue keys")
     parser.add_argument("--strategy", default="segments")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--knob", action="append", default=[], help="memory knob k=v")
@@ -167,7 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=[],
         help="frame knobs changed on each question's fork, e.g. 'k=2,prior_k=2' (diagnosis)",
     )
-    parser.add_argument("--adapter", help="ask through this shipped answer adapter (its name)")
+    parser.add_argument(
+        "--adapter", help="ask through this answer adapter: a shipped one's name, or NAME=PATH"
+    )
     parser.add_argument("--rag", action="store_true", help="also ask each question the RAG way")
     parser.add_argument(
         "--frame-text",
@@ -183,7 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     encoder = prior_encoder(config)
     adapter = None
     if args.adapter:
-        adapter = load_adapters(model, "m")[f"m:{args.adapter}"]
+        name, _, path = args.adapter.partition("=")  # a shipped name, or NAME=PATH
+        adapter = load_adapters(model, "m", [args.adapter] if path else [])[f"m:{name}"]
     embed = None
     if args.rag:
         from memory_store.client import default_embedder
@@ -195,10 +203,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     totals |= {"rag_correct": 0, "rag_holds_asked": 0} if args.rag else {}
     for trial_no in range(args.first_trial, args.first_trial + args.trials):
         seed = f"{args.kind}:{trial_no}"
-        trial = make_trial(seed, ("relation",), facts_of_relation=args.facts)
+        if args.task == "relation":
+            trial = make_trial(seed, ("relation",), facts_of_relation=args.facts)
+        else:
+            trial = make_trial(seed, ("multivalue",) * args.facts)
         doc = build_document(trial, args.kind, seed, args.length, 7600, count)
         ids = encode_document(tokenizer, doc.text)
-        values = [q.expected[0] for q in trial.questions]
+        values = [v for q in trial.questions for v in q.expected]
+        owner = [i for i, q in enumerate(trial.questions) for _ in q.expected]  # value -> question
         if embed is not None:
             chunk_document(doc, count, 256, embed)
         spans = [_value_span(tokenizer, ids, v) for v in values]
@@ -220,53 +232,62 @@ def main(argv: Sequence[str] | None = None) -> int:
             memory.set_query(prior_query(messages))
             prompt = encode_chat(tokenizer, messages, history)
             state = MemoryState(memory, args.strategy)
+            asked = [a for a, q in enumerate(owner) if q == i]  # this question's values
             seen: list[list[int] | None] = []  # the frame's tokens at the answer's first step
-            answer = _answer(
-                state,
-                prompt,
-                adapter,
-                end,
-                args.max_tokens,
-                lambda m=memory, seen=seen: seen.append(m.frame_ids()),
-            )
+            first: list[tuple[int, int]] = []  # each asked value's layers held at that step
+
+            mine = tuple(spans[a] for a in asked)
+
+            def on_prompt(m=memory, seen=seen, first=first, mine=mine) -> None:
+                seen.append(m.frame_ids())
+                first.extend(_held(m._frame, span) for span in mine)
+
+            most = answer_budget(args.max_tokens, question)
+            answer = _answer(state, prompt, adapter, end, most, on_prompt)
             held = [_held(memory._frame, span) for span in spans]  # the answer's last step
             with torch.inference_mode():
                 ranks = _prior_ranks(memory, spans) if memory.prior is not None else []
             text = str(tokenizer.decode(answer))
             layers = len(memory._frame.last_selected) or 1
-            others = [j for j, v in enumerate(values) if j != i and v in text]
+            others = sorted({owner[j] for j, v in enumerate(values) if owner[j] != i and v in text})
             record = {
                 "trial": seed,
                 "variant": variant,
                 "q": i,
                 "paraphrased": question.paraphrased,
-                "depth": round(spans[i][0] / len(ids), 3),
-                "asked_layers_full": held[i][0],
-                "asked_layers_partial": held[i][1],
+                "depth": [round(spans[a][0] / len(ids), 3) for a in asked],
+                "asked_layers_full_first_step": [f for f, _ in first],
+                "asked_layers_full": [held[a][0] for a in asked],
+                "asked_layers_partial": [held[a][1] for a in asked],
                 "others_in_frame_all_layers": sum(
-                    h[0] == layers for j, h in enumerate(held) if j != i
+                    h[0] == layers for j, h in enumerate(held) if owner[j] != i
                 ),
-                "prior_rank_asked": ranks[i] if ranks else None,
-                "prior_ranks_others": sorted(r for j, r in enumerate(ranks) if j != i),
-                "answer": text.strip()[:80],
-                "correct": is_correct(text, question.expected),
+                "prior_rank_asked": [ranks[a] for a in asked] if ranks else None,
+                "prior_ranks_others": sorted(r for j, r in enumerate(ranks) if owner[j] != i),
+                "expected": list(question.expected),
+                "answer": text.strip()[:160],
+                "asked_in_answer": sum(contains(text, values[a]) for a in asked),
+                "correct": is_correct(text, question.expected, exact=args.task == "multivalue"),
                 "gave_other_fact": others,
             }
             if args.frame_text and seen and seen[0] is not None:
-                record |= _frame_text(seen[0], model, loaded, adapter, end, args, question)
+                record |= _frame_text(seen[0], model, loaded, adapter, end, most, question)
                 totals["frame_text_correct"] = (
                     totals.get("frame_text_correct", 0) + record["frame_text_correct"]
                 )
             if embed is not None and not variant:
-                record |= _rag(doc, question, values, i, model, loaded, adapter, end, args, embed)
+                record |= _rag(
+                    doc, question, values, asked, model, loaded, adapter, end, most, embed
+                )
                 totals["rag_correct"] += record["rag_correct"]
                 totals["rag_holds_asked"] += record["rag_holds_asked"]
             print(json.dumps(record), flush=True)
             totals["n"] += 1
             totals["correct"] += record["correct"]
             totals["other_value"] += bool(others)
-            totals["in_frame_all"] += held[i][0] == layers
-            totals["prior_top"] += bool(ranks) and ranks[i] < (memory.config.prior_k or 0)
+            totals["in_frame_all"] += all(held[a][0] == layers for a in asked)
+            prior_k = memory.config.prior_k or 0
+            totals["prior_top"] += bool(ranks) and all(ranks[a] < prior_k for a in asked)
             del memory
         del base
     print(json.dumps({"summary": totals, "kind": args.kind, "length": args.length}), flush=True)

@@ -7,7 +7,10 @@ from __future__ import annotations
 import itertools
 import re
 
+import pytest
+import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from bench import adapt, adapt_tasks, recall_tasks
 from engine.runner.adapter import read_adapter
@@ -95,3 +98,19 @@ def test_a_short_run_writes_an_adapter_the_engine_reads(tiny_model_dir, tmp_path
     loaded = load_model(EngineConfig(model=str(tiny_model_dir), device="cpu"))
     adapter = read_adapter(out, loaded.model)
     assert adapter.rank == 8 and len(adapter.a) == 2
+
+
+def test_a_run_can_start_from_a_saved_adapter(tiny_model_dir, tmp_path, capsys):
+    """--init: training starts from that adapter's A and B, and its command says so."""
+    first, second = tmp_path / "first.safetensors", tmp_path / "second.safetensors"
+    common = ["--eval-tasks", "0", "--model", str(tiny_model_dir)]
+    adapt.main(["--steps", "1", *common, "--out", str(first)])
+    adapt.main(["--steps", "0", *common, "--init", str(first), "--out", str(second)])
+    with safe_open(str(first), framework="pt") as a, safe_open(str(second), framework="pt") as b:
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())  # noqa: SIM118
+        assert b.metadata()["command"].endswith(f"--init {first}")
+    bad = tmp_path / "bad.safetensors"
+    save_file({"layers.0.q.A": torch.zeros(2, 2)}, str(bad))
+    with pytest.raises(SystemExit, match="not an adapter"):
+        adapt.main(["--steps", "0", *common, "--init", str(bad), "--out", str(second)])
