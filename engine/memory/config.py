@@ -84,15 +84,14 @@ class FrameConfig:
         server maps (engine/memory/mapped.py): what a step reads comes through the page
         cache, the rest stays on disk. Any session also moves there once its blocks pass the
         server's session_ram_bytes (docs/decisions/077-memory-on-disk.md).
-    memory_dtype: what memory blocks hold their keys and values in. "float16" half
-        precision, as the memory store keeps them: half the bytes a session holds, and half
-        what a decode step reads from its retrieved blocks (the CPU kernel widens them as it
-        reads; other paths cast the rows they take to the model's dtype). "model" the model's
-        dtype. "auto" (default): "float16" for a float32 model, else "model" (a bfloat16
-        model's range is kept). "int8": 8-bit codes, keys with a scale per channel over each
-        block and values a scale per token (KIVI's split; quantized.py), about half of
-        float16's bytes, widened where a block is read
-        (docs/decisions/070-int8-memory-blocks.md). segments' block summaries are held in the
+    memory_dtype: what memory blocks hold their keys and values in. "int8" (default): 8-bit
+        codes, keys with a scale per channel over each block and values a scale per token
+        (KIVI's split; quantized.py), about half of float16's bytes, widened where a block is
+        read; held-out answers, passkey and the decode step as float16's
+        (docs/decisions/070-int8-memory-blocks.md). "float16" half precision, as the memory
+        store keeps them (the CPU kernel widens them as it reads; other paths cast the rows
+        they take to the model's dtype). "model" the model's dtype. "auto": "float16" for a
+        float32 model, else "model" (a bfloat16 model's range is kept). segments' block summaries are held in the
         same dtype (maxima rounded up, minima down), as "auto" under "int8". Sinks and the local window follow the engine's kv_dtype
         (float16 under int4 weights, else the model's dtype; docs/decisions/041-float16-memory.md,
         045-memory-step-fixed-cost.md).
@@ -108,7 +107,7 @@ class FrameConfig:
     read_window: int = 512
     read_dtype: str = "auto"
     tier: str = "device"
-    memory_dtype: str = "auto"
+    memory_dtype: str = "int8"
     prior_k: int = 8
     prior_u: int = 1
     prior_order: str = "relevance"

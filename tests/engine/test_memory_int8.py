@@ -233,3 +233,18 @@ async def test_memory_dtype_over_http(make_engine):
     [session] = engine._frame_backend.conversations.values()
     assert session.memory.memory_tokens > 0
     assert all(store.mem_k.quantized for store in session.memory._frame.layers)
+
+
+def test_int8_is_the_default_and_float16_stays_a_choice():
+    """A session that names no memory_dtype holds int8 blocks (decision 070's figures chose
+    it); "float16" and "auto" per session still hold float16 blocks for a float32 model."""
+    model = tiny("llama")
+    ids = torch.randint(0, 300, (400,), generator=torch.Generator().manual_seed(9))
+    for dtype, quantized in ((None, True), ("float16", False), ("auto", False)):
+        knobs = {} if dtype is None else {"memory_dtype": dtype}
+        memory = SessionMemory(model, MemorySpec("segments", {**SMALL["segments"], **knobs}))
+        _run(memory, ids)
+        layer = memory._frame.layers[0]
+        assert memory._frame.n_memory > 0 and layer.mem_k.quantized is quantized
+        if not quantized:
+            assert layer.mem_k.data.dtype == torch.float16

@@ -4,6 +4,7 @@ budget goes to the disk tier before reading rather than after."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.memory.buffers import GrowingBuffer
@@ -41,24 +42,30 @@ def test_a_quantized_buffer_reserves_its_codes_and_scales():
     assert rows.codes.data.data_ptr() == codes and rows.params.data.data_ptr() == params
 
 
-def test_a_session_that_reserved_reads_the_same_in_one_allocation():
+def _address(rows) -> int:
+    """Where a memory buffer's storage starts: its codes when quantized (int8)."""
+    return (rows.codes if rows.quantized else rows).data.data_ptr()
+
+
+@pytest.mark.parametrize("memory_dtype", ["int8", "float16"])
+def test_a_session_that_reserved_reads_the_same_in_one_allocation(memory_dtype):
     model = tiny("llama")
-    spec = MemorySpec("segments", SMALL["segments"])
+    spec = MemorySpec("segments", dict(SMALL["segments"], memory_dtype=memory_dtype))
     ids = torch.randint(0, 300, (600,), generator=torch.Generator().manual_seed(9))
     plain, reserved = SessionMemory(model, spec), SessionMemory(model, spec)
     reserved.reserve(len(ids))
     layer = reserved._frame.layers[0]
-    address = layer.mem_k.data.data_ptr()
+    address = _address(layer.mem_k)
     plain.append(ids[:1], document=True)
     reserved.append(ids[:1], document=True)
-    first = plain._frame.layers[0].mem_k.data.data_ptr()
+    first = _address(plain._frame.layers[0].mem_k)
     for start in range(1, 600, 50):
         want = plain.append(ids[start : start + 50], document=True)
         got = reserved.append(ids[start : start + 50], document=True)
         assert torch.equal(got, want)
     assert reserved.memory_tokens == plain.memory_tokens > 400
-    assert layer.mem_k.data.data_ptr() == address  # no doubling step on the way
-    assert plain._frame.layers[0].mem_k.data.data_ptr() != first  # as without reserve
+    assert _address(layer.mem_k) == address  # no doubling step on the way
+    assert _address(plain._frame.layers[0].mem_k) != first  # as without reserve
 
 
 def test_a_document_that_would_pass_the_ram_budget_is_read_into_the_disk_tier(tmp_path):

@@ -178,13 +178,13 @@ def test_a_dropped_session_and_its_forks_are_freed_without_the_garbage_collector
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_float16_memory_holds_half_the_bytes_and_rounds_only_memory(strategy):
-    """memory_dtype "auto" (the default) keeps a float32 model's memory blocks in float16
-    (sinks and window stay fp32): half the bytes of "model", logits within float16's rounding
-    of the fp32 memory's, and a fork (the prefix cache's) keeps them half."""
+    """memory_dtype "auto" (the default before int8) keeps a float32 model's memory blocks in
+    float16 (sinks and window stay fp32): half the bytes of "model", logits within float16's
+    rounding of the fp32 memory's, and a fork (the prefix cache's) keeps them half."""
     model = tiny("llama")
     ids = torch.randint(0, 300, (400,), generator=torch.Generator().manual_seed(9))
     full = SessionMemory(model, MemorySpec(strategy, dict(SMALL[strategy], memory_dtype="model")))
-    half = SessionMemory(model, MemorySpec(strategy, SMALL[strategy]))
+    half = SessionMemory(model, MemorySpec(strategy, dict(SMALL[strategy], memory_dtype="auto")))
     want, got = _run(full, ids), _run(half, ids)
     for layer in half._frame.layers:
         assert layer.mem_k.data.dtype == layer.mem_v.data.dtype == torch.float16
@@ -208,7 +208,7 @@ def test_a_float16_window_holds_half_its_bytes_and_rounds_only_within_float16(st
     has near ties that rounding swaps), memory blocks as memory_dtype says; a fork keeps it."""
     model = tiny("llama")
     ids = torch.randint(0, 300, (400,), generator=torch.Generator().manual_seed(9))
-    spec = MemorySpec(strategy, SMALL[strategy])
+    spec = MemorySpec(strategy, dict(SMALL[strategy], memory_dtype="auto"))
     full, half = SessionMemory(model, spec), SessionMemory(model, spec, "float16")
     want, got = _run(full, ids), _run(half, ids)
     assert half.window_dtype == torch.float16 and full.window_dtype == torch.float32
@@ -237,9 +237,11 @@ def test_a_float16_window_holds_half_its_bytes_and_rounds_only_within_float16(st
     assert all(layer.window_k.data.dtype == torch.float16 for layer in fork._frame.layers)
 
 
-def test_a_bfloat16_model_keeps_its_memory_in_bfloat16():
+def test_a_bfloat16_model_keeps_its_memory_in_bfloat16_under_auto():
     model = tiny("llama").to(torch.bfloat16)
-    memory = SessionMemory(model, MemorySpec("segments", SMALL["segments"]))
+    memory = SessionMemory(
+        model, MemorySpec("segments", dict(SMALL["segments"], memory_dtype="auto"))
+    )
     assert all(layer.mem_k.data.dtype == torch.bfloat16 for layer in memory._frame.layers)
 
 
