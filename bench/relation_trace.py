@@ -5,10 +5,11 @@ asked the way a session chat asks it. Per question: where the text prior ranks t
 fact's block and the other facts' blocks, which facts' value tokens the question's retrieval
 holds in the frame (at every layer, at some), the answer, and whose value the answer gives.
 --task multivalue plants --facts keys of three values each (`multivalue`, a list asked once)
-and says the same of every value of the asked key. No HTTP: the engine's SessionMemory directly, so each step can be inspected. --adapter NAME
-asks through a shipped answer adapter as the server does (the prompt's last `lead` tokens and
-the answer); --rag also asks each question the bench's RAG way (the nearest 256-token chunks
-by MiniLM, 3,072 tokens, in the model's own window) and says which facts that context holds.
+and says the same of every value of the asked key. No HTTP: the engine's SessionMemory
+directly, so each step can be inspected. --adapter NAME (or NAME=PATH) asks through an answer
+adapter as the server does (the prompt's last `lead` tokens and the answer); --rag also asks
+each question the bench's RAG way (the nearest 256-token chunks by MiniLM, 3,072 tokens, in
+the model's own window) and says which facts that context holds.
 
     python -m bench.relation_trace --length 32768 --kind manpages --trials 2 --adapter recall --rag
     python -m bench.relation_trace --length 16384 --task multivalue --facts 4 --max-tokens 48
@@ -267,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "expected": list(question.expected),
                 "answer": text.strip()[:160],
                 "asked_in_answer": sum(contains(text, values[a]) for a in asked),
-                "correct": is_correct(text, question.expected, exact=args.task == "multivalue"),
+                "correct": is_correct(text, question.expected, exact=question.task == "multivalue"),
                 "gave_other_fact": others,
             }
             if args.frame_text and seen and seen[0] is not None:

@@ -87,13 +87,14 @@ class FrameConfig:
     memory_dtype: what memory blocks hold their keys and values in. "int8" (default): 8-bit
         codes, keys with a scale per channel over each block and values a scale per token
         (KIVI's split; quantized.py), about half of float16's bytes, widened where a block is
-        read; held-out answers, passkey and the decode step as float16's
+        read; held-out answers at 32K, passkey and the decode step as float16's
         (docs/decisions/070-int8-memory-blocks.md). "float16" half precision, as the memory
         store keeps them (the CPU kernel widens them as it reads; other paths cast the rows
         they take to the model's dtype). "model" the model's dtype. "auto": "float16" for a
-        float32 model, else "model" (a bfloat16 model's range is kept). segments' block summaries are held in the
-        same dtype (maxima rounded up, minima down), as "auto" under "int8". Sinks and the local window follow the engine's kv_dtype
-        (float16 under int4 weights, else the model's dtype; docs/decisions/041-float16-memory.md,
+        float32 model, else "model" (a bfloat16 model's range is kept). segments' block
+        summaries are held in the same dtype (maxima rounded up, minima down), as "auto" under
+        "int8". Sinks and the local window follow the engine's kv_dtype (float16 under int4
+        weights, else the model's dtype; docs/decisions/041-float16-memory.md,
         045-memory-step-fixed-cost.md).
     """
 
