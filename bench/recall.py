@@ -37,6 +37,10 @@ questions, so the summary pairs them (McNemar), e.g. float16 against int8 in one
     longserve bench recall --lengths 32768 --held-out --strategies segments --modes session \
         --memory-dtypes float16 int8
 
+--variants NAME=JSON does the same with named memory knobs (`segments@hybrid`), e.g. the text
+prior's two matches in one run: `--variants dense='{"prior_match": "dense"}'
+hybrid='{"prior_match": "hybrid"}'`.
+
 --adapter NAME asks every question of every mode a second time through the answer adapter
 served as `<model>:NAME` (engine/runner/adapter.py), on the same session or context, as the
 rows `mode+NAME`: the adapter against the base model on the same questions, in one run.
@@ -56,12 +60,9 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
+from bench.recall_args import BASELINES, FRAMELESS, MEMORY_MODES, STRATEGIES, parse_args
 from bench.recall_chat import Answer, Asker, ask_all, upload
 from bench.recall_corpus import (
-    DEFAULT_HELD_OUT,
-    HELD_OUT_KINDS,
-    KIND_SETS,
-    TUNED_KINDS,
     Document,
     build_document,
     chunk_document,
@@ -69,13 +70,8 @@ from bench.recall_corpus import (
     retrieve,
 )
 from bench.recall_report import cell_record, compare_rows, row_text
-from bench.recall_tasks import DEFAULT_TASKS, TASKS, Trial, make_trial
+from bench.recall_tasks import Trial, make_trial
 from bench.server_process import model_args, served
-
-BASELINES = ("reference", "truncate", "rag")
-MEMORY_MODES = ("inline", "session")
-STRATEGIES = ("segments", "tokens", "neurocache", "larimar")
-FRAMELESS = ("larimar",)  # no memory blocks: memory_dtype is not one of its knobs
 
 
 @dataclass
@@ -118,11 +114,8 @@ class Run:
         return out
 
     def _memory(self, strategy: str | None) -> dict:
-        name, _, dtype = (strategy or "").partition("@")  # combos: "segments@int8"
-        memory = {"strategy": name, **self.args.knobs}
-        if dtype:
-            memory["memory_dtype"] = dtype
-        return memory
+        name, _, variant = (strategy or "").partition("@")  # combos: "segments@int8"
+        return {"strategy": name, **self.args.knobs, **self.args.variants.get(variant, {})}
 
     def _ask(
         self, asker: Asker, mode: str, strategy: str | None, trial: Trial, doc: Document
@@ -170,12 +163,12 @@ def emit(record: dict) -> None:
 
 
 def combos(args: argparse.Namespace) -> list[tuple[str, str | None]]:
-    """(mode, strategy) of every cell; with --memory-dtypes a strategy with memory blocks
-    runs once per dtype, named "strategy@dtype"."""
+    """(mode, strategy) of every cell; with --memory-dtypes or --variants a strategy with
+    memory blocks runs once per dtype or variant, named "strategy@dtype" ("strategy@name")."""
     out: list[tuple[str, str | None]] = [(m, None) for m in args.modes if m in BASELINES]
     for strategy in args.strategies:
-        dtypes = args.memory_dtypes if strategy not in FRAMELESS else None
-        names = [f"{strategy}@{d}" for d in dtypes] if dtypes else [strategy]
+        variants = list(args.variants) if strategy not in FRAMELESS else None
+        names = [f"{strategy}@{v}" for v in variants] if variants else [strategy]
         out += [(m, name) for name in names for m in args.modes if m in MEMORY_MODES]
     return out
 
@@ -317,86 +310,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
-    parser.add_argument(
-        "--questions", type=int, default=56, help="at least this many per mode and length"
-    )
-    parser.add_argument(
-        "-n", "--samples", type=int, help="trials per length and kind (default: for --questions)"
-    )
-    parser.add_argument("--n-large", type=int, help="trials at --large-from and above")
-    parser.add_argument("--large-from", type=int, default=131072)
-    parser.add_argument("--modes", nargs="+", choices=BASELINES + MEMORY_MODES)
-    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
-    parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(DEFAULT_TASKS))
-    parser.add_argument(
-        "--held-out",
-        action="store_true",
-        help=f"judge on the kinds kept aside (default {' '.join(DEFAULT_HELD_OUT)}); never tune",
-    )
-    parser.add_argument(
-        "--kinds",
-        nargs="+",
-        choices=list(KIND_SETS),
-        help=f"text kinds (default: {' '.join(TUNED_KINDS)}; held-out ones need --held-out)",
-    )
-    parser.add_argument("--facts", type=int, default=8, help="relation: facts per document")
-    parser.add_argument("--keys", type=int, default=3, help="multikey: facts asked one by one")
-    parser.add_argument("--values", type=int, default=3, help="multivalue: values of the key")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument(
-        "--reserve",
-        type=int,
-        default=512,
-        help="window tokens kept for template, question and answer (reference, truncate)",
-    )
-    parser.add_argument("--rag-tokens", type=int, default=3072, help="retrieved, per turn")
-    parser.add_argument("--rag-chunk-tokens", type=int, default=256)
-    parser.add_argument(
-        "--knobs",
-        type=json.loads,
-        default={},
-        help="memory knobs (JSON) for inline and session, e.g. '{\"prior_k\": 4}'",
-    )
-    parser.add_argument(
-        "--memory-dtypes",
-        nargs="+",
-        choices=("auto", "model", "float16", "int8"),
-        help="memory_dtype of each inline and session cell, measured in turn (e.g. float16 int8)",
-    )
-    parser.add_argument(
-        "--adapter",
-        nargs="+",
-        help="also ask every question through these answer adapters (model <id>:NAME), on the "
-        "same sessions and contexts: rows named mode+NAME",
-    )
-    parser.add_argument(
-        "--serve-adapter",
-        nargs="+",
-        metavar="NAME=PATH",
-        help="adapter files the started server serves besides its shipped ones (its --adapter)",
-    )
-    parser.add_argument("--base-url", help="a running server on loopback (default: start one)")
-    parser.add_argument("--api-key", default="bench")
-    parser.add_argument("--model", help="--model of the started server (default: embedded)")
-    parser.add_argument("--device", help="--device of the started server")
-    parser.add_argument("--ready-timeout", type=float, default=300.0)
-    args = parser.parse_args(argv)
-    args.modes = args.modes or list(BASELINES + MEMORY_MODES)
-    given = [v for v in (args.samples, args.n_large) if v is not None]
-    if min(given + [args.keys, args.values, args.facts, args.questions]) < 1:
-        parser.error("-n, --n-large, --questions, --facts, --keys and --values must be >= 1")
-    args.kinds = args.kinds or list(DEFAULT_HELD_OUT if args.held_out else TUNED_KINDS)
-    wrong_set = [k for k in args.kinds if (k in HELD_OUT_KINDS) != args.held_out]
-    if wrong_set:
-        parser.error(
-            f"{wrong_set}: held-out kinds only with --held-out, and only they"
-            " (a run judges on the held-out set or tunes on the other, never both)"
-        )
-    args.kind_set = "held_out" if args.held_out else "tuned"
-    run(args)
+    run(parse_args(argv, __doc__.split("\n\n")[0]))
 
 
 if __name__ == "__main__":

@@ -379,23 +379,45 @@ def test_each_length_ends_with_a_line_per_mode_paired_with_the_others(capsys):
     assert "8192 session/segments 3/4 (" in err and "vs reference/- +2 -0 p=0.5" in err
 
 
-def test_memory_dtypes_measure_each_memory_cell_once_per_dtype():
+def test_memory_dtypes_measure_each_memory_cell_once_per_dtype(monkeypatch):
     """`--memory-dtypes float16 int8`: every inline and session cell of a strategy with memory
     blocks runs once per dtype in the same run, as a strategy of its own; baselines and
-    larimar once."""
+    larimar once. `--variants NAME=JSON` does the same with named knob sets."""
     from argparse import Namespace
 
-    from bench.recall import combos, main
+    from bench.recall import Run, combos, main
 
     with pytest.raises(SystemExit):
         main(["--memory-dtypes", "int4"])
+    seen = []
+    monkeypatch.setattr(recall, "run", seen.append)
+    main(["--memory-dtypes", "float16", "int8"])
+    main(["--variants", 'dense={"prior_match": "dense"}', 'hybrid={"prior_match": "hybrid"}'])
+    dtypes, named = seen
+    assert dtypes.variants == {
+        "float16": {"memory_dtype": "float16"},
+        "int8": {"memory_dtype": "int8"},
+    }
+    assert named.variants["hybrid"] == {"prior_match": "hybrid"}
+    for bad in (["--variants", "x=[1]"], ["--variants", "x={", "y={}"], ["--variants", "=1"],
+                ["--variants", "a={}", "a={}"], ["--memory-dtypes", "int8", "--variants", "a={}"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            main(bad)
     args = Namespace(modes=["rag", "session"], strategies=["segments", "larimar"])
-    args.memory_dtypes = ["float16", "int8"]
+    args.variants = dtypes.variants
     assert combos(args) == [
         ("rag", None),
         ("session", "segments@float16"),
         ("session", "segments@int8"),
         ("session", "larimar"),
     ]
-    args.memory_dtypes = None
+    args.variants, args.knobs = named.variants, {"k": 4}
+    asked = Run(args, None, None, {}, approx_tokens)
+    assert asked._memory("segments@hybrid") == {
+        "strategy": "segments",
+        "k": 4,
+        "prior_match": "hybrid",
+    }
+    assert asked._memory("segments") == {"strategy": "segments", "k": 4}
+    args.variants = {}
     assert combos(args)[1:] == [("session", "segments"), ("session", "larimar")]
