@@ -8,6 +8,15 @@ ms per step over --steps after two warm-up steps, and the tokens/s of B rows rel
 row. The text prior is off unless --knobs sets prior_k, so set k to fill the retrieval budget
 (the default knobs give 3,072 retrieved rows, as a server session has).
 
+Then, per cell, a row's own cost and its floor (issue #43): `per_row_ms` is what each row past
+the first --rows entry adds to a step (the slope from the fewest to the most rows); the floor is
+reading one row's frame once, at the precision memory holds it, at this machine's streaming
+read bandwidth (a 2-thread read of a 512 MB buffer, measured in the same run). The frame's bytes
+are counted from the pieces one step hands the attention kernel (sinks, retrieved rows, window,
+the token), 30 layers of keys and values; `frame_mb_held` counts the retrieved rows as memory
+holds them (int8: codes plus scales), `frame_mb_read` as the kernel reads them (the same where
+it reads int8 codes in place; a widened float16 copy where it cannot).
+
     longserve bench memory_batch --rows 1 8 --memory-dtypes model float16
     longserve bench memory_batch --rows 1 2 4 8 --memory-dtypes float16 int8
     longserve bench memory_batch --rows 1 8 --memory-dtypes auto --kv-dtypes float16 model
@@ -19,11 +28,13 @@ import argparse
 import json
 import statistics
 import time
+from unittest import mock
 
 import torch
 
 from bench.recall_corpus import filler, load_token_counter
 from engine.config import EngineConfig
+from engine.memory import step_cache
 from engine.memory.session import SessionMemory
 from engine.protocol import MemorySpec
 from engine.runner.decode_state import decode_batch
@@ -42,6 +53,60 @@ def step_ms(model, memory: SessionMemory, strategy: str, rows: int, token: int, 
             times.append(time.perf_counter() - started)
             tokens = logits.argmax(-1).tolist()
     return statistics.median(times[2:]) * 1000
+
+
+def frame_bytes(model, memory: SessionMemory, strategy: str, token: int) -> tuple[int, int]:
+    """(read, held): the bytes of keys and values one row's decode step hands the attention
+    kernel over all layers, and the same with the retrieved piece counted as memory holds it."""
+    read = held = 0
+    dtype, block = memory.config.memory_dtype, memory.config.block
+    real = step_cache.attend_pieces
+
+    def counting(queries, keys, values, masks, scale, rows=None, params=None, group=0):
+        nonlocal read, held
+        rows, given = rows or [None] * len(keys), params or [None] * len(keys)
+        for i, (k, r, p) in enumerate(zip(keys, rows, given, strict=True)):
+            heads, n, d = k.shape[0], k.shape[1] if r is None else r.shape[1], k.shape[2]
+            # int8 codes read in place come with their scales; anything else is read as is
+            size = (
+                int8_bytes(heads, n, d, block)
+                if p is not None
+                else 2 * heads * n * d * k.element_size()
+            )
+            read += size
+            retrieved = len(keys) == 4 and i == 1  # [sinks, retrieved, window, the token]
+            held += int8_bytes(heads, n, d, block) if retrieved and dtype == "int8" else size
+        return real(queries, keys, values, masks, scale, rows, params, group)
+
+    state = MemoryState(memory.fork(), strategy)
+    with mock.patch.object(step_cache, "attend_pieces", counting), torch.inference_mode():
+        decode_batch(model, [state], [token])
+    return read, held
+
+
+def int8_bytes(heads: int, n: int, d: int, block: int) -> int:
+    """Bytes of n retrieved rows' keys and values held in int8: a byte per element, values a
+    float16 (scale, zero) per row, keys one per channel per block (engine/memory/quantized.py).
+    Other dtypes are read in place: held as read."""
+    return heads * (2 * n * d + 4 * n + 4 * d * -(-n // block))
+
+
+def stream_gbps(megabytes: int = 512, repeats: int = 5) -> float:
+    """This machine's streaming read bandwidth in GB/s: the best of `repeats` sums of a
+    float32 buffer, on torch's threads."""
+    buf = torch.ones(megabytes * 2**20 // 4)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - started)
+    return buf.numel() * 4 / best / 1e9
+
+
+def per_row(ms: dict[int, float]) -> float:
+    """ms a step adds per row: the slope from the fewest to the most rows measured."""
+    few, many = min(ms), max(ms)
+    return (ms[many] - ms[few]) / (many - few) if many > few else float("nan")
 
 
 def document_ids(loaded: LoadedModel, model: str | None, seed: str, tokens: int) -> torch.Tensor:
@@ -67,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     loaded = load_model(EngineConfig(model=args.model, linear_dtype=args.linear_dtype))
+    gbps = stream_gbps()
     ids = document_ids(loaded, args.model, "memory-batch", args.tokens)
     cells = [(kv, m) for kv in args.kv_dtypes or [loaded.kv_dtype] for m in args.memory_dtypes]
     for kv_dtype, memory_dtype in cells:
@@ -90,6 +156,21 @@ def main(argv: list[str] | None = None) -> None:
                 f"vs_{first}_rows": round(rows * ms[first] / (first * value), 2),
             }
             print(json.dumps(line), flush=True)
+        read, held = frame_bytes(loaded.model, memory, args.strategy, token)
+        cost, floor = per_row(ms), held / gbps / 1e6
+        summary = {
+            "bench": "memory_batch",
+            "memory_dtype": memory_dtype,
+            "kv_dtype": kv_dtype,
+            "rows": sorted(ms),
+            "per_row_ms": round(cost, 2),
+            "frame_mb_read": round(read / 1e6, 1),
+            "frame_mb_held": round(held / 1e6, 1),
+            "read_gbps": round(gbps, 1),
+            "floor_ms": round(floor, 2),
+            "per_row_vs_floor": round(cost / floor, 2),
+        }
+        print(json.dumps(summary), flush=True)
 
 
 if __name__ == "__main__":

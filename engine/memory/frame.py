@@ -164,6 +164,7 @@ class Frame(FrameState):
         retrieved_ok: torch.Tensor | None = None  # (kv_heads, R) False at padding, if any
         by_block = False
         retrieved_rows: torch.Tensor | None = None  # (kv_heads, R) memory rows read in place
+        retrieved_params = None  # their int8 scales (key, value), where memory holds codes
 
         if self.n_memory and self.config.retrieves(T):  # no selector retrieves otherwise
             start = time.perf_counter()
@@ -190,6 +191,7 @@ class Frame(FrameState):
                 values.append(kept.values)
                 by_block = kept.layout != "rows"
                 retrieved_rows, retrieved_ok = kept.rows, kept.ok
+                retrieved_params = kept.params
 
         if step:
             blocks_at = None  # the retrieved keys are block-local: the first slot of block 0
@@ -210,6 +212,7 @@ class Frame(FrameState):
                 blocks_at,
                 retrieved_rows,
                 queries,
+                retrieved_params,
             )
 
         assert window_angles is not None

@@ -15,6 +15,7 @@ import torch
 
 from engine.memory.buffers import GrowingBuffer, LayerStore
 from engine.memory.config import FrameConfig
+from engine.memory.quantized import QuantizedBuffer
 from engine.memory.rotary import Angles, RotaryTable
 from engine.memory.step_cache import Retrieved, in_place_ok
 from engine.runner.cpu_attention import step_kernels
@@ -58,18 +59,22 @@ class RowReader:
         and rotated at their frame slots."""
         whole, padding = self.check_rows(idx, query, step)
         if whole:
-            # the kernel reads the rows, for a float32 frame (as _gather_kernels); int8 blocks
-            # are widened as they are gathered (quantized.py)
-            raw = store.mem_k
-            if (
-                isinstance(raw, GrowingBuffer)
-                and self.dtype == torch.float32
-                and in_place_ok(query, raw.data)
-            ):
+            # the kernel reads the rows in place, for a float32 frame (as _gather_kernels):
+            # float16 or float32 buffers as they are, int8 ones as codes and scales it
+            # dequantizes; elsewhere int8 blocks are widened as they are gathered (quantized.py)
+            mem_k, mem_v = store.mem_k, store.mem_v
+            if self.dtype == torch.float32:
                 rows = idx if padding is None else idx.clamp(min=0)
-                return Retrieved(
-                    idx, store.mem_k.view(), store.mem_v.view(), "in_place", padding, rows
-                )
+                if isinstance(mem_k, GrowingBuffer) and in_place_ok(query, mem_k.data):
+                    return Retrieved(idx, mem_k.view(), mem_v.view(), "in_place", padding, rows)
+                if (
+                    isinstance(mem_k, QuantizedBuffer)
+                    and isinstance(mem_v, QuantizedBuffer)
+                    and in_place_ok(query, mem_k.codes.data)
+                ):
+                    params = (mem_k.params.view(), mem_v.params.view())
+                    codes_k, codes_v = mem_k.codes.view(), mem_v.codes.view()
+                    return Retrieved(idx, codes_k, codes_v, "in_place", padding, rows, params)
             return Retrieved(idx, *self.take_blocks(store, idx), "blocks", padding, None)
         return Retrieved(idx, *self.take_rotated(store, idx), "rows", padding, None)
 

@@ -30,8 +30,9 @@ class Retrieved(NamedTuple):
     """A step's retrieved memory rows idx (kv_heads, R) as it attends them. layout: "rows"
     gathered and rotated at their frame slots; "blocks" gathered whole blocks (block-local
     keys); "in_place" whole blocks the CPU kernel reads from the memory buffers (keys and
-    values are the whole buffers' views, rows the row indices). ok: False at padding, or None
-    when there is none."""
+    values are the whole buffers' views, rows the row indices; int8 memory: the codes' views,
+    and params the (key, value) scales' views). ok: False at padding, or None when there is
+    none."""
 
     idx: torch.Tensor
     keys: torch.Tensor
@@ -39,6 +40,7 @@ class Retrieved(NamedTuple):
     layout: str
     ok: torch.Tensor | None
     rows: torch.Tensor | None
+    params: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class StepQueries(NamedTuple):
@@ -194,6 +196,7 @@ class StepCache:
         blocks_at: int | None = None,
         retrieved_rows: torch.Tensor | None = None,
         queries: StepQueries | None = None,
+        retrieved_params: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Attention of one token once memory is in use: the sinks and retrieved keys
         (prefix_k, rotated at their frame positions) against the query as the model rotated it
@@ -204,7 +207,8 @@ class StepCache:
         block j at frame slots blocks_at + j * block onwards; the query is rotated once per
         block to their distance instead (rotary logits depend only on the distance).
         retrieved_rows: prefix_k[1] and prefix_v[1] are the memory's whole buffers, the
-        retrieved keys their rows retrieved_rows (kv_heads, R), read in place by the kernel.
+        retrieved keys their rows retrieved_rows (kv_heads, R), read in place by the kernel;
+        retrieved_params: those buffers are int8 codes, with these (key, value) scales.
         queries: the step's queries from the kernels (StepCache.queries), if they took it."""
         assert self.angles is not None and self.window is not None, "begin() builds them"
         store = frame.layers[layer]
@@ -225,7 +229,8 @@ class StepCache:
                     self.frame_position - blocks_at, n // block, block,
                 )  # fmt: skip
             return self._attend_pieces(qs, pieces_k, pieces_v, prefix_k, retrieved_ok,
-                                       retrieved_rows, scaling)  # fmt: skip
+                                       retrieved_rows, retrieved_params, frame.config.block,
+                                       scaling)  # fmt: skip
         q_pre = frame.rotary.unrotate(query[0], chunk_angles)  # (H, 1, d)
         q_window = frame.rotary.rotate(q_pre, self.angles)
         q_frame = query[0].reshape(kvh, group, d)
@@ -236,7 +241,8 @@ class StepCache:
                 n = prefix_k[1].shape[1] if retrieved_rows is None else retrieved_rows.shape[1]
                 qs[1] = self._block_queries(frame, q_pre, n, blocks_at, kvh, group)
             return self._attend_pieces(qs, pieces_k, pieces_v, prefix_k, retrieved_ok,
-                                       retrieved_rows, scaling)  # fmt: skip
+                                       retrieved_rows, retrieved_params, frame.config.block,
+                                       scaling)  # fmt: skip
         assert retrieved_rows is None, "memory rows read in place need the CPU kernel"
         logits = [
             q @ k.to(q.dtype).transpose(1, 2)
@@ -261,14 +267,17 @@ class StepCache:
         prefix_k: list[torch.Tensor],
         retrieved_ok: torch.Tensor | None,
         retrieved_rows: torch.Tensor | None,
+        retrieved_params: tuple[torch.Tensor, torch.Tensor] | None,
+        block: int,
         scaling: float,
     ) -> torch.Tensor:
         """The kernel over the pieces (the retrieved ones, if any, second) -> (1, 1, H, d)."""
         rows: list[torch.Tensor | None] = [None] * len(pieces_k)
         masks: list[torch.Tensor | None] = [None] * len(pieces_k)
+        params: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(pieces_k)
         if len(prefix_k) > 1:
-            rows[1], masks[1] = retrieved_rows, retrieved_ok
-        out = attend_pieces(queries, pieces_k, pieces_v, masks, scaling, rows)
+            rows[1], masks[1], params[1] = retrieved_rows, retrieved_ok, retrieved_params
+        out = attend_pieces(queries, pieces_k, pieces_v, masks, scaling, rows, params, block)
         kvh, group, d = out.shape
         return out.reshape(1, 1, kvh * group, d)
 

@@ -25,6 +25,7 @@ from engine.runner.cpu_extensions import load_extension
 
 _NO_ROWS = torch.empty(0, dtype=torch.long)
 _NO_MASK = torch.empty(0, dtype=torch.bool)
+_NO_PARAMS = torch.empty(0, dtype=torch.float16)
 MIN_CHUNK = 256  # keys per task below which splitting costs more than it spreads
 KEY_BLOCK = 64  # keys a task scores at a time (decode_attention.cpp's kBlock)
 
@@ -55,15 +56,20 @@ def attend_pieces(
     masks: list[torch.Tensor | None],
     scale: float,
     rows: list[torch.Tensor | None] | None = None,
+    params: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+    group: int = 0,
 ) -> torch.Tensor:
     """One decode token over pieces of keys under one softmax: queries[i] (kv_heads, nq,
     group, d), one query per n/nq keys of keys[i]/values[i] (kv_heads, n, d); masks[i]
     (kv_heads, n) bool or None. rows[i] (kv_heads, n) int64, if given: piece i's keys and values
-    are read in place, rows[i][h] of keys[i][h] (a memory buffer, no gathered copy).
-    -> (kv_heads, group, d)."""
+    are read in place, rows[i][h] of keys[i][h] (a memory buffer, no gathered copy). params[i]:
+    piece i's keys and values are int8 codes (uint8), dequantized as they are read with these
+    float16 (key, value) scales (engine/memory/quantized.py: keys' per channel for each
+    `group` rows, values' per row). -> (kv_heads, group, d)."""
     kernel = load_kernel()
     assert kernel is not None, "attend_pieces without a kernel: check load_kernel() first"
     rows = rows or [None] * len(queries)
+    params = params or [None] * len(queries)
     total = sum(k.shape[1] if r is None else r.shape[1] for k, r in zip(keys, rows, strict=True))
     # tasks of at least MIN_CHUNK keys, about four per thread over the kv heads
     splits = max(1, min(4 * torch.get_num_threads() // queries[0].shape[0], total // MIN_CHUNK))
@@ -73,6 +79,9 @@ def attend_pieces(
         values,
         [_NO_MASK if m is None else m.contiguous() for m in masks],
         [_NO_ROWS if r is None else r.contiguous() for r in rows],
+        [_NO_PARAMS if p is None else p[0] for p in params],
+        [_NO_PARAMS if p is None else p[1] for p in params],
+        group,
         scale,
         splits,
     )

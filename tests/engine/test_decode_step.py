@@ -372,8 +372,9 @@ def test_the_pieces_kernel_is_one_softmax_over_the_concatenated_keys():
     kernel, no_mask, no_rows = load_kernel(), torch.empty(0, dtype=torch.bool), torch.empty(0)
     masks = [no_mask, ok, no_mask, no_mask]
     for splits in (2, 3, 7, 140, 500):
-        split = kernel.attend_pieces(queries, keys, values, masks, [no_rows.long()] * 4, 0.125,
-                                     splits)  # fmt: skip
+        no_params = [torch.empty(0, dtype=torch.float16)] * 4
+        split = kernel.attend_pieces(queries, keys, values, masks, [no_rows.long()] * 4,
+                                     no_params, no_params, 0, 0.125, splits)  # fmt: skip
         torch.testing.assert_close(split, want, rtol=1e-5, atol=1e-5)
     # a piece whose keys are all left out adds nothing
     none = torch.zeros(kvh, 4 * block, dtype=torch.bool)
@@ -412,9 +413,10 @@ def test_the_pieces_kernel_reads_memory_rows_in_place():
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     no_mask = torch.empty(0, dtype=torch.bool)
     for splits in (3, 50):  # chunks of rows read in place, across the pieces' edge
+        no_params = [torch.empty(0, dtype=torch.float16)] * 2
         split = load_kernel().attend_pieces(
             [q, q_blocks], [sinks_k, half_k], [sinks_v, half_v], [no_mask, no_mask],
-            [torch.empty(0, dtype=torch.long), rows], 0.125, splits,
+            [torch.empty(0, dtype=torch.long), rows], no_params, no_params, 0, 0.125, splits,
         )  # fmt: skip
         torch.testing.assert_close(split, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="float16"):  # keys and values of one dtype
@@ -423,6 +425,40 @@ def test_the_pieces_kernel_reads_memory_rows_in_place():
         bad = rows.clone()
         bad[0, 0] = 500
         attend_pieces([q_blocks], [memory_k], [memory_v], [None], 0.125, [bad])
+
+
+@pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler or ninja to build the kernel")
+def test_the_pieces_kernel_reads_int8_memory_in_place():
+    """int8 memory blocks (quantized.py) read as codes and scales, dequantized by the kernel as
+    it reads them: the attention over their float32 dequantized copy, without the copy."""
+    from engine.memory.quantized import QuantizedBuffer
+    from engine.runner.cpu_attention import attend_pieces
+
+    torch.manual_seed(2)
+    kvh, group, d, block = 3, 3, 64, 64
+    keys = QuantizedBuffer(kvh, d, block, torch.device("cpu"))
+    values = QuantizedBuffer(kvh, d, 0, torch.device("cpu"))
+    keys.append(torch.randn(kvh, 8 * block, d) * 3)
+    values.append(torch.randn(kvh, 8 * block, d))
+    keys.drop_front(block)  # rows count from the view's first block, as memory's FIFO leaves it
+    values.drop_front(block)
+    picked = torch.tensor([[6, 0, 3], [1, 2, 6], [5, 4, 0]])  # whole blocks, any order per head
+    rows = (picked[..., None] * block + torch.arange(block)).reshape(kvh, -1)
+    q, q_blocks = torch.randn(kvh, 1, group, d), torch.randn(kvh, 3, group, d)
+    sinks_k, sinks_v = torch.randn(kvh, 4, d), torch.randn(kvh, 4, d)
+    copies = [b.take_to(rows, torch.device("cpu"), torch.float32) for b in (keys, values)]
+    want = attend_pieces(
+        [q, q_blocks], [sinks_k, copies[0]], [sinks_v, copies[1]], [None, None], 0.125
+    )
+    params = (keys.params.view(), values.params.view())
+    got = attend_pieces(
+        [q, q_blocks], [sinks_k, keys.codes.view()], [sinks_v, values.codes.view()],
+        [None, None], 0.125, [None, rows], [None, params], block,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="int8 keys need"):  # codes without their scales
+        attend_pieces([q_blocks], [keys.codes.view()], [values.codes.view()], [None], 0.125,
+                      [rows])  # fmt: skip
 
 
 @pytest.mark.parametrize("lean", [True, False])

@@ -261,12 +261,12 @@ def test_bad_specs_are_invalid_requests(strategy, params, param):
 
 def _dense_step(
     frame, layer, query, key, value, prefix_k, prefix_v, retrieved_ok, _, scaling, blocks_at,
-    retrieved_rows=None, queries=None,
+    retrieved_rows=None, queries=None, retrieved_params=None,
 ):  # fmt: skip
     """The frame a decode step attended before StepCache.attend: every key rotated at its
     frame position (never block-local: RowReader.check_rows says so), one concatenated frame, one SDPA
     call."""
-    assert blocks_at is None and retrieved_rows is None
+    assert blocks_at is None and retrieved_rows is None and retrieved_params is None
     store = frame.layers[layer]
     window = frame.rotary.rotate(store.local_k, frame._local_positions())
     keys = torch.cat((*prefix_k, window, key[0]), dim=1)[None]

@@ -13,6 +13,7 @@ import torch
 from engine.memory.quantized import QuantizedBuffer, quantize
 from engine.memory.session import STRATEGIES, SessionMemory
 from engine.protocol import InvalidRequest, MemorySpec
+from engine.runner.cpu_attention import load_kernel
 from memory_store.encodings import decode_chunk, encode_chunk
 from server.app import build_app
 from server.settings import ServerSettings
@@ -94,8 +95,9 @@ def test_an_int8_session_answers_close_to_float16(strategy, kv_dtype):
     tokens being read are not quantized, so logits move less than that. Measured on the tiny
     Llama (400 tokens, 368 in memory, prompt then 3 decode steps): the largest difference from
     float16 blocks was 7.2e-4 of the largest |logit| (segments 7.1e-4, tokens 7.2e-4,
-    neurocache 6.6e-4); the bound 2e-3 leaves that ~3x. Retrieved rows are widened to the
-    window's dtype (float32, or float16 under kv_dtype float16): the frame keeps its own."""
+    neurocache 6.6e-4); the bound 2e-3 leaves that ~3x. A decode step's whole blocks are read
+    in place as codes and scales by the CPU kernel where it is built (segments); other rows
+    are widened to the window's dtype (float32, or float16 under kv_dtype float16)."""
     model = tiny("llama")
     ids = torch.randint(0, 300, (400,), generator=torch.Generator().manual_seed(9))
     half = SessionMemory(model, MemorySpec(strategy, SMALL[strategy]), kv_dtype)
@@ -108,7 +110,14 @@ def test_an_int8_session_answers_close_to_float16(strategy, kv_dtype):
         assert layer.mem_k.quantized and layer.mem_k.codes.data.dtype == torch.uint8
     retrieved = quarter._frame.step_cache.retrieved.values()
     window = quarter.window_dtype
-    assert retrieved and all(kept.keys.dtype == kept.values.dtype == window for kept in retrieved)
+    assert retrieved
+    for kept in retrieved:
+        if kept.layout == "in_place":
+            assert kept.keys.dtype == kept.values.dtype == torch.uint8 and kept.params is not None
+        else:
+            assert kept.keys.dtype == kept.values.dtype == window
+    in_place = [kept.layout == "in_place" for kept in retrieved]
+    assert all(in_place) == (strategy == "segments" and load_kernel() is not None)
 
 
 def test_int8_holds_about_half_of_float16_bytes_per_token():

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <cstdint>
 #include <type_traits>
 #include <vector>
 
@@ -63,6 +64,56 @@ void piece_rows(const torch::Tensor& t, int64_t h, int64_t n, int64_t d, float* 
     row_pointers(t.data_ptr<at::Half>() + h * t.stride(0), t.stride(1), n, d, buf, index, rows);
   } else {
     row_pointers(t.data_ptr<float>() + h * t.stride(0), t.stride(1), n, d, buf, index, rows);
+  }
+}
+
+// d uint8 codes dequantized at out: zero + code * scale, with a (scale, zero) per channel (s, z:
+// d floats each) or, where s is null, the one (s0, z0) of the row (engine/memory/quantized.py)
+void dequantize(const uint8_t* c, const float* s, const float* z, float s0, float z0, int64_t d,
+                float* out) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 row_scale = _mm256_set1_ps(s0), row_zero = _mm256_set1_ps(z0);
+  for (; i + 8 <= d; i += 8) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + i));
+    const __m256 code = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+    const __m256 scale = s ? _mm256_loadu_ps(s + i) : row_scale;
+    const __m256 zero = s ? _mm256_loadu_ps(z + i) : row_zero;
+    _mm256_storeu_ps(out + i, _mm256_fmadd_ps(code, scale, zero));
+  }
+#endif
+  for (; i < d; ++i) out[i] = s ? z[i] + c[i] * s[i] : z0 + c[i] * s0;
+}
+
+constexpr int64_t kMaxInt8Dim = 256;  // head_dim the int8 path widens a block's scales for
+
+// Rows of a block of head h of an int8 piece, dequantized into buf (kBlock x d): codes uint8
+// (heads, N, d); params float16 (heads, N / group, 2d) [scale | zero] per channel for each
+// `group` rows (keys; widened once per group, as rows come in whole groups), or, group 0,
+// (heads, N, 2) [scale, zero] per row (values)
+template <typename F>
+void int8_rows(const torch::Tensor& codes, const torch::Tensor& params, int64_t group, int64_t h,
+               int64_t n, int64_t d, float* buf, F index, const float** rows) {
+  const uint8_t* cp = codes.data_ptr<uint8_t>() + h * codes.stride(0);
+  const at::Half* pp = params.data_ptr<at::Half>() + h * params.stride(0);
+  const int64_t cs = codes.stride(1), ps = params.stride(1);
+  float scales[2 * kMaxInt8Dim];
+  int64_t widened = -1;  // the group whose scales are in `scales`
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t r = index(j);
+    float* out = buf + j * d;
+    if (group) {
+      if (r / group != widened) {
+        widened = r / group;
+        widen(pp + widened * ps, 2 * d, scales);
+      }
+      dequantize(cp + r * cs, scales, scales + d, 0.f, 0.f, d, out);
+    } else {
+      const at::Half* p = pp + r * ps;
+      dequantize(cp + r * cs, nullptr, nullptr, static_cast<float>(p[0]),
+                 static_cast<float>(p[1]), d, out);
+    }
+    rows[j] = out;
   }
 }
 
@@ -297,25 +348,41 @@ void decode_tasks(const torch::Tensor& q, const torch::Tensor& k, const torch::T
 // values[i] (kv_heads, n, d) with contiguous rows, key j of piece i scored by its query
 // j / (n / nq) (nq > 1: one query per block of keys); masks[i] (kv_heads, n) bool, or empty
 // for none (a False key is left out). -> (kv_heads, group, d) float32. Queries are float32;
-// a piece's keys and values float32, or float16 (widened as they are read). The pieces' keys,
+// a piece's keys and values float32, float16 (widened as they are read) or int8 codes (uint8,
+// dequantized as they are read: key_params[i] and value_params[i] as int8_rows takes them, keys'
+// per `qgroup` rows; empty tensors for other pieces). The pieces' keys,
 // taken one after the other, are split into `splits` chunks per kv head, attended as tasks
 // across threads and merged as decode_attention's are (3 kv heads alone leave a thread idle).
 torch::Tensor attend_pieces(std::vector<torch::Tensor> queries, std::vector<torch::Tensor> keys,
                             std::vector<torch::Tensor> values, std::vector<torch::Tensor> masks,
-                            std::vector<torch::Tensor> rows, double scale, int64_t splits) {
+                            std::vector<torch::Tensor> rows, std::vector<torch::Tensor> key_params,
+                            std::vector<torch::Tensor> value_params, int64_t qgroup, double scale,
+                            int64_t splits) {
   const size_t pieces = queries.size();
   TORCH_CHECK(pieces > 0 && keys.size() == pieces && values.size() == pieces &&
-                  masks.size() == pieces && rows.size() == pieces,
-              "attend_pieces: as many queries, keys, values, masks and rows");
+                  masks.size() == pieces && rows.size() == pieces &&
+                  key_params.size() == pieces && value_params.size() == pieces,
+              "attend_pieces: as many queries, keys, values, masks, rows and params");
   const int64_t heads = queries[0].size(0), group = queries[0].size(2), d = queries[0].size(3);
   std::vector<int64_t> lengths(pieces);
   for (size_t i = 0; i < pieces; ++i) {
     const auto &q = queries[i], &k = keys[i], &v = values[i], &mask = masks[i], &row = rows[i];
     TORCH_CHECK(q.scalar_type() == at::kFloat && v.scalar_type() == k.scalar_type() &&
-                    (k.scalar_type() == at::kFloat || k.scalar_type() == at::kHalf) &&
+                    (k.scalar_type() == at::kFloat || k.scalar_type() == at::kHalf ||
+                     k.scalar_type() == at::kByte) &&
                     q.is_contiguous() && q.dim() == 4,
-                "attend_pieces: float32 queries (kv_heads, nq, group, d) contiguous, float32 or "
-                "float16 keys and values");
+                "attend_pieces: float32 queries (kv_heads, nq, group, d) contiguous, float32, "
+                "float16 or uint8 keys and values");
+    if (k.scalar_type() == at::kByte) {  // int8 codes: their scales cover every row
+      const auto &kp = key_params[i], &vp = value_params[i];
+      TORCH_CHECK(qgroup > 0 && k.size(2) <= kMaxInt8Dim && kp.scalar_type() == at::kHalf && vp.scalar_type() == at::kHalf &&
+                      kp.dim() == 3 && vp.dim() == 3 && kp.size(0) == k.size(0) &&
+                      vp.size(0) == k.size(0) && kp.size(2) == 2 * k.size(2) &&
+                      vp.size(2) == 2 && kp.stride(2) == 1 && vp.stride(2) == 1 &&
+                      kp.size(1) * qgroup >= k.size(1) && vp.size(1) >= k.size(1),
+                  "attend_pieces: int8 keys need float16 params (kv_heads, n / group, 2d) and "
+                  "values (kv_heads, n, 2)");
+    }
     TORCH_CHECK(row.numel() == 0 || (row.scalar_type() == at::kLong && row.is_contiguous() &&
                                      row.dim() == 2 && row.size(0) == heads),
                 "attend_pieces: rows (kv_heads, n) int64");
@@ -371,8 +438,13 @@ torch::Tensor attend_pieces(std::vector<torch::Tensor> queries, std::vector<torc
         for (int64_t b0 = lo; b0 < hi; b0 += kBlock) {
           const int64_t count = std::min(kBlock, hi - b0);
           const auto index = [at, b0](int64_t j) { return at ? at[b0 + j] : b0 + j; };
-          piece_rows(k, h, count, d, kbuf.data(), index, krows);
-          piece_rows(v, h, count, d, vbuf.data(), index, vrows);
+          if (k.scalar_type() == at::kByte) {
+            int8_rows(k, key_params[i], qgroup, h, count, d, kbuf.data(), index, krows);
+            int8_rows(v, value_params[i], 0, h, count, d, vbuf.data(), index, vrows);
+          } else {
+            piece_rows(k, h, count, d, kbuf.data(), index, krows);
+            piece_rows(v, h, count, d, vbuf.data(), index, vrows);
+          }
           for (int64_t j0 = 0; j0 < count;) {  // runs of keys that share a query
             const int64_t qi = (b0 + j0) / per;
             const int64_t j1 = std::min(count, (qi + 1) * per - b0);
