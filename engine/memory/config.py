@@ -64,11 +64,11 @@ class FrameConfig:
         least to the most relevant, so the block nearest EmbQ sits right before the window and
         the question (docs/decisions/024-prior-order-relevance.md). "document": every
         retrieved row in document order.
-    prior_match: how the prior scores a block. "dense" (default): EmbQ . EmbD alone, the
-        prior_k best. "hybrid": plus half the IDF-weighted share of the question's words the
-        block holds (lexical.py), pinning only the lines within 0.1 of the best when those
-        words single blocks out; it lost on the held-out set, so it is not the default
-        (docs/decisions/074-lexical-prior.md).
+    prior_match: how the prior scores a block. "hybrid" (default): EmbQ . EmbD plus half the
+        IDF-weighted share of the question's words the block holds (lexical.py), pinning only
+        the lines within 0.1 of the best when those words single blocks out, so fewer
+        same-kind sentences reach an answer read afresh. "dense": EmbQ . EmbD alone, the
+        prior_k best (docs/decisions/074-lexical-prior.md, 082-hybrid-prior-with-answers-read-afresh.md).
     answer_read: how a question's answer reads what its retrieval chose. "afresh" (default):
         the frame's tokens (sinks, the retrieved rows of the last layer, the window with the
         question) read again by the model's own attention in a plain cache, and the answer
@@ -112,7 +112,7 @@ class FrameConfig:
     prior_k: int = 8
     prior_u: int = 1
     prior_order: str = "relevance"
-    prior_match: str = "dense"
+    prior_match: str = "hybrid"
     answer_read: str = "afresh"
 
     def tail_start(self, total: int) -> int:
@@ -233,7 +233,7 @@ _CHOICES = {
     "memory_dtype": ("auto", "model", "float16", "int8"),
     "read_dtype": ("auto", "model", "bfloat16"),
     "prior_order": ("document", "relevance"),
-    "prior_match": ("dense", "hybrid"),
+    "prior_match": ("hybrid", "dense"),
     "answer_read": ("memory", "afresh"),
 }
 _MAY_BE_ZERO = {

@@ -110,12 +110,10 @@ def test_a_forks_prior_keeps_its_own_words():
     assert len(prior._words) == 8
 
 
-def test_prior_match_is_a_checked_knob():
-    config = parse_memory_spec(
-        MemorySpec("segments", {"prior_match": "hybrid"}), max_positions=8192
-    )
-    assert config.prior_match == "hybrid"
-    assert parse_memory_spec(MemorySpec("segments"), max_positions=8192).prior_match == "dense"
+def test_prior_match_is_a_checked_knob_hybrid_by_default():
+    config = parse_memory_spec(MemorySpec("segments", {"prior_match": "dense"}), max_positions=8192)
+    assert config.prior_match == "dense"
+    assert parse_memory_spec(MemorySpec("segments"), max_positions=8192).prior_match == "hybrid"
     with pytest.raises(InvalidRequest) as e:
         parse_memory_spec(MemorySpec("segments", {"prior_match": "bm25"}), max_positions=8192)
     assert e.value.param == "memory.prior_match"
