@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bench.server_process import model_args, served
+from bench.server_process import add_server_arguments, model_args, served
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",
@@ -221,16 +221,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--level-timeout", type=float, default=300.0, help="seconds one concurrency level may take"
     )
-    parser.add_argument("--base-url", help="a running server on loopback (default: start one)")
-    parser.add_argument("--api-key", default="bench")
-    parser.add_argument("--model", help="--model of the started server (default: embedded)")
-    parser.add_argument("--device", help="--device of the started server")
+    add_server_arguments(parser)
     parser.add_argument(
         "--max-running-requests",
         type=int,
         help="of the started server (default: the highest concurrency)",
     )
-    parser.add_argument("--ready-timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
     if not all(1 <= c <= MAX_CONCURRENCY for c in args.concurrency):
         parser.error(f"concurrency levels must be in [1, {MAX_CONCURRENCY}]")

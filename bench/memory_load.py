@@ -32,7 +32,7 @@ from bench.load import RequestResult, stats_ms
 from bench.load import one_request as stream
 from bench.recall import upload
 from bench.recall_corpus import filler, load_token_counter
-from bench.server_process import model_args, served
+from bench.server_process import add_server_arguments, model_args, served
 
 QUESTIONS = [
     "What is this document about?",
@@ -187,11 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--read-tokens", type=int, default=32768, help="0: skip `reading`")
     parser.add_argument("--stream-tokens", type=int, default=64)
     parser.add_argument("--stream-delay", type=float, default=5.0)
-    parser.add_argument("--base-url", help="a running server on loopback (default: start one)")
-    parser.add_argument("--api-key", default="bench")
-    parser.add_argument("--model", help="--model of the started server (default: embedded)")
-    parser.add_argument("--device", help="--device of the started server")
-    parser.add_argument("--ready-timeout", type=float, default=300.0)
+    add_server_arguments(parser)
     args = parser.parse_args(argv)
     if args.sessions is None:
         args.sessions = max(args.concurrency)

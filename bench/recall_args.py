@@ -7,6 +7,7 @@ import json
 
 from bench.recall_corpus import DEFAULT_HELD_OUT, HELD_OUT_KINDS, KIND_SETS, TUNED_KINDS
 from bench.recall_tasks import DEFAULT_TASKS, TASKS
+from bench.server_process import add_server_arguments
 
 BASELINES = ("reference", "truncate", "rag")
 MEMORY_MODES = ("inline", "session")
@@ -84,11 +85,7 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
         metavar="NAME=PATH",
         help="adapter files the started server serves besides its shipped ones (its --adapter)",
     )
-    parser.add_argument("--base-url", help="a running server on loopback (default: start one)")
-    parser.add_argument("--api-key", default="bench")
-    parser.add_argument("--model", help="--model of the started server (default: embedded)")
-    parser.add_argument("--device", help="--device of the started server")
-    parser.add_argument("--ready-timeout", type=float, default=300.0)
+    add_server_arguments(parser)
     args = parser.parse_args(argv)
     args.modes = args.modes or list(BASELINES + MEMORY_MODES)
     given = [v for v in (args.samples, args.n_large) if v is not None]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ipaddress
 import os
@@ -107,6 +108,16 @@ def _exit_on_sigterm() -> Any:
         raise SystemExit(128 + signum)
 
     return signal.signal(signal.SIGTERM, leave)
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of a benchmark that drives a server: a running one (--base-url,
+    --api-key) or the one it starts (--model, --device, --ready-timeout)."""
+    parser.add_argument("--base-url", help="a running server on loopback (default: start one)")
+    parser.add_argument("--api-key", default="bench")
+    parser.add_argument("--model", help="--model of the started server (default: embedded)")
+    parser.add_argument("--device", help="--device of the started server")
+    parser.add_argument("--ready-timeout", type=float, default=300.0)
 
 
 def model_args(args: Any) -> list[str]:
