@@ -164,7 +164,8 @@ class Frame(FrameState):
         retrieved_ok: torch.Tensor | None = None  # (kv_heads, R) False at padding, if any
         by_block = False
         retrieved_rows: torch.Tensor | None = None  # (kv_heads, R) memory rows read in place
-        retrieved_params = None  # their int8 scales (key, value), where memory holds codes
+        # their int8 scales (key, value), where memory holds codes read in place
+        retrieved_params: tuple[torch.Tensor, torch.Tensor] | None = None
 
         if self.n_memory and self.config.retrieves(T):  # no selector retrieves otherwise
             start = time.perf_counter()

@@ -375,11 +375,12 @@ torch::Tensor attend_pieces(std::vector<torch::Tensor> queries, std::vector<torc
                 "float16 or uint8 keys and values");
     if (k.scalar_type() == at::kByte) {  // int8 codes: their scales cover every row
       const auto &kp = key_params[i], &vp = value_params[i];
-      TORCH_CHECK(qgroup > 0 && k.size(2) <= kMaxInt8Dim && kp.scalar_type() == at::kHalf && vp.scalar_type() == at::kHalf &&
-                      kp.dim() == 3 && vp.dim() == 3 && kp.size(0) == k.size(0) &&
-                      vp.size(0) == k.size(0) && kp.size(2) == 2 * k.size(2) &&
-                      vp.size(2) == 2 && kp.stride(2) == 1 && vp.stride(2) == 1 &&
-                      kp.size(1) * qgroup >= k.size(1) && vp.size(1) >= k.size(1),
+      TORCH_CHECK(qgroup > 0 && k.size(2) <= kMaxInt8Dim && kp.scalar_type() == at::kHalf &&
+                      vp.scalar_type() == at::kHalf && kp.dim() == 3 && vp.dim() == 3 &&
+                      kp.size(0) == k.size(0) && vp.size(0) == k.size(0) &&
+                      kp.size(2) == 2 * k.size(2) && vp.size(2) == 2 && kp.stride(2) == 1 &&
+                      vp.stride(2) == 1 && kp.size(1) * qgroup >= k.size(1) &&
+                      vp.size(1) >= k.size(1),
                   "attend_pieces: int8 keys need float16 params (kv_heads, n / group, 2d) and "
                   "values (kv_heads, n, 2)");
     }
