@@ -318,7 +318,8 @@ def test_the_cpu_kernel_is_sdpa(keys, group, dtype):
 
 
 @pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler or ninja to build the kernel")
-@pytest.mark.parametrize("d", [36, 128, 200])  # no 8-wide path; two passes of accumulators
+# no 8-wide path; 8 lanes (AVX2); 16 lanes with 3 vectors of accumulators, or 4 and then 1
+@pytest.mark.parametrize("d", [36, 200, 48, 80, 128])
 def test_the_cpu_kernel_takes_other_head_dims(d):
     torch.manual_seed(d)
     query, keys, values = torch.randn(2, 3, d), torch.randn(2, 300, d), torch.randn(2, 300, d)
@@ -341,11 +342,12 @@ def test_decode_agreement_bench_finds_the_lean_step_equal_in_fp32(tiny_model_dir
 
 
 @pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler or ninja to build the kernel")
-def test_the_pieces_kernel_is_one_softmax_over_the_concatenated_keys():
+@pytest.mark.parametrize("d", [64, 24])  # 16 lanes at a time (AVX-512), or 8 (AVX2)
+def test_the_pieces_kernel_is_one_softmax_over_the_concatenated_keys(d):
     from engine.runner.cpu_attention import attend_pieces
 
     torch.manual_seed(0)
-    kvh, group, d, block = 2, 3, 64, 16
+    kvh, group, block = 2, 3, 16
     sizes = [5, 4 * block, 70, 1]  # sinks, retrieved blocks, window, the token itself
     keys = [torch.randn(kvh, n, d) for n in sizes]
     values = [torch.randn(kvh, n, d) for n in sizes]
@@ -428,14 +430,15 @@ def test_the_pieces_kernel_reads_memory_rows_in_place():
 
 
 @pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler or ninja to build the kernel")
-def test_the_pieces_kernel_reads_int8_memory_in_place():
+@pytest.mark.parametrize("d", [64, 24])  # scales folded into the query (AVX-512), or widened
+def test_the_pieces_kernel_reads_int8_memory_in_place(d):
     """int8 memory blocks (quantized.py) read as codes and scales, dequantized by the kernel as
     it reads them: the attention over their float32 dequantized copy, without the copy."""
     from engine.memory.quantized import QuantizedBuffer
     from engine.runner.cpu_attention import attend_pieces
 
     torch.manual_seed(2)
-    kvh, group, d, block = 3, 3, 64, 64
+    kvh, group, block = 3, 3, 64
     keys = QuantizedBuffer(kvh, d, block, torch.device("cpu"))
     values = QuantizedBuffer(kvh, d, 0, torch.device("cpu"))
     keys.append(torch.randn(kvh, 8 * block, d) * 3)
@@ -456,6 +459,14 @@ def test_the_pieces_kernel_reads_int8_memory_in_place():
         [None, None], 0.125, [None, rows], [None, params], block,
     )  # fmt: skip
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    no_mask, no_params = torch.empty(0, dtype=torch.bool), torch.empty(0, dtype=torch.float16)
+    for splits in (5, 40):  # chunk edges inside blocks: runs of keys split within a scale group
+        split = load_kernel().attend_pieces(
+            [q, q_blocks], [sinks_k, keys.codes.view()], [sinks_v, values.codes.view()],
+            [no_mask, no_mask], [torch.empty(0, dtype=torch.long), rows],
+            [no_params, params[0]], [no_params, params[1]], block, 0.125, splits,
+        )  # fmt: skip
+        torch.testing.assert_close(split, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="int8 keys need"):  # codes without their scales
         attend_pieces([q_blocks], [keys.codes.view()], [values.codes.view()], [None], 0.125,
                       [rows])  # fmt: skip

@@ -13,6 +13,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -236,6 +237,8 @@ void accumulate(const float* weights, const float* const* v, int64_t n, int64_t 
   }
 }
 
+#include "pieces_avx512.h"
+
 template <typename T>
 void decode_tasks(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                   float sc, int64_t splits, int64_t chunk, float* ap, float* mp, float* lp);
@@ -323,6 +326,10 @@ void decode_tasks(const torch::Tensor& q, const torch::Tensor& k, const torch::T
     }
     const float* krows[kBlock];
     const float* vrows[kBlock];
+#ifdef LONGSERVE_PIECES_AVX512
+    std::unique_ptr<pieces512::Scratch> scratch;
+    if (d % 16 == 0) scratch = std::make_unique<pieces512::Scratch>(group, d);
+#endif
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / splits, first = (task % splits) * chunk;
       const int64_t last = std::min(keys, first + chunk);
@@ -333,6 +340,14 @@ void decode_tasks(const torch::Tensor& q, const torch::Tensor& k, const torch::T
       for (int64_t b0 = first; b0 < last; b0 += kBlock) {
         const int64_t n = std::min(kBlock, last - b0);
         const auto next = [b0](int64_t j) { return b0 + j; };
+#ifdef LONGSERVE_PIECES_AVX512
+        if (scratch) {  // read as held, 16 lanes at a time (pieces_avx512.h)
+          const pieces512::Piece piece{kp + h * ks, vp + h * vs, d, d, nullptr, nullptr, 0, 0, 0};
+          pieces512::fold_block<T>(piece, next, b0, n, qh, keys, group, d, sc, nullptr, *scratch,
+                                   m, l, a);
+          continue;
+        }
+#endif
         row_pointers(kp + h * ks, d, n, d, kbuf.data(), next, krows);
         row_pointers(vp + h * vs, d, n, d, vbuf.data(), next, vrows);
         score_rows(qh, krows, n, group, d, sc, scores.data());
@@ -420,6 +435,11 @@ torch::Tensor attend_pieces(std::vector<torch::Tensor> queries, std::vector<torc
     std::vector<float> kbuf(kBlock * d), vbuf(kBlock * d);  // float16 rows, widened
     const float* krows[kBlock];
     const float* vrows[kBlock];
+#ifdef LONGSERVE_PIECES_AVX512
+    const bool wide = d % 16 == 0;
+    std::unique_ptr<pieces512::Scratch> scratch;
+    if (wide) scratch = std::make_unique<pieces512::Scratch>(group, d);
+#endif
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / splits, first = (task % splits) * chunk;
       const int64_t last = std::min(total, first + chunk);
@@ -439,6 +459,25 @@ torch::Tensor attend_pieces(std::vector<torch::Tensor> queries, std::vector<torc
         for (int64_t b0 = lo; b0 < hi; b0 += kBlock) {
           const int64_t count = std::min(kBlock, hi - b0);
           const auto index = [at, b0](int64_t j) { return at ? at[b0 + j] : b0 + j; };
+#ifdef LONGSERVE_PIECES_AVX512
+          if (wide) {  // read in place as held, 16 lanes at a time (pieces_avx512.h)
+            const auto &kp = key_params[i], &vp = value_params[i];
+            if (k.scalar_type() == at::kByte) {
+              pieces512::fold_block<uint8_t>(pieces512::piece<uint8_t>(k, v, kp, vp, qgroup, h),
+                                             index, b0, count, qp, per, group, d, sc, ok,
+                                             *scratch, m, l, a);
+            } else if (k.scalar_type() == at::kHalf) {
+              pieces512::fold_block<at::Half>(pieces512::piece<at::Half>(k, v, kp, vp, 0, h),
+                                              index, b0, count, qp, per, group, d, sc, ok,
+                                              *scratch, m, l, a);
+            } else {
+              pieces512::fold_block<float>(pieces512::piece<float>(k, v, kp, vp, 0, h), index,
+                                           b0, count, qp, per, group, d, sc, ok, *scratch, m, l,
+                                           a);
+            }
+            continue;
+          }
+#endif
           if (k.scalar_type() == at::kByte) {
             int8_rows(k, key_params[i], qgroup, h, count, d, kbuf.data(), index, krows);
             int8_rows(v, value_params[i], 0, h, count, d, vbuf.data(), index, vrows);

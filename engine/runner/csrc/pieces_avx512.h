@@ -1,0 +1,199 @@
+// attend_pieces' block of keys with AVX-512 (included by decode_attention.cpp): keys and values
+// are read straight from memory as they are held (float32, float16, or int8 codes), 16 lanes at
+// a time, with no widened copy of the block. int8 keys are scored against the query scaled by
+// their channels' scales, q . (z + c * s) = q . z + (q * s) . c, and int8 values are summed as
+// codes under the weights times their rows' scales, plus the weights times their zeros
+// (engine/memory/quantized.py holds them so; docs/decisions/084).
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#define LONGSERVE_PIECES_AVX512 1
+
+namespace pieces512 {
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const uint8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+}
+
+// the sums of eight 16-lane vectors, in order
+inline __m256 sums8(const __m512* a) {
+  __m256 h[8];
+  for (int r = 0; r < 8; ++r) {
+    h[r] = _mm256_add_ps(_mm512_castps512_ps256(a[r]), _mm512_extractf32x8_ps(a[r], 1));
+  }
+  const __m256 t0 = _mm256_hadd_ps(h[0], h[1]), t1 = _mm256_hadd_ps(h[2], h[3]);
+  const __m256 t2 = _mm256_hadd_ps(h[4], h[5]), t3 = _mm256_hadd_ps(h[6], h[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                       _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// s[g * kBlock + j] = sc * (q[g] . k[j] + bias[g]) for n rows k[j] and the group's queries q
+// (group, d); bias null for none. Eight keys at a time, each with its own accumulator.
+template <typename T>
+void score(const float* q, const T* const* k, int64_t n, int64_t group, int64_t d,
+           const float* bias, float sc, float* s) {
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = q + g * d;
+    const float b = bias ? bias[g] : 0.f;
+    float* sg = s + g * kBlock;
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      __m512 acc[8];
+      for (int r = 0; r < 8; ++r) acc[r] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < d; i += 16) {
+        const __m512 qv = _mm512_loadu_ps(qg + i);
+        for (int r = 0; r < 8; ++r) acc[r] = _mm512_fmadd_ps(qv, load16(k[j + r] + i), acc[r]);
+      }
+      const __m256 t = _mm256_add_ps(sums8(acc), _mm256_set1_ps(b));
+      _mm256_storeu_ps(sg + j, _mm256_mul_ps(t, _mm256_set1_ps(sc)));
+    }
+    for (; j < n; ++j) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t i = 0; i < d; i += 16) {
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + i), load16(k[j] + i), acc);
+      }
+      sg[j] = (_mm512_reduce_add_ps(acc) + b) * sc;
+    }
+  }
+}
+
+// a[0 .. 16W) += sum_j w[j] * v[j][offset ..]
+template <typename T, int W>
+void accumulate_rows(const float* w, const T* const* v, int64_t offset, int64_t n, float* a) {
+  __m512 acc[W];
+  for (int r = 0; r < W; ++r) acc[r] = _mm512_loadu_ps(a + 16 * r);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 wj = _mm512_set1_ps(w[j]);
+    const T* vr = v[j] + offset;
+    for (int r = 0; r < W; ++r) acc[r] = _mm512_fmadd_ps(wj, load16(vr + 16 * r), acc[r]);
+  }
+  for (int r = 0; r < W; ++r) _mm512_storeu_ps(a + 16 * r, acc[r]);
+}
+
+// a (d) += sum_j w[j] * v[j], 64 lanes of accumulators at a time
+template <typename T>
+void accumulate(const float* w, const T* const* v, int64_t n, int64_t d, float* a) {
+  for (int64_t d0 = 0; d0 < d; d0 += 64) {
+    switch (std::min<int64_t>(64, d - d0) / 16) {
+      case 4: accumulate_rows<T, 4>(w, v, d0, n, a + d0); break;
+      case 3: accumulate_rows<T, 3>(w, v, d0, n, a + d0); break;
+      case 2: accumulate_rows<T, 2>(w, v, d0, n, a + d0); break;
+      default: accumulate_rows<T, 1>(w, v, d0, n, a + d0); break;
+    }
+  }
+}
+
+// Where a block's keys and values are, and how its int8 codes are scaled
+struct Piece {
+  const void* k;
+  const void* v;
+  int64_t ks, vs;        // row strides (elements)
+  const at::Half* kp;    // int8 keys: (scale | zero) per channel, per qgroup rows; else null
+  const at::Half* vp;    // int8 values: (scale, zero) per row
+  int64_t kps, vps;      // their row strides
+  int64_t qgroup;
+};
+
+// Head h of a piece's keys k and values v (int8 codes: with their params kp and vp, keys'
+// scales per qgroup rows)
+template <typename T>
+Piece piece(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& kp,
+            const torch::Tensor& vp, int64_t qgroup, int64_t h) {
+  const bool codes = std::is_same<T, uint8_t>::value;
+  return Piece{k.data_ptr<T>() + h * k.stride(0),
+               v.data_ptr<T>() + h * v.stride(0),
+               k.stride(1),
+               v.stride(1),
+               codes ? kp.data_ptr<at::Half>() + h * kp.stride(0) : nullptr,
+               codes ? vp.data_ptr<at::Half>() + h * vp.stride(0) : nullptr,
+               codes ? kp.stride(1) : 0,
+               codes ? vp.stride(1) : 0,
+               qgroup};
+}
+
+// A task's scratch: a block's scores (group x kBlock), int8 values' weighted scales, int8
+// keys' scaled queries and their biases, a run's key scales
+struct Scratch {
+  std::vector<float> scores, weights, qs, key_scales;
+  Scratch(int64_t group, int64_t d)
+      : scores(group * kBlock), weights(kBlock), qs(group * d + group), key_scales(2 * d) {}
+};
+
+// The `count` keys of head h's piece from b0 (index(j): the row of key j) folded into the
+// running softmax (m, l, a): queries qp (nq, group, d) with one query per `per` keys, keys left
+// out where ok is false.
+template <typename T, typename F>
+void fold_block(const Piece& p, F index, int64_t b0, int64_t count, const float* qp, int64_t per,
+                int64_t group, int64_t d, float sc, const bool* ok, Scratch& x, float* m,
+                float* l, float* a) {
+  const T* krows[kBlock];
+  const T* vrows[kBlock];
+  int64_t at[kBlock];
+  for (int64_t j = 0; j < count; ++j) {
+    at[j] = index(j);
+    krows[j] = static_cast<const T*>(p.k) + at[j] * p.ks;
+    vrows[j] = static_cast<const T*>(p.v) + at[j] * p.vs;
+  }
+  float* scores = x.scores.data();
+  for (int64_t j0 = 0; j0 < count;) {  // runs of keys that share a query (and int8 scales)
+    const int64_t qi = (b0 + j0) / per;
+    int64_t j1 = std::min(count, (qi + 1) * per - b0);
+    const float* q = qp + qi * group * d;
+    if constexpr (std::is_same<T, uint8_t>::value) {
+      const int64_t sg = at[j0] / p.qgroup;
+      for (int64_t j = j0 + 1; j < j1; ++j) {
+        if (at[j] / p.qgroup != sg) {
+          j1 = j;
+          break;
+        }
+      }
+      float* scale = x.key_scales.data();  // this run's (scale | zero) per channel
+      widen(p.kp + sg * p.kps, 2 * d, scale);
+      float* qs = x.qs.data();
+      float* bias = qs + group * d;  // q . zero, per query
+      for (int64_t g = 0; g < group; ++g) {
+        for (int64_t i = 0; i < d; ++i) qs[g * d + i] = q[g * d + i] * scale[i];
+        bias[g] = dot(q + g * d, scale + d, d);
+      }
+      score<T>(qs, krows + j0, j1 - j0, group, d, bias, sc, scores + j0);
+    } else {
+      score<T>(q, krows + j0, j1 - j0, group, d, nullptr, sc, scores + j0);
+    }
+    j0 = j1;
+  }
+  if (ok) {
+    for (int64_t j = 0; j < count; ++j) {
+      if (!ok[b0 + j]) {
+        for (int64_t g = 0; g < group; ++g) scores[g * kBlock + j] = -FLT_MAX;
+      }
+    }
+  }
+  fold_scores(scores, count, group, d, m, l, a);
+  for (int64_t g = 0; g < group; ++g) {
+    const float* w = scores + g * kBlock;
+    float* ag = a + g * d;
+    if constexpr (std::is_same<T, uint8_t>::value) {  // v = zero + code * scale, per row
+      float* wc = x.weights.data();
+      float zero = 0.f;
+      for (int64_t j = 0; j < count; ++j) {
+        const at::Half* rp = p.vp + at[j] * p.vps;
+        wc[j] = w[j] * static_cast<float>(rp[0]);
+        zero += w[j] * static_cast<float>(rp[1]);
+      }
+      accumulate<T>(wc, vrows, count, d, ag);
+      for (int64_t i = 0; i < d; ++i) ag[i] += zero;
+    } else {
+      accumulate<T>(w, vrows, count, d, ag);
+    }
+  }
+}
+
+}  // namespace pieces512
+
+#endif
