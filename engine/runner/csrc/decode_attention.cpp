@@ -457,24 +457,29 @@ torch::Tensor attend_pieces(std::vector<torch::Tensor> queries, std::vector<torc
         const float* qp = q.data_ptr<float>() + h * nq * group * d;
         const bool* ok = mask.numel() ? mask.data_ptr<bool>() + h * n : nullptr;
         const int64_t* at = rows[i].numel() ? rows[i].data_ptr<int64_t>() + h * n : nullptr;
+#ifdef LONGSERVE_PIECES_AVX512
+        const auto type = k.scalar_type();
+        const auto &kp = key_params[i], &vp = value_params[i];
+        const pieces512::Piece piece =
+            !wide                  ? pieces512::Piece{}
+            : type == at::kByte    ? pieces512::piece<uint8_t>(k, v, kp, vp, qgroup, h)
+            : type == at::kHalf    ? pieces512::piece<at::Half>(k, v, kp, vp, 0, h)
+                                   : pieces512::piece<float>(k, v, kp, vp, 0, h);
+#endif
         for (int64_t b0 = lo; b0 < hi; b0 += kBlock) {
           const int64_t count = std::min(kBlock, hi - b0);
           const auto index = [at, b0](int64_t j) { return at ? at[b0 + j] : b0 + j; };
 #ifdef LONGSERVE_PIECES_AVX512
           if (wide) {  // read in place as held, 16 lanes at a time (pieces_avx512.h)
-            const auto &kp = key_params[i], &vp = value_params[i];
-            if (k.scalar_type() == at::kByte) {
-              pieces512::fold_block<uint8_t>(pieces512::piece<uint8_t>(k, v, kp, vp, qgroup, h),
-                                             index, b0, count, qp, per, group, d, sc, ok,
+            if (type == at::kByte) {
+              pieces512::fold_block<uint8_t>(piece, index, b0, count, qp, per, group, d, sc, ok,
                                              *scratch, m, l, a);
-            } else if (k.scalar_type() == at::kHalf) {
-              pieces512::fold_block<at::Half>(pieces512::piece<at::Half>(k, v, kp, vp, 0, h),
-                                              index, b0, count, qp, per, group, d, sc, ok,
-                                              *scratch, m, l, a);
+            } else if (type == at::kHalf) {
+              pieces512::fold_block<at::Half>(piece, index, b0, count, qp, per, group, d, sc,
+                                              ok, *scratch, m, l, a);
             } else {
-              pieces512::fold_block<float>(pieces512::piece<float>(k, v, kp, vp, 0, h), index,
-                                           b0, count, qp, per, group, d, sc, ok, *scratch, m, l,
-                                           a);
+              pieces512::fold_block<float>(piece, index, b0, count, qp, per, group, d, sc, ok,
+                                           *scratch, m, l, a);
             }
             continue;
           }
