@@ -51,6 +51,7 @@ from engine.runner.generate import Generation, running_generation, step_batch
 from engine.runner.grammar import Grammars
 from engine.runner.loader import LoadedModel, load_model
 from engine.runner.tool_template import tool_format
+from engine.scheduler.heap import trim_heap
 from engine.scheduler.preprocess import Preprocessor, lower_thread_priority
 from engine.scheduler.prompts import PromptReader
 from engine.scheduler.stream import aborted_delta, submit
@@ -143,6 +144,7 @@ class LocalEngine:
             housekeeping_interval_s=min(max(offload_after / 4, 0.01), 10.0)
             if offload_after
             else 10.0,
+            on_idle=trim_heap if self.config.trim_heap else None,
             decode_share=self.config.decode_share,
             max_waiting_per_tenant=self.config.waiting_per_tenant,
             max_running_per_tenant=self.config.running_per_tenant,

@@ -47,6 +47,8 @@ class EngineConfig:
     by bytes in host memory; 0 keeps none.
     kv_prefix_cache_bytes: keys and values kept for prompts that fit the window, per whole
     prefill chunk (engine/caches/kv_prefix.py), an LRU by bytes; 0 keeps none.
+    trim_heap: each time the engine goes idle, hand the C heap's free pages back to the system
+    (engine/scheduler/heap.py); without it glibc keeps what requests freed.
     prefix_cache_store: with a memory store, long prompts' documents are also read with
     write-through to it, chunk by chunk (fp16, about 23 KB per token for SmolLM2), so a later
     prompt on any replica imports what it shares with them (engine/caches/prefix_store.py). The store
@@ -128,6 +130,7 @@ class EngineConfig:
     text_prior: bool = True
     prefix_cache_bytes: int = 8 * 1024**3
     kv_prefix_cache_bytes: int = 2 * 1024**3
+    trim_heap: bool = True
     prefix_cache_store: bool = False
     prefix_store_max_entries_per_tenant: int = 8192
     max_turn_encoding_bytes: int = 64 * 1024**2

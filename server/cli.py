@@ -199,6 +199,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "text_prior": settings.text_prior,
         "prefix_cache_bytes": settings.prefix_cache_bytes,
         "kv_prefix_cache_bytes": settings.kv_prefix_cache_bytes,
+        "trim_heap": settings.trim_heap,
         "prefix_cache_store": settings.prefix_cache_store,
         "prefix_store_max_entries_per_tenant": settings.max_prefix_store_entries_per_tenant,
         "max_turn_encoding_bytes": settings.max_turn_encoding_bytes,

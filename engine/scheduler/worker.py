@@ -113,6 +113,8 @@ class Worker:
 
     housekeeping, when given, runs on the device thread every housekeeping_interval_s seconds
     (between steps when busy, on a timer when idle); its exceptions are logged, not fatal.
+    on_idle, when given, runs on the device thread once each time the last job has finished
+    and nothing waits (engine/scheduler/heap.py's trim); its exceptions are logged too.
     """
 
     def __init__(
@@ -124,6 +126,7 @@ class Worker:
         can_batch: Callable[[Any], bool] | None = None,
         housekeeping: Callable[[], None] | None = None,
         housekeeping_interval_s: float = 1.0,
+        on_idle: Callable[[], Any] | None = None,
         decode_share: float = 0.0,
         max_waiting_per_tenant: int | None = None,
         max_running_per_tenant: int | None = None,
@@ -142,6 +145,8 @@ class Worker:
         self._housekeeping = housekeeping
         self._housekeeping_interval_s = housekeeping_interval_s
         self._next_housekeeping = time.monotonic() + housekeeping_interval_s
+        self._on_idle = on_idle
+        self._worked = False  # a job ran since on_idle last did
         self._turn = 0
         self._tenant_turns: dict[str, int] = {}  # tenant -> the iteration it last ran alone
         self._cond = threading.Condition()
@@ -334,13 +339,28 @@ class Worker:
                     self._calls.clear()
                     self._admit()
                     running = list(self._running)
+                self._worked |= bool(running)
                 self._run_calls(calls)
                 self._loop_step(running)
                 self._housekeep()
+                self._idle()
         except BaseException as e:
             logger.exception("engine worker died")
             self.dead = e
         self._shutdown_jobs()
+
+    def _idle(self) -> None:
+        """on_idle, once the last job has finished and nothing waits."""
+        if self._on_idle is None or not self._worked:
+            return
+        with self._cond:
+            if self._waiting or self._running or self._calls:
+                return
+        self._worked = False
+        try:
+            self._on_idle()
+        except Exception:
+            logger.exception("engine idle hook failed")
 
     def _housekeep(self) -> None:
         if self._housekeeping is None or time.monotonic() < self._next_housekeeping:

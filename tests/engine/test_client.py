@@ -1,4 +1,6 @@
 import asyncio
+import sys
+import threading
 
 import pytest
 import torch
@@ -358,3 +360,38 @@ async def test_session_memories_hold_their_window_in_the_engines_kv_dtype(
     assert memory._frame.layers[0].window_k.data.dtype == torch.float16
     deltas = await collect(engine.generate("g", "What is the code?", GREEDY, session_id="s"))
     assert deltas[-1].finish_reason == "length"
+
+
+async def test_the_worker_calls_on_idle_once_its_last_job_is_done():
+    """on_idle (the heap trim) runs once each time the worker drains, never while a job runs."""
+    from engine.scheduler.heap import trim_heap
+
+    idle: list[int] = []
+    running: list[str] = []
+    worker = Worker(max_waiting=8, max_running=4, on_idle=lambda: idle.append(len(running)))
+    loop = asyncio.get_running_loop()
+
+    gate = threading.Event()  # the first job's first step waits until both are submitted
+
+    def job(name):
+        running.append(name)
+        gate.wait(5)
+        yield from range(3)
+        running.remove(name)
+
+    for rounds in (1, 2):
+        gate.clear()
+        collectors = [Collector(loop) for _ in range(2)]
+        for i, c in enumerate(collectors):
+            worker.submit(Job(f"{rounds}-{i}", job(f"{rounds}-{i}"), c))
+        gate.set()
+        for c in collectors:
+            while (await c.get())[0]:
+                pass
+        for _ in range(100):  # the hook runs on the device thread after the last step
+            if len(idle) == rounds:
+                break
+            await asyncio.sleep(0.01)
+        assert idle == [0] * rounds
+    worker.stop()
+    assert trim_heap() == (sys.platform == "linux")  # glibc here; nothing to trim elsewhere
