@@ -7,6 +7,7 @@ returns None, with one warning, where that is impossible; callers then use torch
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -48,13 +49,28 @@ def _build(stem: str) -> Any | None:
         return load(
             name=name,
             sources=[str(_CSRC / f"{stem}.cpp")],
-            extra_cflags=["-O3", *_ARCH.get(capability, []), "-fopenmp", "-ffast-math"],
+            extra_cflags=[
+                "-O3",
+                *_ARCH.get(capability, []),
+                "-fopenmp",
+                "-ffast-math",
+                f"-DLONGSERVE_HEADERS={headers_digest()}",  # a header's change rebuilds
+            ],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as exc:  # no compiler or ninja: torch's own ops do the work instead
         logger.warning("CPU kernel %s unavailable (%s); using torch's ops", stem, exc)
         return None
+
+
+def headers_digest() -> str:
+    """A digest of csrc's headers: torch's builder versions a build by its sources and flags
+    only, so a header's change reaches a cached build through this flag."""
+    digest = hashlib.sha256()
+    for header in sorted(_CSRC.glob("*.h")):
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def clear_stale_lock(name: str) -> bool:
