@@ -232,6 +232,9 @@ class Generation:
         logits = next(self._prefill)
         if logits is None:
             return None
+        # the prompt is read: close the reader, whose suspended frame would otherwise hold
+        # this Generation (and its state) in a reference cycle (docs/decisions/084)
+        self._prefill.close()
         if self._reuse is not None:
             self._reuse.keep(self._reuse_ids)
         self._prefill_seconds = time.perf_counter() - self._started

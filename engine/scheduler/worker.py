@@ -276,6 +276,9 @@ class Worker:
             job.last_output = output
             job.collector.put(output)
         if getattr(job.steps, "done", False):  # finished with this step: no empty step to end it
+            # closed, not left suspended after its last yield: its finally blocks run and its
+            # frame lets go of the request's state now, not when the cyclic GC next runs
+            self._close_steps(job)
             self._finish(job)
             job.collector.end()
 
