@@ -146,7 +146,7 @@ class ServerSettings(BaseSettings):
     # chunks, the memory-token budget); past it long prompts are read, not written (058).
     max_prefix_store_entries_per_tenant: int = Field(default=8192, ge=0)
     # Each time the engine goes idle, the C heap's free pages go back to the system; glibc
-    # otherwise keeps what requests freed, ~17 MB a question on a session (decisions/084).
+    # otherwise keeps what requests and readings freed (decisions/084).
     trim_heap: bool = True
     # A session turn's encodings are stored up to this size (about 46 KB per token for the
     # embedded model), so a restore needs no forward; a larger turn is stored as its tokens.

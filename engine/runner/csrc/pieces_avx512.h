@@ -20,17 +20,13 @@ inline __m512 load16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
 }
 
-// the sums of eight 16-lane vectors, in order
-inline __m256 sums8(const __m512* a) {
+// the sums of eight 16-lane vectors, in order (each halved, then decode_attention.cpp's sums8)
+inline __m256 sums8_wide(const __m512* a) {
   __m256 h[8];
   for (int r = 0; r < 8; ++r) {
     h[r] = _mm256_add_ps(_mm512_castps512_ps256(a[r]), _mm512_extractf32x8_ps(a[r], 1));
   }
-  const __m256 t0 = _mm256_hadd_ps(h[0], h[1]), t1 = _mm256_hadd_ps(h[2], h[3]);
-  const __m256 t2 = _mm256_hadd_ps(h[4], h[5]), t3 = _mm256_hadd_ps(h[6], h[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                       _mm256_permute2f128_ps(u0, u1, 0x31));
+  return sums8(h);
 }
 
 // s[g * kBlock + j] = sc * (q[g] . k[j] + bias[g]) for n rows k[j] and the group's queries q
@@ -50,7 +46,7 @@ void score(const float* q, const T* const* k, int64_t n, int64_t group, int64_t 
         const __m512 qv = _mm512_loadu_ps(qg + i);
         for (int r = 0; r < 8; ++r) acc[r] = _mm512_fmadd_ps(qv, load16(k[j + r] + i), acc[r]);
       }
-      const __m256 t = _mm256_add_ps(sums8(acc), _mm256_set1_ps(b));
+      const __m256 t = _mm256_add_ps(sums8_wide(acc), _mm256_set1_ps(b));
       _mm256_storeu_ps(sg + j, _mm256_mul_ps(t, _mm256_set1_ps(sc)));
     }
     for (; j < n; ++j) {
