@@ -128,10 +128,12 @@ Piece piece(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor&
 // rows' (scale, zero); int8 keys' scaled queries and their biases, a run's key scales; int8
 // codes as floats
 struct Scratch {
-  std::vector<float> scores, weights, qs, key_scales, kbuf, vbuf;
+  std::vector<float> scores, weights, value_scales, value_zeros, qs, key_scales, kbuf, vbuf;
   Scratch(int64_t group, int64_t d)
       : scores(group * kBlock),
-        weights(3 * kBlock),
+        weights(kBlock),
+        value_scales(kBlock),
+        value_zeros(kBlock),
         qs(group * d + group),
         key_scales(2 * d),
         kbuf(kBlock * d),
@@ -194,8 +196,8 @@ void fold_block(const Piece& p, F index, int64_t b0, int64_t count, const float*
     }
   }
   fold_scores(scores, count, group, d, m, l, a);
-  float* vscale = x.weights.data() + kBlock;  // int8 values' (scale, zero) per row, as floats
-  float* vzero = vscale + kBlock;
+  float* vscale = x.value_scales.data();  // int8 values' (scale, zero) per row, as floats
+  float* vzero = x.value_zeros.data();
   if constexpr (std::is_same<T, uint8_t>::value) {
     for (int64_t j = 0; j < count; ++j) {
       int32_t pair;
