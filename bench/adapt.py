@@ -184,21 +184,52 @@ def answer(model, tokenizer, ids: list[int], end: int, adapted: bool, lora: LoRA
     return tokenizer.decode(out)
 
 
+def example_loss(model, lora: LoRA, tokenizer, ids: list[int], sentence: str, end: int) -> float:
+    """Backpropagate one prompt's answer loss: the base model reads all but its last LEAD
+    tokens, the adapter those and the answer (a frame's example: bench/adapt_frames.py)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    answer = tokenizer.encode(sentence, add_special_tokens=False) + [end]
+    lora.active = False
+    with torch.no_grad():
+        read(model, ids[:-LEAD], cache)
+    lora.active = True
+    logits = read(model, ids[-LEAD:] + answer[:-1], cache).logits[0, LEAD - 1 :]
+    loss = torch.nn.functional.cross_entropy(logits, torch.tensor(answer))
+    loss.backward()
+    lora.active = False
+    return float(loss.detach())
+
+
+def right(sentence: str, said: str) -> bool:
+    """A single value in the answer; a list's every value and no other number of that size."""
+    values = set(re.findall(r"\d{5,}", sentence))
+    if len(values) == 1:
+        return next(iter(values)) in said
+    return set(re.findall(r"\d{5,}", said)) == values
+
+
+def evaluate_frames(model, tokenizer, lora: LoRA, examples, end: int) -> dict[str, int]:
+    """Base and adapter on prompts as a session's answer reads them (frames)."""
+    score = {"frames_base": 0, "frames_adapter": 0, "frames_n": 0}
+    for ids, sentence in examples:
+        score["frames_n"] += 1
+        for name, adapted in (("frames_base", False), ("frames_adapter", True)):
+            score[name] += right(sentence, answer(model, tokenizer, ids, end, adapted, lora))
+    return score
+
+
 def evaluate(model, tokenizer, lora: LoRA, held: list[Task], end: int) -> dict[str, int]:
-    right = {"base": 0, "adapter": 0, "n": 0}
+    score = {"base": 0, "adapter": 0, "n": 0}
     for i, task in enumerate(held):
         for ids, (_, sentence) in zip(
             prompts(tokenizer, task, i % 2 == 0), task.questions, strict=True
         ):
-            values = set(re.findall(r"\d{5,}", sentence))
-            right["n"] += 1
+            score["n"] += 1
             for name, adapted in (("base", False), ("adapter", True)):
-                said = answer(model, tokenizer, ids, end, adapted, lora)
-                if len(values) == 1:
-                    right[name] += next(iter(values)) in said
-                else:  # a list: every value and no other number of a value's size
-                    right[name] += set(re.findall(r"\d{5,}", said)) == values
-    return right
+                score[name] += right(sentence, answer(model, tokenizer, ids, end, adapted, lora))
+    return score
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -210,6 +241,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-tasks", type=int, default=6, help="synthetic passages to check on")
     parser.add_argument(
         "--lists", type=float, default=0.0, help="share of passages whose keys hold lists"
+    )
+    parser.add_argument(
+        "--frames",
+        type=float,
+        default=0.0,
+        help="share of steps whose passage is read into a session and asked as its answer "
+        "reads it: the frame's tokens (bench/adapt_frames.py)",
+    )
+    parser.add_argument(
+        "--frame-tokens",
+        type=int,
+        nargs=2,
+        default=(6000, 12000),
+        metavar=("LO", "HI"),
+        help="passage length (tokens) of those steps",
+    )
+    parser.add_argument(
+        "--frame-knob",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="a memory knob of those steps' sessions (default: the server's segments memory)",
     )
     parser.add_argument("--init", type=Path, help="start from this adapter (same rank) instead")
     parser.add_argument("--out", type=Path, default=Path("engine/adapters/recall.safetensors"))
@@ -238,11 +291,31 @@ def run(args: argparse.Namespace) -> int:
     evals = tasks(f"eval:{args.seed}", count, facts=(4, 8), lists=args.lists)
     held = list(itertools.islice(evals, args.eval_tasks))
     stream = tasks(args.seed, count, lists=args.lists)
+    reader = frame_stream = None
+    framed = random.Random(f"frames:{args.seed}")
+    if args.frames > 0:
+        from bench.adapt_frames import FrameReader
+
+        knobs = {k: json.loads(v) for k, _, v in (x.partition("=") for x in args.frame_knob)}
+        reader = FrameReader(LEAD, args.model, knobs)
+        frame_stream = tasks(
+            f"frames:{args.seed}", count, tokens=tuple(args.frame_tokens), lists=args.lists
+        )
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
-        task = next(stream)
         optimizer.zero_grad()
-        loss, n = task_loss(model, lora, tokenizer, task, step % 2 == 0, end)
+        if reader is not None and frame_stream is not None and framed.random() < args.frames:
+            loss, n = 0.0, 0
+            for _ in range(20):  # a passage whose frames hold none of its answers: another
+                for ids, sentence in reader.examples(next(frame_stream)):
+                    loss += example_loss(model, lora, tokenizer, ids, sentence, end)
+                    n += 1
+                if n:
+                    break
+            else:
+                raise SystemExit("20 passages in a row whose frames held none of the answers")
+        else:
+            loss, n = task_loss(model, lora, tokenizer, next(stream), step % 2 == 0, end)
         for p in lora.params.values():
             p.grad /= n
         lr = args.lr * min(1.0, step / 10) * (0.5 + 0.5 * math.cos(math.pi * step / args.steps))
@@ -252,6 +325,13 @@ def run(args: argparse.Namespace) -> int:
         line = {"step": step, "loss": round(loss / n, 4), "questions": n}
         print(json.dumps({**line, "seconds": round(time.perf_counter() - started, 1)}), flush=True)
     result = evaluate(model, tokenizer, lora, held, end) if args.eval_tasks else {}
+    if reader is not None and args.eval_tasks:
+        evals = tasks(
+            f"frames-eval:{args.seed}", count, tokens=tuple(args.frame_tokens), lists=args.lists
+        )
+        framed_held = itertools.islice(evals, args.eval_tasks)
+        examples = [x for task in framed_held for x in reader.examples(task)]
+        result |= evaluate_frames(model, tokenizer, lora, examples, end)
     print(json.dumps({"eval": result}), flush=True)
     command = (
         (
@@ -259,6 +339,11 @@ def run(args: argparse.Namespace) -> int:
             f"--lr {args.lr} --seed {args.seed} --out {args.out}"
         )
         + (f" --lists {args.lists}" if args.lists else "")
+        + (
+            f" --frames {args.frames} --frame-tokens {args.frame_tokens[0]} {args.frame_tokens[1]}"
+            if args.frames
+            else ""
+        )
         + (f" --init {args.init}" if args.init else "")
     )
     lora.save(

@@ -42,6 +42,7 @@ def windowed_server(tmp_path_factory):
     stop_server(proc)
 
 
+@pytest.mark.timeout(900)  # 94 s alone here; past the 300 s default once beside a training run
 def test_answers_do_not_depend_on_other_requests(windowed_server):
     summary = asyncio.run(harness(windowed_server.base_url, ARGS))
     alone = summary["alone"]

@@ -114,3 +114,42 @@ def test_a_run_can_start_from_a_saved_adapter(tiny_model_dir, tmp_path, capsys):
     save_file({"layers.0.q.A": torch.zeros(2, 2)}, str(bad))
     with pytest.raises(SystemExit, match="not an adapter"):
         adapt.main(["--steps", "0", *common, "--init", str(bad), "--out", str(second)])
+
+
+def test_a_framed_answer_names_what_the_frame_holds_in_its_order():
+    from bench.adapt_frames import framed_answer
+
+    sentence = "Cabinet Kane holds folders 111111, 222222 and 333333."
+    frame = "... folder 333333 ... Folder 111111 is kept in cabinet Kane ..."
+    assert framed_answer(sentence, frame) == "Cabinet Kane holds folders 333333 and 111111."
+    assert framed_answer("Locker Ur opens with 55555.", frame) is None
+    assert framed_answer("Locker Ur opens with 111111.", frame) == "Locker Ur opens with 111111."
+
+
+def test_frames_train_on_the_prompt_a_sessions_answer_reads(tiny_model_dir, tmp_path, capsys):
+    """--frames: the passage is read into a session memory and each question asked the way a
+    session chat asks it; the step trains on the frame's tokens, which retrieval chose from a
+    passage longer than the tiny model's 256-token window."""
+    from bench.adapt_frames import FrameReader
+
+    knobs = {"sinks": 8, "local_window": 64, "chunk_size": 32, "block": 16, "k": 2, "u": 1}
+    reader = FrameReader(adapt.LEAD, str(tiny_model_dir), knobs)
+    tokens = reader.loaded.tokenizer
+    task = adapt_tasks.Task(
+        "\n\n".join(f"Paragraph {i} says nothing of note at all." for i in range(80))
+        + "\n\nLocker Kane opens with the combination 4455667.",
+        (("What is the combination of locker Kane?", "Locker Kane opens with 4455667."),),
+    )
+    passage = len(tokens(task.passage)["input_ids"])
+    [(ids, sentence)] = reader.examples(task)  # the frame holds the fact (else: none)
+    assert passage > 256 and len(ids) < passage  # a frame, not the passage
+    assert sentence == task.questions[0][1] and "4455667" in tokens.decode(ids)
+    out = tmp_path / "frames.safetensors"
+    common = ["--eval-tasks", "1", "--model", str(tiny_model_dir), "--out", str(out)]
+    framed = ["--frames", "1", "--frame-tokens", "600", "900"]
+    framed += [f"--frame-knob={k}={v}" for k, v in knobs.items()]
+    adapt.main(["--steps", "1", *framed, *common])
+    lines = capsys.readouterr().out.splitlines()
+    assert '"questions"' in lines[0] and "frames_n" in lines[1]
+    with safe_open(str(out), framework="pt") as f:
+        assert "--frames 1.0 --frame-tokens 600 900" in f.metadata()["command"]
