@@ -62,12 +62,17 @@ class LoRA:
         return hook
 
     def load(self, path: Path) -> None:
-        """Start from a saved adapter's A and B (the same rank and targets)."""
+        """Start from a saved adapter's A and B (the same rank, alpha and targets)."""
+        from safetensors import safe_open
         from safetensors.torch import load_file
 
         saved = load_file(str(path))
         if saved.keys() != self.params.keys():
             raise SystemExit(f"{path}: not an adapter of this model's layers and rank")
+        with safe_open(str(path), framework="pt") as f:
+            alpha = float((f.metadata() or {}).get("alpha", "nan"))
+        if alpha != self.alpha:  # its B A was trained under another scale: --alpha must match
+            raise SystemExit(f"{path}: alpha {alpha}, not this run's --alpha {self.alpha}")
         with torch.no_grad():
             for name, param in self.params.items():
                 if saved[name].shape != param.shape:

@@ -110,6 +110,8 @@ def test_a_run_can_start_from_a_saved_adapter(tiny_model_dir, tmp_path, capsys):
         assert a.keys() == b.keys()
         assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())  # noqa: SIM118
         assert b.metadata()["command"].endswith(f"--init {first}")
+    with pytest.raises(SystemExit, match="alpha 16.0, not this run's --alpha 8.0"):
+        adapt.main(["--steps", "0", *common, "--alpha", "8", "--init", str(first), "--out", "x"])
     bad = tmp_path / "bad.safetensors"
     save_file({"layers.0.q.A": torch.zeros(2, 2)}, str(bad))
     with pytest.raises(SystemExit, match="not an adapter"):
