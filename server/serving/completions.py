@@ -61,8 +61,11 @@ def _jobs(
     ctx: ServingContext, request: CompletionRequest, completion_id: str
 ) -> list[ChoiceRequest]:
     settings = ctx.settings
-    if request.echo:
-        raise invalid_request("echo is not supported.", param="echo")
+    if request.echo and request.logprobs is not None:
+        raise invalid_request(
+            "echo with logprobs is not supported (the prompt's logprobs are not computed).",
+            param="echo",
+        )
     if request.suffix:
         raise invalid_request("suffix is not supported.", param="suffix")
     if request.logit_bias:
@@ -125,23 +128,38 @@ async def create_completion(
     jobs = _jobs(ctx, request, completion_id)
     params = ["prompt" if p == 0 else f"prompt[{p}]" for p in range(len(_prompts(request)))]
     jobs = await prepare_jobs(ctx, raw_request, tenant, jobs, params)
+    echoed = await _echoed(ctx, request, tenant)  # after prepare_jobs checked token ids
     return await answer_choices(
         ctx,
         request,
         raw_request,
         tenant,
         jobs,
-        lambda s: _gather(s, completion_id, model),
-        lambda s, include_usage: _stream_chunks(s, completion_id, model, include_usage),
+        lambda s: _gather(s, completion_id, model, echoed),
+        lambda s, include_usage: _stream_chunks(s, completion_id, model, include_usage, echoed),
     )
 
 
-async def _gather(streams: ChoiceStreams, completion_id: str, model: str) -> Completion:
+async def _echoed(ctx: ServingContext, request: CompletionRequest, tenant: str) -> list[str]:
+    """Each prompt's text, which `echo` puts before its choices' text (token prompts
+    detokenized); none without echo."""
+    if not request.echo:
+        return []
+    return [
+        p if isinstance(p, str) else await ctx.engine.detokenize(p.ids, tenant=tenant)
+        for p in _prompts(request)
+    ]
+
+
+async def _gather(
+    streams: ChoiceStreams, completion_id: str, model: str, echoed: list[str]
+) -> Completion:
     gathered, usage = await gather_choices(streams)
+    prompt_of = {job.index: job.prompt_index for job in streams.jobs}
     choices = [
         CompletionChoice(
             index=i,
-            text=choice.text,
+            text=(echoed[prompt_of[i]] if echoed else "") + choice.text,
             logprobs=completion_logprobs(choice.logprobs),
             finish_reason=choice.finish_reason,
         )
@@ -151,7 +169,7 @@ async def _gather(streams: ChoiceStreams, completion_id: str, model: str) -> Com
 
 
 async def _stream_chunks(
-    streams: ChoiceStreams, completion_id: str, model: str, include_usage: bool
+    streams: ChoiceStreams, completion_id: str, model: str, include_usage: bool, echoed: list[str]
 ) -> AsyncIterator[str]:
     jobs = {job.index: job for job in streams.jobs}
     builders = {i: _LegacyLogprobs() for i in jobs}
@@ -170,6 +188,9 @@ async def _stream_chunks(
             fields["usage"] = usage_info
         return Completion(**fields).model_dump_json(exclude_unset=True)
 
+    if echoed:  # each choice's prompt first, as vLLM streams it
+        for index, job in jobs.items():
+            yield chunk([CompletionChoice(index=index, text=echoed[job.prompt_index])])
     async for index, delta in streams:
         usage.add(jobs[index], delta)
         logprobs = builders[index].convert(delta.logprobs) if delta.logprobs else None

@@ -90,7 +90,7 @@ async def test_unknown_fields_are_ignored(client: httpx.AsyncClient) -> None:
     ("patch", "param"),
     [
         ({"prompt": [1, 2, 3]}, "prompt"),
-        ({"echo": True}, "echo"),
+        ({"echo": True, "logprobs": 1}, "echo"),
         ({"logprobs": 21}, "logprobs"),
         ({"best_of": 3}, "best_of"),
         ({"suffix": "x"}, "suffix"),

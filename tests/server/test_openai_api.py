@@ -170,6 +170,24 @@ async def test_completion(oai: openai.AsyncOpenAI, engine: FakeEngine) -> None:
     assert engine.calls[0].sampling.max_tokens == 16  # OpenAI's default for completions
 
 
+async def test_completion_echo_puts_each_prompt_before_its_choices(
+    oai: openai.AsyncOpenAI, engine: FakeEngine
+) -> None:
+    out = await oai.completions.create(
+        model=MODEL, prompt=["a b", "c d e"], temperature=0, n=2, echo=True
+    )
+    assert [c.text for c in out.choices] == ["a ba b", "a ba b", "c d ec d e", "c d ec d e"]
+    ids = (await engine.tokenize("c d", add_special_tokens=False)).ids  # a token prompt
+    out = await oai.completions.create(model=MODEL, prompt=ids, temperature=0, echo=True)
+    assert out.choices[0].text.startswith("c d")
+    stream = await oai.completions.create(
+        model=MODEL, prompt="one two", temperature=0, stream=True, echo=True
+    )
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].text == "one two"  # the prompt first
+    assert "".join(c.choices[0].text for c in chunks) == "one twoone two"
+
+
 async def test_completion_list_of_prompts(oai: openai.AsyncOpenAI) -> None:
     out = await oai.completions.create(model=MODEL, prompt=["a b", "c d e"], temperature=0, n=2)
     assert [c.text for c in out.choices] == ["a b", "a b", "c d e", "c d e"]
