@@ -290,6 +290,7 @@ BENCHMARKS = (
     "concurrency",
     "store_profile",
     "gguf_types",
+    "question_rss",
 )
 
 
