@@ -343,11 +343,12 @@ def test_decode_agreement_bench_finds_the_lean_step_equal_in_fp32(tiny_model_dir
 
 @pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler or ninja to build the kernel")
 @pytest.mark.parametrize("d", [64, 24])  # 16 lanes at a time (AVX-512), or 8 (AVX2)
-def test_the_pieces_kernel_is_one_softmax_over_the_concatenated_keys(d):
+@pytest.mark.parametrize("group", [3, 1, 2, 5])  # keys read once for a group of <= 3, or per query
+def test_the_pieces_kernel_is_one_softmax_over_the_concatenated_keys(d, group):
     from engine.runner.cpu_attention import attend_pieces
 
     torch.manual_seed(0)
-    kvh, group, block = 2, 3, 16
+    kvh, block = 2, 16
     sizes = [5, 4 * block, 70, 1]  # sinks, retrieved blocks, window, the token itself
     keys = [torch.randn(kvh, n, d) for n in sizes]
     values = [torch.randn(kvh, n, d) for n in sizes]

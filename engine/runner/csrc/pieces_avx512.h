@@ -29,11 +29,53 @@ inline __m256 sums8_wide(const __m512* a) {
   return sums8(h);
 }
 
+// score for a group of G queries: each key's 16 lanes loaded (and widened) once for all G
+// queries, not once per query; 8 keys x G accumulators stay in registers for G <= 3. The same
+// sums in the same order as the loop below, so the same scores.
+template <typename T, int G>
+void score_group(const float* q, const T* const* k, int64_t n, int64_t d, const float* bias,
+                 float sc, float* s) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m512 acc[G][8];
+    for (int g = 0; g < G; ++g) {
+      for (int r = 0; r < 8; ++r) acc[g][r] = _mm512_setzero_ps();
+    }
+    for (int64_t i = 0; i < d; i += 16) {
+      __m512 qv[G];
+      for (int g = 0; g < G; ++g) qv[g] = _mm512_loadu_ps(q + g * d + i);
+      for (int r = 0; r < 8; ++r) {
+        const __m512 kv = load16(k[j + r] + i);
+        for (int g = 0; g < G; ++g) acc[g][r] = _mm512_fmadd_ps(qv[g], kv, acc[g][r]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m256 t = _mm256_add_ps(sums8_wide(acc[g]), _mm256_set1_ps(bias ? bias[g] : 0.f));
+      _mm256_storeu_ps(s + g * kBlock + j, _mm256_mul_ps(t, _mm256_set1_ps(sc)));
+    }
+  }
+  for (; j < n; ++j) {
+    for (int g = 0; g < G; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t i = 0; i < d; i += 16) {
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * d + i), load16(k[j] + i), acc);
+      }
+      s[g * kBlock + j] = (_mm512_reduce_add_ps(acc) + (bias ? bias[g] : 0.f)) * sc;
+    }
+  }
+}
+
 // s[g * kBlock + j] = sc * (q[g] . k[j] + bias[g]) for n rows k[j] and the group's queries q
 // (group, d); bias null for none. Eight keys at a time, each with its own accumulator.
 template <typename T>
 void score(const float* q, const T* const* k, int64_t n, int64_t group, int64_t d,
            const float* bias, float sc, float* s) {
+  switch (group) {
+    case 1: return score_group<T, 1>(q, k, n, d, bias, sc, s);
+    case 2: return score_group<T, 2>(q, k, n, d, bias, sc, s);
+    case 3: return score_group<T, 3>(q, k, n, d, bias, sc, s);
+    default: break;
+  }
   for (int64_t g = 0; g < group; ++g) {
     const float* qg = q + g * d;
     const float b = bias ? bias[g] : 0.f;
