@@ -343,16 +343,17 @@ def test_decode_agreement_bench_finds_the_lean_step_equal_in_fp32(tiny_model_dir
 
 @pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler or ninja to build the kernel")
 @pytest.mark.parametrize("d", [64, 24])  # 16 lanes at a time (AVX-512), or 8 (AVX2)
-@pytest.mark.parametrize("group", [3, 1, 2, 5])  # keys read once for a group of <= 3, or per query
-def test_the_pieces_kernel_is_one_softmax_over_the_concatenated_keys(d, group):
+@pytest.mark.parametrize("group", [3, 1, 2, 5])  # float16 keys read once for a group of <= 3
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_pieces_kernel_is_one_softmax_over_the_concatenated_keys(d, group, dtype):
     from engine.runner.cpu_attention import attend_pieces
 
     torch.manual_seed(0)
     kvh, block = 2, 16
     sizes = [5, 4 * block, 70, 1]  # sinks, retrieved blocks, window, the token itself
-    keys = [torch.randn(kvh, n, d) for n in sizes]
-    values = [torch.randn(kvh, n, d) for n in sizes]
-    keys[2] = torch.randn(kvh, 100, d)[:, 30:]  # a strided view, as a window buffer's
+    keys = [torch.randn(kvh, n, d).to(dtype) for n in sizes]
+    values = [torch.randn(kvh, n, d).to(dtype) for n in sizes]
+    keys[2] = torch.randn(kvh, 100, d).to(dtype)[:, 30:]  # a strided view, as a window's
     q = torch.randn(kvh, 1, group, d)
     q_blocks = torch.randn(kvh, 4, group, d)  # one query per retrieved block
     ok = torch.ones(kvh, 4 * block, dtype=torch.bool)
@@ -360,15 +361,16 @@ def test_the_pieces_kernel_is_one_softmax_over_the_concatenated_keys(d, group):
     ok[1, :block] = False
     queries = [q, q_blocks, q, q]
     got = attend_pieces(queries, keys, values, [None, ok, None, None], 0.125)
+    wide_k = [k.float() for k in keys]
     logits = [
-        torch.einsum("hgd,hnd->hgn", q[:, 0], keys[0]),
-        torch.einsum("hbgd,hbnd->hgbn", q_blocks, keys[1].view(kvh, 4, block, d)).flatten(2),
-        torch.einsum("hgd,hnd->hgn", q[:, 0], keys[2]),
-        torch.einsum("hgd,hnd->hgn", q[:, 0], keys[3]),
+        torch.einsum("hgd,hnd->hgn", q[:, 0], wide_k[0]),
+        torch.einsum("hbgd,hbnd->hgbn", q_blocks, wide_k[1].view(kvh, 4, block, d)).flatten(2),
+        torch.einsum("hgd,hnd->hgn", q[:, 0], wide_k[2]),
+        torch.einsum("hgd,hnd->hgn", q[:, 0], wide_k[3]),
     ]
     logits[1] = logits[1].masked_fill(~ok[:, None], float("-inf"))
     weights = (torch.cat(logits, -1) * 0.125).softmax(-1)
-    want = weights @ torch.cat(values, 1)
+    want = weights @ torch.cat([v.float() for v in values], 1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # the pieces' keys split into chunks across threads, chunk edges inside pieces and inside
     # a block's run of keys, a chunk all masked, more chunks than fit: the same softmax

@@ -29,9 +29,10 @@ inline __m256 sums8_wide(const __m512* a) {
   return sums8(h);
 }
 
-// score for a group of G queries: each key's 16 lanes loaded (and widened) once for all G
-// queries, not once per query; 8 keys x G accumulators stay in registers for G <= 3. The same
-// sums in the same order as the loop below, so the same scores.
+// score for a group of G queries on float16 keys: each key's 16 lanes loaded and widened once
+// for all G queries, not once per query; 8 keys x G accumulators stay in registers for G <= 3.
+// The same sums in the same order as the loop below, so the same scores. (float32 keys, and
+// int8 codes already widened into L1, gained nothing this way: docs/decisions/085.)
 template <typename T, int G>
 void score_group(const float* q, const T* const* k, int64_t n, int64_t d, const float* bias,
                  float sc, float* s) {
@@ -70,11 +71,13 @@ void score_group(const float* q, const T* const* k, int64_t n, int64_t d, const 
 template <typename T>
 void score(const float* q, const T* const* k, int64_t n, int64_t group, int64_t d,
            const float* bias, float sc, float* s) {
-  switch (group) {
-    case 1: return score_group<T, 1>(q, k, n, d, bias, sc, s);
-    case 2: return score_group<T, 2>(q, k, n, d, bias, sc, s);
-    case 3: return score_group<T, 3>(q, k, n, d, bias, sc, s);
-    default: break;
+  if constexpr (std::is_same<T, at::Half>::value) {
+    switch (group) {
+      case 1: return score_group<T, 1>(q, k, n, d, bias, sc, s);
+      case 2: return score_group<T, 2>(q, k, n, d, bias, sc, s);
+      case 3: return score_group<T, 3>(q, k, n, d, bias, sc, s);
+      default: break;
+    }
   }
   for (int64_t g = 0; g < group; ++g) {
     const float* qg = q + g * d;
