@@ -19,7 +19,6 @@ import itertools
 import json
 import math
 import random
-import re
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from bench.adapt_tasks import Task, tasks
+from bench.recall_corpus import LONG_NUMBER
 
 TARGETS = ("q_proj", "k_proj", "v_proj")
 LEAD = 3  # prompt tokens read with the adapter: SmolLM2's "<|im_start|>assistant\n"
@@ -154,18 +154,26 @@ def task_loss(
         cache = DynamicCache()  # the passage's keys and values, shared by every question
         for i, (keys, values) in enumerate(layers):
             cache.update(keys, values, i)
-        answer = tokenizer.encode(sentence, add_special_tokens=False) + [end]
-        lora.active = False
-        with torch.no_grad():
-            if len(ids) - LEAD > shared:
-                read(model, ids[shared:-LEAD], cache)
-        lora.active = True
-        logits = read(model, ids[-LEAD:] + answer[:-1], cache).logits[0, LEAD - 1 :]
-        loss = torch.nn.functional.cross_entropy(logits, torch.tensor(answer))
-        loss.backward()
-        total += float(loss.detach())
-    lora.active = False
+        total += answer_loss(model, lora, tokenizer, ids, shared, cache, sentence, end)
     return total, len(task.questions)
+
+
+def answer_loss(
+    model, lora: LoRA, tokenizer, ids: list[int], start: int, cache, sentence: str, end: int
+) -> float:
+    """Backpropagate one prompt's answer loss: the base model reads ids[start:-LEAD] into
+    cache (which holds ids[:start]), the adapter the last LEAD tokens and the answer."""
+    answer = tokenizer.encode(sentence, add_special_tokens=False) + [end]
+    lora.active = False
+    with torch.no_grad():
+        if len(ids) - LEAD > start:
+            read(model, ids[start:-LEAD], cache)
+    lora.active = True
+    logits = read(model, ids[-LEAD:] + answer[:-1], cache).logits[0, LEAD - 1 :]
+    loss = torch.nn.functional.cross_entropy(logits, torch.tensor(answer))
+    loss.backward()
+    lora.active = False
+    return float(loss.detach())
 
 
 @torch.no_grad()
@@ -189,30 +197,12 @@ def answer(model, tokenizer, ids: list[int], end: int, adapted: bool, lora: LoRA
     return tokenizer.decode(out)
 
 
-def example_loss(model, lora: LoRA, tokenizer, ids: list[int], sentence: str, end: int) -> float:
-    """Backpropagate one prompt's answer loss: the base model reads all but its last LEAD
-    tokens, the adapter those and the answer (a frame's example: bench/adapt_frames.py)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    answer = tokenizer.encode(sentence, add_special_tokens=False) + [end]
-    lora.active = False
-    with torch.no_grad():
-        read(model, ids[:-LEAD], cache)
-    lora.active = True
-    logits = read(model, ids[-LEAD:] + answer[:-1], cache).logits[0, LEAD - 1 :]
-    loss = torch.nn.functional.cross_entropy(logits, torch.tensor(answer))
-    loss.backward()
-    lora.active = False
-    return float(loss.detach())
-
-
 def right(sentence: str, said: str) -> bool:
     """A single value in the answer; a list's every value and no other number of that size."""
-    values = set(re.findall(r"\d{5,}", sentence))
+    values = set(LONG_NUMBER.findall(sentence))
     if len(values) == 1:
         return next(iter(values)) in said
-    return set(re.findall(r"\d{5,}", said)) == values
+    return set(LONG_NUMBER.findall(said)) == values
 
 
 def evaluate_frames(model, tokenizer, lora: LoRA, examples, end: int) -> dict[str, int]:
@@ -299,6 +289,8 @@ def run(args: argparse.Namespace) -> int:
     reader = frame_stream = None
     framed = random.Random(f"frames:{args.seed}")
     if args.frames > 0:
+        from transformers import DynamicCache
+
         from bench.adapt_frames import FrameReader
 
         knobs = {k: json.loads(v) for k, _, v in (x.partition("=") for x in args.frame_knob)}
@@ -313,7 +305,8 @@ def run(args: argparse.Namespace) -> int:
             loss, n = 0.0, 0
             for _ in range(20):  # a passage whose frames hold none of its answers: another
                 for ids, sentence in reader.examples(next(frame_stream)):
-                    loss += example_loss(model, lora, tokenizer, ids, sentence, end)
+                    cache = DynamicCache()  # a frame of its own: nothing shared
+                    loss += answer_loss(model, lora, tokenizer, ids, 0, cache, sentence, end)
                     n += 1
                 if n:
                     break

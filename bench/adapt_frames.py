@@ -13,12 +13,12 @@ values skipped (the adapter should copy, never invent).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 
 import torch
 
 from bench.adapt_tasks import Task, listed
+from bench.recall_corpus import LONG_NUMBER
 from engine.config import EngineConfig
 from engine.memory.config import MemorySpec
 from engine.memory.session import SessionMemory
@@ -27,13 +27,11 @@ from engine.runner.loader import load_model
 from engine.sessions.memory_state import MemoryState
 from engine.sessions.prior_query import prior_encoder, prior_query
 
-VALUE = re.compile(r"\d{5,}")
-
 
 def framed_answer(sentence: str, frame_text: str) -> str | None:
     """The sentence naming only the values the frame holds, a list's in the frame's order; None
     when it holds none."""
-    values = VALUE.findall(sentence)
+    values = LONG_NUMBER.findall(sentence)
     held = sorted((frame_text.find(v), v) for v in values if v in frame_text)
     if not held:
         return None
