@@ -130,6 +130,31 @@ void accumulate(const float* w, const T* const* v, int64_t n, int64_t d, float* 
   }
 }
 
+// a[g] (d) += sum_j w[g * kBlock + j] * v[j] for a group of G queries on float16 values, d a
+// multiple of 64: each value row's 64 lanes widened once for all G, not once per query (as
+// score_group does for keys); the same sums in the same order as accumulate's.
+template <typename T, int G>
+void accumulate_group(const float* w, const T* const* v, int64_t n, int64_t d, float* a) {
+  for (int64_t d0 = 0; d0 < d; d0 += 64) {
+    __m512 acc[G][4];
+    for (int g = 0; g < G; ++g) {
+      for (int r = 0; r < 4; ++r) acc[g][r] = _mm512_loadu_ps(a + g * d + d0 + 16 * r);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const T* vr = v[j] + d0;
+      __m512 vv[4];
+      for (int r = 0; r < 4; ++r) vv[r] = load16(vr + 16 * r);
+      for (int g = 0; g < G; ++g) {
+        const __m512 wj = _mm512_set1_ps(w[g * kBlock + j]);
+        for (int r = 0; r < 4; ++r) acc[g][r] = _mm512_fmadd_ps(wj, vv[r], acc[g][r]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      for (int r = 0; r < 4; ++r) _mm512_storeu_ps(a + g * d + d0 + 16 * r, acc[g][r]);
+    }
+  }
+}
+
 // n rows of d codes as floats at out (row j at out + j * d): converted once per block, not once
 // per query of the group (three instructions per 16 codes)
 inline void codes_to_floats(const uint8_t* const* rows, int64_t n, int64_t d, float* out,
@@ -176,7 +201,7 @@ struct Scratch {
   std::vector<float> scores, weights, value_scales, value_zeros, qs, key_scales, kbuf, vbuf;
   Scratch(int64_t group, int64_t d)
       : scores(group * kBlock),
-        weights(kBlock),
+        weights(group * kBlock),
         value_scales(kBlock),
         value_zeros(kBlock),
         qs(group * d + group),
@@ -251,6 +276,43 @@ void fold_block(const Piece& p, F index, int64_t b0, int64_t count, const float*
       vscale[j] = _mm_cvtss_f32(sz);
       vzero[j] = _mm_cvtss_f32(_mm_shuffle_ps(sz, sz, 1));
     }
+  }
+  if (d % 64 == 0 && group <= 3) {  // each value row read once for the group's queries
+    const float* w = scores;
+    float zeros[3] = {0.f, 0.f, 0.f};
+    if constexpr (std::is_same<T, uint8_t>::value) {  // v = zero + code * scale, per row
+      float* wc = x.weights.data();
+      for (int64_t g = 0; g < group; ++g) {
+        const float* wg = scores + g * kBlock;
+        float* wcg = wc + g * kBlock;
+        float zero = 0.f;
+#pragma omp simd reduction(+ : zero)
+        for (int64_t j = 0; j < count; ++j) {
+          wcg[j] = wg[j] * vscale[j];
+          zero += wg[j] * vzero[j];
+        }
+        zeros[g] = zero;
+      }
+      w = wc;
+    }
+    using V = std::conditional_t<std::is_same<T, uint8_t>::value, float, T>;
+    const V* const* rows;
+    if constexpr (std::is_same<T, uint8_t>::value) {
+      rows = vfloats;
+    } else {
+      rows = vrows;
+    }
+    switch (group) {
+      case 1: accumulate_group<V, 1>(w, rows, count, d, a); break;
+      case 2: accumulate_group<V, 2>(w, rows, count, d, a); break;
+      default: accumulate_group<V, 3>(w, rows, count, d, a); break;
+    }
+    if constexpr (std::is_same<T, uint8_t>::value) {
+      for (int64_t g = 0; g < group; ++g) {
+        for (int64_t i = 0; i < d; ++i) a[g * d + i] += zeros[g];
+      }
+    }
+    return;
   }
   for (int64_t g = 0; g < group; ++g) {
     const float* w = scores + g * kBlock;
