@@ -238,6 +238,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lists", type=float, default=0.0, help="share of passages whose keys hold lists"
     )
     parser.add_argument(
+        "--list-answer",
+        choices=("list", "sentences"),
+        default="list",
+        help="a list's target: one sentence listing the values, or each value's own sentence",
+    )
+    parser.add_argument(
         "--frames",
         type=float,
         default=0.0,
@@ -283,9 +289,11 @@ def run(args: argparse.Namespace) -> int:
     if args.init:
         lora.load(args.init)
     optimizer = torch.optim.AdamW(list(lora.params.values()), lr=args.lr, weight_decay=0.0)
-    evals = tasks(f"eval:{args.seed}", count, facts=(4, 8), lists=args.lists)
+    evals = tasks(
+        f"eval:{args.seed}", count, facts=(4, 8), lists=args.lists, list_answer=args.list_answer
+    )
     held = list(itertools.islice(evals, args.eval_tasks))
-    stream = tasks(args.seed, count, lists=args.lists)
+    stream = tasks(args.seed, count, lists=args.lists, list_answer=args.list_answer)
     reader = frame_stream = None
     framed = random.Random(f"frames:{args.seed}")
     if args.frames > 0:
@@ -296,7 +304,11 @@ def run(args: argparse.Namespace) -> int:
         knobs = {k: json.loads(v) for k, _, v in (x.partition("=") for x in args.frame_knob)}
         reader = FrameReader(LEAD, args.model, knobs)
         frame_stream = tasks(
-            f"frames:{args.seed}", count, tokens=tuple(args.frame_tokens), lists=args.lists
+            f"frames:{args.seed}",
+            count,
+            tokens=tuple(args.frame_tokens),
+            lists=args.lists,
+            list_answer=args.list_answer,
         )
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -325,7 +337,11 @@ def run(args: argparse.Namespace) -> int:
     result = evaluate(model, tokenizer, lora, held, end) if args.eval_tasks else {}
     if reader is not None and args.eval_tasks:
         evals = tasks(
-            f"frames-eval:{args.seed}", count, tokens=tuple(args.frame_tokens), lists=args.lists
+            f"frames-eval:{args.seed}",
+            count,
+            tokens=tuple(args.frame_tokens),
+            lists=args.lists,
+            list_answer=args.list_answer,
         )
         framed_held = itertools.islice(evals, args.eval_tasks)
         examples = [x for task in framed_held for x in reader.examples(task)]
@@ -337,6 +353,7 @@ def run(args: argparse.Namespace) -> int:
             f"--lr {args.lr} --seed {args.seed} --out {args.out}"
         )
         + (f" --lists {args.lists}" if args.lists else "")
+        + (f" --list-answer {args.list_answer}" if args.list_answer != "list" else "")
         + (
             f" --frames {args.frames} --frame-tokens {args.frame_tokens[0]} {args.frame_tokens[1]}"
             if args.frames

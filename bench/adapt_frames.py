@@ -13,6 +13,7 @@ values skipped (the adapter should copy, never invent).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import torch
@@ -37,7 +38,10 @@ def framed_answer(sentence: str, frame_text: str) -> str | None:
         return None
     if len(values) == 1:
         return sentence
-    return sentence.replace(listed(values), listed([v for _, v in held]))
+    if listed(values) in sentence:
+        return sentence.replace(listed(values), listed([v for _, v in held]))
+    own = {LONG_NUMBER.search(s).group(): s for s in re.split(r"(?<=\.) ", sentence)}
+    return " ".join(own[v] for _, v in held)  # each value's own sentence, in the frame's order
 
 
 class FrameReader:

@@ -243,9 +243,12 @@ def listed(values: list[str]) -> str:
     return values[0] if len(values) == 1 else f"{', '.join(values[:-1])} and {values[-1]}"
 
 
-def list_facts(rng: random.Random, used: set[str]) -> tuple[list[str], list[tuple[str, str]]]:
+def list_facts(
+    rng: random.Random, used: set[str], sentences: bool = False
+) -> tuple[list[str], list[tuple[str, str]]]:
     """A list relation's facts and questions: 2-4 keys of 1-4 values each, the values'
-    sentences apart; the answer lists a key's values in the passage's order of its facts."""
+    sentences apart; the answer lists a key's values in the passage's order of its facts, in
+    one sentence, or (`sentences`) as each value's own sentence in turn."""
     relation = rng.choice(LIST_RELATIONS)
     planted: list[tuple[str, str, str]] = []  # (sentence, key, value)
     for _ in range(rng.randint(2, 4)):
@@ -258,6 +261,8 @@ def list_facts(rng: random.Random, used: set[str]) -> tuple[list[str], list[tupl
     for key in dict.fromkeys(key for _, key, _ in planted):
         values = [value for _, k, value in planted if k == key]
         answer = relation.answer.format(key=key, values=listed(values))
+        if sentences:
+            answer = " ".join(sentence for sentence, k, _ in planted if k == key)
         asked.append((rng.choice(relation.questions).format(key=key), answer))
     return [sentence for sentence, _, _ in planted], asked
 
@@ -268,12 +273,14 @@ def tasks(
     tokens: tuple[int, int] = (300, 1400),
     facts: tuple[int, int] = (2, 10),
     lists: float = 0.0,
+    list_answer: str = "list",
 ) -> Iterator[Task]:
     """Endless tasks of this seed: a passage of `tokens` (range) of one tuned kind's prose with
     `facts` (range) facts of one relation at random places, and sometimes one or two of another
     relation; every fact of the first relation asked, about half of them by a paraphrase. A
     `lists` share of passages holds list_facts instead (their facts in passage order), with
-    the same distractors. lists=0 draws exactly what it drew before lists existed."""
+    the same distractors, answered as `list_answer` says ("list": one sentence; "sentences":
+    each value's own sentence in turn). lists=0 draws exactly what it drew before lists existed."""
     rng = random.Random(f"adapt:{seed}")
     list_rng = random.Random(f"adapt-lists:{seed}")
     sources = {kind: kind_paragraphs(kind, f"adapt:{seed}") for kind in TRAIN_KINDS}
@@ -291,7 +298,7 @@ def tasks(
         planted, asked = [], []
         as_list = lists > 0 and list_rng.random() < lists
         if as_list:
-            planted, asked = list_facts(list_rng, used)
+            planted, asked = list_facts(list_rng, used, list_answer == "sentences")
         else:
             for _ in range(rng.randint(*facts)):
                 key, value = _name(rng, used), _value(rng, used)

@@ -133,8 +133,10 @@ def _frame_text(frame_ids, model, loaded, adapter, end, most, question):
     state = KVCacheState(model, kv_dtype=loaded.kv_dtype)
     text = str(loaded.tokenizer.decode(_answer(state, frame_ids, adapter, end, most)))
     exact = question.task == "multivalue"
+    held = str(loaded.tokenizer.decode(frame_ids))
     return {
         "frame_text_tokens": len(frame_ids),
+        "frame_text_holds": sum(contains(held, v) for v in question.expected),
         "frame_text_answer": text.strip()[:160],
         "frame_text_asked_in_answer": sum(contains(text, v) for v in question.expected),
         "frame_text_correct": is_correct(text, question.expected, exact=exact),
@@ -215,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if embed is not None:
             chunk_document(doc, count, 256, embed)
         spans = [_value_span(tokenizer, ids, v) for v in values]
-        spec = MemorySpec(strategy=args.strategy, **knobs)
+        spec = MemorySpec(args.strategy, knobs)
         base = SessionMemory(model, spec, loaded.kv_dtype)
         if encoder is not None:
             base.attach_prior(encoder, lambda t: str(tokenizer.decode(list(t))))

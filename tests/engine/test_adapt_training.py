@@ -52,6 +52,28 @@ def test_list_tasks_ask_every_key_for_all_its_values_in_passage_order():
     assert lists >= 3
 
 
+def test_a_list_answered_in_sentences_copies_each_values_own_sentence_in_turn():
+    """--list-answer sentences: the answer is the key's planted sentences, in passage order;
+    the passages and questions are the ones the one-sentence form draws."""
+    draw = adapt_tasks.tasks(5, words, tokens=(100, 300), lists=0.5, list_answer="sentences")
+    plain = adapt_tasks.tasks(5, words, tokens=(100, 300), lists=0.5)
+    lists = 0
+    for task, same in itertools.islice(zip(draw, plain), 12):
+        assert task.passage == same.passage
+        assert [q for q, _ in task.questions] == [q for q, _ in same.questions]
+        for (_, answer), (_, listed) in zip(task.questions, same.questions, strict=True):
+            values = re.findall(r"\d{5,}", answer)
+            assert values == re.findall(r"\d{5,}", listed)
+            if len(values) < 2:
+                continue
+            lists += 1
+            sentences = re.split(r"(?<=\.) ", answer)
+            assert len(sentences) == len(values)
+            places = [task.passage.index(s) for s in sentences]  # each one planted, in order
+            assert places == sorted(places)
+    assert lists >= 3
+
+
 def test_no_lists_draws_the_tasks_the_shipped_adapter_was_trained_on():
     def take(**kw):
         return list(itertools.islice(adapt_tasks.tasks(2, words, tokens=(100, 200), **kw), 4))
@@ -126,6 +148,11 @@ def test_a_framed_answer_names_what_the_frame_holds_in_its_order():
     assert framed_answer(sentence, frame) == "Cabinet Kane holds folders 333333 and 111111."
     assert framed_answer("Locker Ur opens with 55555.", frame) is None
     assert framed_answer("Locker Ur opens with 111111.", frame) == "Locker Ur opens with 111111."
+    sentences = "Cabinet Kane holds folder 111111. Folder 222222 is kept in cabinet Kane."
+    frame = "... Folder 222222 is kept in cabinet Kane ... Cabinet Kane holds folder 111111 ..."
+    assert framed_answer(sentences, frame) == (
+        "Folder 222222 is kept in cabinet Kane. Cabinet Kane holds folder 111111."
+    )
 
 
 def test_frames_train_on_the_prompt_a_sessions_answer_reads(tiny_model_dir, tmp_path, capsys):
