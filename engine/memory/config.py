@@ -67,8 +67,11 @@ class FrameConfig:
     prior_match: how the prior scores a block. "hybrid" (default): EmbQ . EmbD plus half the
         IDF-weighted share of the question's words the block holds (lexical.py), pinning only
         the lines within 0.1 of the best when those words single blocks out, so fewer
-        same-kind sentences reach an answer read afresh. "dense": EmbQ . EmbD alone, the
-        prior_k best (docs/decisions/074-lexical-prior.md, 082-hybrid-prior-with-answers-read-afresh.md).
+        same-kind sentences reach an answer read afresh. "named": hybrid, and the margin also
+        keeps every line whose block holds all the names the question gives (its capitalized
+        words and words with digits), so all of a key's facts stay (decision 086). "dense":
+        EmbQ . EmbD alone, the prior_k best (docs/decisions/074-lexical-prior.md,
+        082-hybrid-prior-with-answers-read-afresh.md).
     answer_read: how a question's answer reads what its retrieval chose. "afresh" (default):
         the frame's tokens (sinks, the retrieved rows of the last layer, the window with the
         question) read again by the model's own attention in a plain cache, and the answer
@@ -233,7 +236,7 @@ _CHOICES = {
     "memory_dtype": ("auto", "model", "float16", "int8"),
     "read_dtype": ("auto", "model", "bfloat16"),
     "prior_order": ("document", "relevance"),
-    "prior_match": ("hybrid", "dense"),
+    "prior_match": ("hybrid", "named", "dense"),
     "answer_read": ("memory", "afresh"),
 }
 _MAY_BE_ZERO = {

@@ -25,6 +25,21 @@ def words(text: str) -> frozenset[str]:
     return frozenset(w.lower() for w in _WORD.findall(text))
 
 
+_SENTENCE_START = re.compile(r"(?:^|[.!?:]\s+)$")
+
+
+def names(text: str) -> frozenset[str]:
+    """The words a question names things by: capitalized where a sentence does not start, or
+    holding a digit ("the Zueldcor expedition", "clause 191"), lowercased as `words` gives them."""
+    out = set()
+    for m in _WORD.finditer(text):
+        w = m.group()
+        capital = w[0].isupper() and not _SENTENCE_START.search(text[: m.start()])
+        if capital or any(c.isdigit() for c in w):
+            out.add(w.lower())
+    return frozenset(out)
+
+
 class BlockWords:
     """Which memory blocks hold each word (postings), block numbers from 0."""
 
@@ -59,6 +74,21 @@ class BlockWords:
             at = np.frombuffer(blocks, dtype=np.uint32).astype(np.int64) - first
             at = at[(at >= 0) & (at < count)]
             out[at] += idf[w] / weight
+        return out
+
+    def holding(self, named: frozenset[str], first: int, count: int) -> np.ndarray:
+        """(count,) bool: blocks first.. holding every one of `named` the document holds (all
+        False when it holds none)."""
+        out = np.zeros(count, dtype=bool)
+        held = [self.postings[w] for w in named if w in self.postings]
+        if not held:
+            return out
+        out[:] = True
+        for blocks in held:
+            at = np.frombuffer(blocks, dtype=np.uint32).astype(np.int64) - first
+            mask = np.zeros(count, dtype=bool)
+            mask[at[(at >= 0) & (at < count)]] = True
+            out &= mask
         return out
 
     def nbytes(self) -> int:

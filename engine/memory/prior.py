@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engine.memory.lexical import OVERLAP, BlockWords, words
+from engine.memory.lexical import OVERLAP, BlockWords, names, words
 
 if TYPE_CHECKING:
     from engine.memory.frame_state import FrameState
@@ -66,11 +66,14 @@ class TextPrior:
         block: int,
         by_relevance: bool = False,
         lexical: bool = False,
+        named: bool = False,
     ) -> None:
         self.encoder, self.decode = encoder, decode
         self.lexical = lexical  # hybrid: EmbQ . EmbD plus the question's rare words (lexical.py)
+        self.named = named  # the margin also keeps lines naming everything the question names
         self._words = BlockWords()  # words of blocks 0, 1, ... (lazily)
         self._query_words: frozenset[str] = frozenset()
+        self._query_names: frozenset[str] = frozenset()
         self.k, self.u, self.block = k, u, block
         self.by_relevance = by_relevance  # rows least relevant first, else ascending
         self._ids: list[np.ndarray] = []  # every token read, in order (joined lazily)
@@ -110,9 +113,10 @@ class TextPrior:
         """EmbQ(text) for the forwards of the request under way; None clears it."""
         self._rows = None
         if not text or not text.strip():
-            self._query, self._query_words = None, frozenset()
+            self._query, self._query_words, self._query_names = None, frozenset(), frozenset()
             return
         self._query_words = words(text) if self.lexical else frozenset()
+        self._query_names = names(text) if self.named else frozenset()
         started = time.perf_counter()
         self._query = self.encoder.embed([text])[0]
         self.seconds += time.perf_counter() - started
@@ -160,7 +164,11 @@ class TextPrior:
         scores, lexical = self._scores(frame)
         top = np.argsort(-scores, kind="stable")[: self.k]
         if lexical.any():  # the question's words single some blocks out: only those near the best
-            top = top[scores[top] >= scores[top[0]] - PRIOR_MARGIN]
+            keep = scores[top] >= scores[top[0]] - PRIOR_MARGIN
+            if self._query_names:  # and (named) every block naming what the question names
+                named = self._words.holding(self._query_names, dropped // self.block, count)
+                keep |= named[top]
+            top = top[keep]
         lines = (top[:, None] + np.arange(-self.u, self.u + 1)[None]).clip(0, count - 1)
         if self.by_relevance:
             best: dict[int, int] = {}  # block -> the best rank of a line holding it

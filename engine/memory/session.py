@@ -144,9 +144,9 @@ class SessionMemory(EncodingTransfer):
             self.config = dataclasses.replace(self.config, prior_k=self._prior_k)
             self._frame.config = c = self.config  # selectors do not read the prior's budget
             by_relevance = c.prior_order == "relevance"
-            lexical = c.prior_match == "hybrid"
+            lexical, named = c.prior_match in ("hybrid", "named"), c.prior_match == "named"
             self.prior = TextPrior(
-                encoder, decode, c.prior_k, c.prior_u, c.block, by_relevance, lexical
+                encoder, decode, c.prior_k, c.prior_u, c.block, by_relevance, lexical, named
             )
 
     def embed_prior(self) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.memory.config import parse_memory_spec
-from engine.memory.lexical import BlockWords, words
+from engine.memory.lexical import BlockWords, names, words
 from engine.memory.prior import TextPrior
 from engine.protocol import InvalidRequest, MemorySpec
 
@@ -113,6 +113,8 @@ def test_a_forks_prior_keeps_its_own_words():
 def test_prior_match_is_a_checked_knob_hybrid_by_default():
     config = parse_memory_spec(MemorySpec("segments", {"prior_match": "dense"}), max_positions=8192)
     assert config.prior_match == "dense"
+    named = parse_memory_spec(MemorySpec("segments", {"prior_match": "named"}), max_positions=8192)
+    assert named.prior_match == "named"
     assert parse_memory_spec(MemorySpec("segments"), max_positions=8192).prior_match == "hybrid"
     with pytest.raises(InvalidRequest) as e:
         parse_memory_spec(MemorySpec("segments", {"prior_match": "bm25"}), max_positions=8192)
@@ -148,6 +150,41 @@ def test_hybrid_pins_only_the_blocks_near_the_best():
     # no word of the question in the document: the k best, as the encoder alone ranks them
     prior.set_query("ship zzz")
     assert len(pinned_blocks(prior)) == 4
+
+
+def test_names_are_a_questions_capitalized_words_past_a_sentence_start_and_its_numbers():
+    assert names("What are all the badge numbers issued to the Zueldcor expedition?") == {
+        "zueldcor"
+    }
+    assert names("Who signed? Which fee does Mira Tolk owe under clause 191?") == {
+        "mira",
+        "tolk",
+        "191",
+    }
+    assert names("which ship is it") == frozenset()
+
+
+def _worded_prior(middles: dict[int, list[int]], named: bool) -> TextPrior:
+    """8 blocks of 32 tokens; block b holds the words `middles[b]` mid-block, filler elsewhere."""
+    ids = []
+    for b in range(8):
+        ids += [8, 9, 4, 7] * 3 + middles.get(b, [8, 9, 4, 7]) + [8, 9, 4, 7] * 4
+    prior = TextPrior(KindEncoder(), decode, k=4, u=0, block=32, lexical=True, named=named)
+    prior.read(torch.tensor(ids))
+    return prior
+
+
+def test_named_keeps_every_block_naming_the_questions_key_in_other_words():
+    # one ship (name11) in three blocks, worded differently: only block 1 says "registered
+    # number"; block 4 names another ship in block 1's words. Hybrid's margin keeps block 1
+    # alone; named keeps all three of name11's, and still not the other ship's.
+    middles = {1: [1, 3, 5, 11], 3: [1, 0, 11, 2], 6: [1, 11, 2, 0], 4: [1, 3, 5, 14]}
+    picked = []
+    for named in (False, True):
+        prior = _worded_prior(middles, named)
+        prior.set_query("ship registered number name11")
+        picked.append(pinned_blocks(prior))
+    assert picked == [[1], [1, 3, 6]]
 
 
 def test_a_document_s_words_are_read_as_its_blocks_reach_memory(tiny_loaded):
