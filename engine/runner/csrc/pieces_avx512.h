@@ -29,10 +29,10 @@ inline __m256 sums8_wide(const __m512* a) {
   return sums8(h);
 }
 
-// score for a group of G queries on float16 keys: each key's 16 lanes loaded and widened once
-// for all G queries, not once per query; 8 keys x G accumulators stay in registers for G <= 3.
-// The same sums in the same order as the loop below, so the same scores. (float32 keys, and
-// int8 codes already widened into L1, gained nothing this way: docs/decisions/085.)
+// score for a group of G queries on float16 keys or int8 codes: each key's 16 lanes loaded and
+// widened once for all G queries, not once per query; 8 keys x G accumulators stay in registers
+// for G <= 3. The same sums in the same order as the loop below, so the same scores. int8 codes
+// are converted here where they are read, with no float copy of the block (docs/decisions/086).
 template <typename T, int G>
 void score_group(const float* q, const T* const* k, int64_t n, int64_t d, const float* bias,
                  float sc, float* s) {
@@ -228,9 +228,13 @@ void fold_block(const Piece& p, F index, int64_t b0, int64_t count, const float*
   float* scores = x.scores.data();
   const float* kfloats[kBlock];  // int8 codes as floats
   const float* vfloats[kBlock];
+  // a group of up to 3 queries converts each code once where it reads it: no float copy
+  const bool grouped = d % 64 == 0 && group <= 3;
   if constexpr (std::is_same<T, uint8_t>::value) {
-    codes_to_floats(krows, count, d, x.kbuf.data(), kfloats);
-    codes_to_floats(vrows, count, d, x.vbuf.data(), vfloats);
+    if (!grouped) {
+      codes_to_floats(krows, count, d, x.kbuf.data(), kfloats);
+      codes_to_floats(vrows, count, d, x.vbuf.data(), vfloats);
+    }
   }
   for (int64_t j0 = 0; j0 < count;) {  // runs of keys that share a query (and int8 scales)
     const int64_t qi = (b0 + j0) / per;
@@ -252,7 +256,15 @@ void fold_block(const Piece& p, F index, int64_t b0, int64_t count, const float*
         for (int64_t i = 0; i < d; ++i) qs[g * d + i] = q[g * d + i] * scale[i];
         bias[g] = dot(q + g * d, scale + d, d);
       }
-      score<float>(qs, kfloats + j0, j1 - j0, group, d, bias, sc, scores + j0);
+      if (grouped) {
+        switch (group) {
+          case 1: score_group<uint8_t, 1>(qs, krows + j0, j1 - j0, d, bias, sc, scores + j0); break;
+          case 2: score_group<uint8_t, 2>(qs, krows + j0, j1 - j0, d, bias, sc, scores + j0); break;
+          default: score_group<uint8_t, 3>(qs, krows + j0, j1 - j0, d, bias, sc, scores + j0); break;
+        }
+      } else {
+        score<float>(qs, kfloats + j0, j1 - j0, group, d, bias, sc, scores + j0);
+      }
     } else {
       score<T>(q, krows + j0, j1 - j0, group, d, nullptr, sc, scores + j0);
     }
@@ -277,7 +289,7 @@ void fold_block(const Piece& p, F index, int64_t b0, int64_t count, const float*
       vzero[j] = _mm_cvtss_f32(_mm_shuffle_ps(sz, sz, 1));
     }
   }
-  if (d % 64 == 0 && group <= 3) {  // each value row read once for the group's queries
+  if (grouped) {  // each value row read once for the group's queries
     const float* w = scores;
     float zeros[3] = {0.f, 0.f, 0.f};
     if constexpr (std::is_same<T, uint8_t>::value) {  // v = zero + code * scale, per row
@@ -295,17 +307,10 @@ void fold_block(const Piece& p, F index, int64_t b0, int64_t count, const float*
       }
       w = wc;
     }
-    using V = std::conditional_t<std::is_same<T, uint8_t>::value, float, T>;
-    const V* const* rows;
-    if constexpr (std::is_same<T, uint8_t>::value) {
-      rows = vfloats;
-    } else {
-      rows = vrows;
-    }
-    switch (group) {
-      case 1: accumulate_group<V, 1>(w, rows, count, d, a); break;
-      case 2: accumulate_group<V, 2>(w, rows, count, d, a); break;
-      default: accumulate_group<V, 3>(w, rows, count, d, a); break;
+    switch (group) {  // int8: the codes under the weights times their rows' scales
+      case 1: accumulate_group<T, 1>(w, vrows, count, d, a); break;
+      case 2: accumulate_group<T, 2>(w, vrows, count, d, a); break;
+      default: accumulate_group<T, 3>(w, vrows, count, d, a); break;
     }
     if constexpr (std::is_same<T, uint8_t>::value) {
       for (int64_t g = 0; g < group; ++g) {
