@@ -25,17 +25,17 @@ def words(text: str) -> frozenset[str]:
     return frozenset(w.lower() for w in _WORD.findall(text))
 
 
-_SENTENCE_START = re.compile(r"(?:^|[.!?:]\s+)$")
-
-
 def names(text: str) -> frozenset[str]:
     """The words a question names things by: capitalized where a sentence does not start, or
-    holding a digit ("the Zueldcor expedition", "clause 191"), lowercased as `words` gives them."""
+    holding a digit ("the Zueldcor expedition", "clause 191"), lowercased as `words` gives them.
+    One pass: each word looks back over the spaces before it only."""
     out = set()
     for m in _WORD.finditer(text):
-        w = m.group()
-        capital = w[0].isupper() and not _SENTENCE_START.search(text[: m.start()])
-        if capital or any(c.isdigit() for c in w):
+        w, i = m.group(), m.start() - 1
+        while i >= 0 and text[i].isspace():
+            i -= 1
+        opens = i < 0 or (text[i] in ".!?:" and i < m.start() - 1)  # a sentence starts here
+        if (w[0].isupper() and not opens) or any(c.isdigit() for c in w):
             out.add(w.lower())
     return frozenset(out)
 
