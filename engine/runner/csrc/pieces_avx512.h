@@ -130,9 +130,9 @@ void accumulate(const float* w, const T* const* v, int64_t n, int64_t d, float* 
   }
 }
 
-// a[g] (d) += sum_j w[g * kBlock + j] * v[j] for a group of G queries on float16 values, d a
-// multiple of 64: each value row's 64 lanes widened once for all G, not once per query (as
-// score_group does for keys); the same sums in the same order as accumulate's.
+// a[g] (d) += sum_j w[g * kBlock + j] * v[j] for a group of G queries (float32 or float16
+// values, int8 codes), d a multiple of 64: each value row's 64 lanes widened once for all G, not
+// once per query (as score_group does for keys); the same sums in the same order as accumulate's.
 template <typename T, int G>
 void accumulate_group(const float* w, const T* const* v, int64_t n, int64_t d, float* a) {
   for (int64_t d0 = 0; d0 < d; d0 += 64) {
@@ -164,6 +164,19 @@ inline void codes_to_floats(const uint8_t* const* rows, int64_t n, int64_t d, fl
     for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(o + i, load16(rows[j] + i));
     at[j] = o;
   }
+}
+
+// int8 values (v = zero + code * scale, per row) under weights w: wc[j] = w[j] * scale[j], the
+// weights the codes take; returns sum_j w[j] * zero[j], added to every lane afterwards
+inline float scaled_weights(const float* w, const float* scale, const float* zero, int64_t n,
+                            float* wc) {
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t j = 0; j < n; ++j) {
+    wc[j] = w[j] * scale[j];
+    total += w[j] * zero[j];
+  }
+  return total;
 }
 
 // Where a block's keys and values are, and how its int8 codes are scaled
@@ -297,13 +310,7 @@ void fold_block(const Piece& p, F index, int64_t b0, int64_t count, const float*
       for (int64_t g = 0; g < group; ++g) {
         const float* wg = scores + g * kBlock;
         float* wcg = wc + g * kBlock;
-        float zero = 0.f;
-#pragma omp simd reduction(+ : zero)
-        for (int64_t j = 0; j < count; ++j) {
-          wcg[j] = wg[j] * vscale[j];
-          zero += wg[j] * vzero[j];
-        }
-        zeros[g] = zero;
+        zeros[g] = scaled_weights(wg, vscale, vzero, count, wcg);
       }
       w = wc;
     }
@@ -324,12 +331,7 @@ void fold_block(const Piece& p, F index, int64_t b0, int64_t count, const float*
     float* ag = a + g * d;
     if constexpr (std::is_same<T, uint8_t>::value) {  // v = zero + code * scale, per row
       float* wc = x.weights.data();
-      float zero = 0.f;
-#pragma omp simd reduction(+ : zero)
-      for (int64_t j = 0; j < count; ++j) {
-        wc[j] = w[j] * vscale[j];
-        zero += w[j] * vzero[j];
-      }
+      const float zero = scaled_weights(w, vscale, vzero, count, wc);
       accumulate<float>(wc, vfloats, count, d, ag);
       for (int64_t i = 0; i < d; ++i) ag[i] += zero;
     } else {
