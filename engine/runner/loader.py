@@ -141,26 +141,28 @@ def load_model(config: EngineConfig) -> LoadedModel:
     from engine.runner.attention import use_longserve_attention
     from engine.runner.decode_step import attach_decoder
     from engine.runner.gguf_linears import keep_gguf_linears
+    from engine.runner.gguf_once import parsed_once
     from engine.runner.weights import lower_linear_weights
 
     source, kwargs, default_id = _source(config.model)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     logger.info("loading model %s (%s) on %s as %s", source, kwargs or "", device, dtype)
-    tokenizer = _from_pretrained(AutoTokenizer, source, kwargs, "tokenizer")
-    model = _from_pretrained(AutoModelForCausalLM, source, {**kwargs, "dtype": dtype}, "model")
-    model = model.to(device=device, dtype=dtype).eval()
     if config.linear_dtype == "int4" and device.type != "cpu":
         raise ModelLoadError("linear_dtype int4 runs on the CPU only (torch's CPU int4 kernel)")
-    linear_dtype, kv_dtype = resolve_precision(config, source, kwargs, device)
-    if linear_dtype == "gguf":
-        kept = keep_gguf_linears(model, Path(source) / kwargs["gguf_file"])
-        counts = ", ".join(f"{kind} {n}" for kind, n in sorted(kept.items()))
-        logger.info("linear layers kept as the GGUF holds them: %s", counts)
-    elif linear_dtype not in ("auto", str(dtype).removeprefix("torch.")):
-        target = "int4" if linear_dtype == "int4" else _DTYPES[linear_dtype]
-        lowered = lower_linear_weights(model, target)
-        logger.info("%d linear layers keep their weights in %s", lowered, linear_dtype)
+    with parsed_once():  # a GGUF's header parsed once, not five times
+        tokenizer = _from_pretrained(AutoTokenizer, source, kwargs, "tokenizer")
+        model = _from_pretrained(AutoModelForCausalLM, source, {**kwargs, "dtype": dtype}, "model")
+        model = model.to(device=device, dtype=dtype).eval()
+        linear_dtype, kv_dtype = resolve_precision(config, source, kwargs, device)
+        if linear_dtype == "gguf":
+            kept = keep_gguf_linears(model, Path(source) / kwargs["gguf_file"])
+            counts = ", ".join(f"{kind} {n}" for kind, n in sorted(kept.items()))
+            logger.info("linear layers kept as the GGUF holds them: %s", counts)
+        elif linear_dtype not in ("auto", str(dtype).removeprefix("torch.")):
+            target = "int4" if linear_dtype == "int4" else _DTYPES[linear_dtype]
+            lowered = lower_linear_weights(model, target)
+            logger.info("%d linear layers keep their weights in %s", lowered, linear_dtype)
     if kv_dtype != "model":
         logger.info("plain requests' KV caches hold keys and values in %s", kv_dtype)
     use_longserve_attention(model)
