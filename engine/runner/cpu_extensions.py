@@ -7,10 +7,13 @@ returns None, with one warning, where that is impossible; callers then use torch
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,22 +49,58 @@ def _build(stem: str) -> Any | None:
         capability = torch.backends.cpu.get_cpu_capability()
         name = f"longserve_{stem}_{capability.lower()}"
         clear_stale_lock(name)
-        return load(
-            name=name,
-            sources=[str(_CSRC / f"{stem}.cpp")],
-            extra_cflags=[
-                "-O3",
-                *_ARCH.get(capability, []),
-                "-fopenmp",
-                "-ffast-math",
-                f"-DLONGSERVE_HEADERS={headers_digest()}",  # a header's change rebuilds
-            ],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        with one_ninja():
+            return load(
+                name=name,
+                sources=[str(_CSRC / f"{stem}.cpp")],
+                extra_cflags=[
+                    "-O3",
+                    *_ARCH.get(capability, []),
+                    "-fopenmp",
+                    "-ffast-math",
+                    f"-DLONGSERVE_HEADERS={headers_digest()}",  # a header's change rebuilds
+                ],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
     except Exception as exc:  # no compiler or ninja: torch's own ops do the work instead
         logger.warning("CPU kernel %s unavailable (%s); using torch's ops", stem, exc)
         return None
+
+
+@contextlib.contextmanager
+def one_ninja() -> Iterator[None]:
+    """torch's builder runs `ninja` from PATH. Two versions (the `ninja` package this project
+    installs, and a system one) log build commands under different hashes, so processes that
+    alternate between them rebuild every kernel (about 30 s each: a README example's
+    `longserve ingest` took 100 s so; docs/decisions/087). During a build, PATH starts with a
+    directory holding only the package's ninja, the same in every process."""
+    try:
+        import ninja
+        from torch.utils.cpp_extension import get_default_build_root
+    except ImportError:
+        yield
+        return
+    program = Path(ninja.BIN_DIR) / "ninja"
+    directory = Path(get_default_build_root()) / "longserve-ninja"
+    link = directory / "ninja"
+    try:
+        if not link.exists() or link.resolve() != program.resolve():
+            directory.mkdir(parents=True, exist_ok=True)
+            spare = directory / f"ninja.{os.getpid()}"
+            spare.unlink(missing_ok=True)
+            spare.symlink_to(program)
+            spare.replace(link)  # atomic: another process building at once sees one or the other
+    except OSError as exc:
+        logger.warning("cannot link the ninja package's program (%s); using PATH's", exc)
+        yield
+        return
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = f"{directory}{os.pathsep}{path}"
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
 
 
 def headers_digest() -> str:

@@ -1,11 +1,14 @@
-"""The CPU kernels' builder: a lock left by a killed build does not block later builds."""
+"""The CPU kernels' builder: a lock left by a killed build does not block later builds, and
+every process builds with the same ninja."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
+from pathlib import Path
 
-from engine.runner.cpu_extensions import STALE_LOCK_SECONDS, clear_stale_lock
+from engine.runner.cpu_extensions import STALE_LOCK_SECONDS, clear_stale_lock, one_ninja
 
 
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
@@ -19,3 +22,18 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatc
     assert clear_stale_lock("stale_ext") and not stale.exists()
     assert not clear_stale_lock("fresh_ext") and fresh.exists()
     assert not clear_stale_lock("no_such_ext")
+
+
+def test_every_build_runs_the_ninja_package_s_program(tmp_path, monkeypatch):
+    import ninja
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # a system ninja, if any, comes first here
+    with one_ninja():
+        first = os.environ["PATH"].split(os.pathsep)[0]
+        assert os.listdir(first) == ["ninja"]  # only ninja: no other program is shadowed
+        found = shutil.which("ninja")
+        assert found and Path(found).resolve() == (Path(ninja.BIN_DIR) / "ninja").resolve()
+    assert os.environ["PATH"] == "/usr/bin:/bin"
+    with one_ninja():  # a second build finds its link in place
+        assert shutil.which("ninja") == found
