@@ -54,9 +54,15 @@ def contract() -> str:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("readme")
+    # prose, not one sentence repeated: over a looped text the adapter's answer copied the loop
+    # for all of its 4,096 tokens (two minutes of this test)
     (path / "book.txt").write_text(
-        "I was born in a small harbour town. My brother Tom, two years older, taught me to "
-        "sail before I could read. " * 20
+        "I was born in a small harbour town on the northern coast. My father mended nets and my "
+        "mother kept the lighthouse accounts. My brother Tom, two years older, taught me to sail "
+        "before I could read. In winter the harbour froze at its edges, and we skated between "
+        "the moored boats. When I was twelve, a storm took our boat, and Tom swam out to save "
+        "the old ferryman. After that the town called him the quiet captain. I left for the city "
+        "at eighteen to study law, and I did not see the sea again for nine years."
     )
     for i in range(2):
         (path / f"manual-{i}.txt").write_text(f"Manual {i}. Press the red button to stop. " * 40)
