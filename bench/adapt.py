@@ -90,6 +90,7 @@ def load_base(directory: str | None = None):
     """The embedded SmolLM2 in float32 (its GGUF dequantized), or a model directory's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from engine.runner.gguf_once import parsed_once
     from engine.runner.loader import embedded_model_path
 
     if directory is None:
@@ -97,10 +98,11 @@ def load_base(directory: str | None = None):
         source, kwargs = str(gguf.parent), {"gguf_file": gguf.name}
     else:
         source, kwargs = directory, {}
-    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=torch.float32, attn_implementation="sdpa", **kwargs
-    )
+    with parsed_once():  # the GGUF's header read once for both
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch.float32, attn_implementation="sdpa", **kwargs
+        )
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval(), tokenizer

@@ -11,6 +11,7 @@ import torch
 from engine.memory.session import SessionMemory
 from engine.protocol import MemorySpec
 from engine.runner.attention import use_longserve_attention
+from engine.runner.gguf_once import parsed_once
 
 pytestmark = pytest.mark.real_model
 
@@ -30,8 +31,9 @@ def smollm():
         pytest.skip("the SmolLM2 GGUF is missing")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=GGUF)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=GGUF, dtype=torch.float32)
+    with parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=GGUF)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=GGUF, dtype=torch.float32)
     use_longserve_attention(model)  # as the loader does
     return model.eval(), tokenizer
 
