@@ -136,6 +136,30 @@ def _from_pretrained(cls: Any, source: str, kwargs: dict[str, Any], what: str) -
 def load_model(config: EngineConfig) -> LoadedModel:
     """Load the tokenizer and causal LM named by `config`, in eval mode on its device, with
     longserve's attention function selected (engine/runner/attention.py)."""
+    source, kwargs, default_id = _source(config.model)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    logger.info("loading model %s (%s) on %s as %s", source, kwargs or "", device, dtype)
+    if config.linear_dtype == "int4" and device.type != "cpu":
+        raise ModelLoadError("linear_dtype int4 runs on the CPU only (torch's CPU int4 kernel)")
+    threads = torch.get_num_threads()
+    # one thread: a load's ops are small, and two loads side by side, each with a pool of
+    # spinning threads, took 65 s instead of 13 (docs/decisions/087)
+    torch.set_num_threads(1)
+    try:
+        return _load(config, source, kwargs, default_id, device, dtype)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _load(
+    config: EngineConfig,
+    source: str,
+    kwargs: dict[str, Any],
+    default_id: str,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.runner.attention import use_longserve_attention
@@ -144,12 +168,6 @@ def load_model(config: EngineConfig) -> LoadedModel:
     from engine.runner.gguf_once import parsed_once
     from engine.runner.weights import lower_linear_weights
 
-    source, kwargs, default_id = _source(config.model)
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    logger.info("loading model %s (%s) on %s as %s", source, kwargs or "", device, dtype)
-    if config.linear_dtype == "int4" and device.type != "cpu":
-        raise ModelLoadError("linear_dtype int4 runs on the CPU only (torch's CPU int4 kernel)")
     with parsed_once():  # a GGUF's header parsed once, not five times
         tokenizer = _from_pretrained(AutoTokenizer, source, kwargs, "tokenizer")
         model = _from_pretrained(AutoModelForCausalLM, source, {**kwargs, "dtype": dtype}, "model")

@@ -1,5 +1,6 @@
 """A model load parses its GGUF once (engine/runner/gguf_once.py): transformers' tokenizer,
-config and weights and gguf_grids' readers share one reader, and gguf is left as it was."""
+config and weights and gguf_grids' readers share one reader, and gguf is left as it was;
+the load runs on one thread (two side by side, each with a pool, ran five times slower)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,25 @@ def test_a_gguf_model_load_parses_the_file_once(tiny_gguf, monkeypatch):
     assert loaded.linear_dtype == "gguf"  # gguf_grids read the file's types and blocks too
     assert parsed == [str(tiny_gguf)]
     assert gguf.GGUFReader is Counting
+
+
+def test_a_load_runs_on_one_thread_and_gives_the_pool_back(monkeypatch):
+    import torch
+
+    from engine.runner import loader
+
+    seen: list[int] = []
+
+    def load(*args):
+        seen.append(torch.get_num_threads())
+        raise RuntimeError("a load that fails gives the threads back too")
+
+    monkeypatch.setattr(loader, "_load", load)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(RuntimeError):
+            load_model(EngineConfig())
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
