@@ -85,9 +85,9 @@ def start_server(tmp_path: Path, *extra: str, timeout: float = 240.0) -> ServerP
 def start_servers(
     tmp_path: Path, count: int, *extra: str, timeout: float = 240.0
 ) -> list[ServerProcess]:
-    """`count` servers of the same arguments, started side by side: loading the model is
-    mostly one core's work, so two loads overlap on a 2-core machine. All are stopped if any
-    fails to start."""
+    """`count` servers of the same arguments, started side by side: a model load runs on one
+    thread, so two loads overlap on a 2-core machine (docs/decisions/087). All are stopped if
+    any fails to start."""
     servers = [launch_server(tmp_path, *extra) for _ in range(count)]
     try:
         for server in servers:
