@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,33 +135,22 @@ def _from_pretrained(cls: Any, source: str, kwargs: dict[str, Any], what: str) -
         raise ModelLoadError(f"cannot load {what} from {source!r}: {e}") from e
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
-    """Load the tokenizer and causal LM named by `config`, in eval mode on its device, with
-    longserve's attention function selected (engine/runner/attention.py)."""
-    source, kwargs, default_id = _source(config.model)
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    logger.info("loading model %s (%s) on %s as %s", source, kwargs or "", device, dtype)
-    if config.linear_dtype == "int4" and device.type != "cpu":
-        raise ModelLoadError("linear_dtype int4 runs on the CPU only (torch's CPU int4 kernel)")
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch's intra-op pool at one thread, then back to what it was: a load's ops are small, and
+    two loads side by side, each with a pool of spinning threads, took 65 s instead of 13
+    (docs/decisions/087)."""
     threads = torch.get_num_threads()
-    # one thread: a load's ops are small, and two loads side by side, each with a pool of
-    # spinning threads, took 65 s instead of 13 (docs/decisions/087)
     torch.set_num_threads(1)
     try:
-        return _load(config, source, kwargs, default_id, device, dtype)
+        yield
     finally:
         torch.set_num_threads(threads)
 
 
-def _load(
-    config: EngineConfig,
-    source: str,
-    kwargs: dict[str, Any],
-    default_id: str,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> LoadedModel:
+def load_model(config: EngineConfig) -> LoadedModel:
+    """Load the tokenizer and causal LM named by `config`, in eval mode on its device, with
+    longserve's attention function selected (engine/runner/attention.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.runner.attention import use_longserve_attention
@@ -168,7 +159,13 @@ def _load(
     from engine.runner.gguf_once import parsed_once
     from engine.runner.weights import lower_linear_weights
 
-    with parsed_once():  # a GGUF's header parsed once, not five times
+    source, kwargs, default_id = _source(config.model)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    logger.info("loading model %s (%s) on %s as %s", source, kwargs or "", device, dtype)
+    if config.linear_dtype == "int4" and device.type != "cpu":
+        raise ModelLoadError("linear_dtype int4 runs on the CPU only (torch's CPU int4 kernel)")
+    with one_thread(), parsed_once():  # a GGUF's header parsed once, not five times
         tokenizer = _from_pretrained(AutoTokenizer, source, kwargs, "tokenizer")
         model = _from_pretrained(AutoModelForCausalLM, source, {**kwargs, "dtype": dtype}, "model")
         model = model.to(device=device, dtype=dtype).eval()

@@ -60,7 +60,7 @@ def test_a_load_runs_on_one_thread_and_gives_the_pool_back(monkeypatch):
         seen.append(torch.get_num_threads())
         raise RuntimeError("a load that fails gives the threads back too")
 
-    monkeypatch.setattr(loader, "_load", load)
+    monkeypatch.setattr(loader, "_from_pretrained", load)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
