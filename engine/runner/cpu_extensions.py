@@ -29,6 +29,8 @@ _built: dict[str, Any] = {}  # stem -> module, or None where building failed
 _ARCH = {"AVX2": ["-march=x86-64-v3"], "AVX512": ["-march=x86-64-v4"]}
 # A build takes a minute or two; a lock older than this was left by a process killed mid-build
 STALE_LOCK_SECONDS = 15 * 60
+# Every kernel there is: an image builds them all (`python -m engine.runner.cpu_extensions`)
+STEMS = tuple(sorted(source.stem for source in _CSRC.glob("*.cpp")))
 
 
 def load_extension(stem: str) -> Any | None:
@@ -40,6 +42,11 @@ def load_extension(stem: str) -> Any | None:
         if stem not in _built:
             _built[stem] = _build(stem)
         return _built[stem]
+
+
+def build_all() -> list[str]:
+    """Build every kernel for torch's CPU capability; the stems that did not build."""
+    return [stem for stem in STEMS if load_extension(stem) is None]
 
 
 def _build(stem: str) -> Any | None:
@@ -127,3 +134,11 @@ def clear_stale_lock(name: str) -> bool:
         return False
     logger.warning("removed a stale build lock of CPU kernel %s (%s)", name, lock)
     return True
+
+
+if __name__ == "__main__":  # the image's build step: fail where a kernel does not build
+    logging.basicConfig(level=logging.INFO)
+    failed = build_all()
+    if failed:
+        raise SystemExit(f"CPU kernels that did not build: {', '.join(failed)}")
+    logger.info("built %s for %s", ", ".join(STEMS), torch.backends.cpu.get_cpu_capability())

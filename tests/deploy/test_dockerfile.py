@@ -114,3 +114,15 @@ def test_the_lock_pins_every_dependency_with_a_hash_and_keeps_the_floors() -> No
         assert requirement.specifier.contains(pinned[name]), (spec, pinned[name])
     for floor in ("python-multipart>=0.0.32", "pypdf>=7.1.1"):  # past their DoS advisories
         assert floor in project["dependencies"]
+
+
+def test_the_image_builds_every_cpu_kernel() -> None:
+    """The builder stage builds every csrc kernel through the module's own list, not one of its
+    own that falls behind (plain_step and token_search once were missing: the image decoded
+    with torch's ops, since the runtime stage has no compiler)."""
+    from engine.runner.cpu_extensions import STEMS
+
+    text = (REPO / "Dockerfile").read_text()
+    assert re.search(r"python -P -m engine\.runner\.cpu_extensions \|\| exit 1", text)
+    sources = {path.stem for path in (REPO / "engine/runner/csrc").glob("*.cpp")}
+    assert set(STEMS) == sources and {"plain_step", "token_search"} <= sources

@@ -1,13 +1,18 @@
-"""The CPU kernels' builder: a lock left by a killed build does not block later builds, and
-every process builds with the same ninja."""
+"""The CPU kernels' builder: a lock left by a killed build does not block later builds, every
+process builds with the same ninja, and the image's build step builds every kernel."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from engine.runner import cpu_extensions
 from engine.runner.cpu_extensions import STALE_LOCK_SECONDS, clear_stale_lock, one_ninja
 
 
@@ -37,3 +42,17 @@ def test_every_build_runs_the_ninja_package_s_program(tmp_path, monkeypatch):
     assert os.environ["PATH"] == "/usr/bin:/bin"
     with one_ninja():  # a second build finds its link in place
         assert shutil.which("ninja") == found
+
+
+def test_the_build_step_builds_every_kernel_or_fails_naming_it(monkeypatch):
+    """`python -m engine.runner.cpu_extensions` (the image's build step) builds every csrc
+    kernel, and exits non-zero naming those that did not build."""
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler: the kernels cannot build here")
+    done = subprocess.run([sys.executable, "-m", "engine.runner.cpu_extensions"],
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert ", ".join(cpu_extensions.STEMS) in done.stderr
+    monkeypatch.setattr(cpu_extensions, "_built", {"token_search": None})
+    monkeypatch.setattr(cpu_extensions, "STEMS", ("token_search",))
+    assert cpu_extensions.build_all() == ["token_search"]

@@ -5,6 +5,7 @@ one stack; each says what a user or operator would do and what they must see."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -127,6 +128,10 @@ def test_chat_and_a_stream_through_the_proxy(stack: Stack) -> None:
         ]
     assert text and len(pieces) > 1, (text, pieces)
     assert "".join(pieces) == text  # greedy: the stream is the same answer, in pieces
+    # the image built every CPU kernel: a replica that answered has loaded its decode kernels
+    # without a compiler (plain_step was once left out of the build, and decode ran torch's ops)
+    missing = re.findall(r"CPU kernel (\w+) unavailable", stack.logs(tail=5000))
+    assert not missing, f"kernels the image did not build: {sorted(set(missing))}"
 
 
 def test_prometheus_scrapes_both_replicas_and_answers_promql(stack: Stack) -> None:
