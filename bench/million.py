@@ -2,7 +2,8 @@
 ready, then answered, with the server's own memory sampled throughout, through the HTTP API.
 
 Each length starts its own server (`longserve serve`, defaults: a session whose memory blocks
-pass `session_ram_bytes`, 4 GiB, reads them into the disk tier; shorter ones stay in RAM).
+pass `session_ram_bytes`, 4 GiB, reads them into the disk tier; shorter ones stay in RAM;
+`--session-ram-bytes` lowers it, e.g. to put a 128K document in the disk tier).
 The document of a length: held-out prose (news, info, then licences, read again from the
 start when all three run out), with --facts facts of one relation from bench/recall_tasks.py
 and --keys pass keys, each of its own door ("The pass key of the Velorin door is 48213.
@@ -148,7 +149,11 @@ def memory_line(args: argparse.Namespace, line: dict, sampler: Sampler, idle: di
 def cell(args: argparse.Namespace, length: int, trial: Trial, text: str) -> tuple[dict, dict]:
     """One length on its own server, defaults: its JSON line, and {row: {question: right}}."""
     line: dict = {"bench": "million", "length": length}
-    with server(args, {}) as (base, http, askers, model, sampler):
+    env = {}  # the server's defaults, unless --session-ram-bytes is given (a disk cell)
+    if args.session_ram_bytes is not None:
+        line["session_ram_bytes"] = args.session_ram_bytes
+        env["LONGSERVE_SESSION_RAM_BYTES"] = str(args.session_ram_bytes)
+    with server(args, env) as (base, http, askers, model, sampler):
         idle = status_kb(sampler.pid)
         session, tokens, seconds = upload(http, {"strategy": "segments"}, text, args.timeout)
         read_at = len(sampler.samples)
@@ -171,7 +176,7 @@ def switching(args: argparse.Namespace) -> None:
     count = load_token_counter(args.model)
     length = args.lengths[0]
     env = {
-        "LONGSERVE_SESSION_RAM_BYTES": str(args.session_ram_bytes),
+        "LONGSERVE_SESSION_RAM_BYTES": str(args.session_ram_bytes or 8 * 1024**3),
         "LONGSERVE_MEMORY_RAM_BYTES": str(args.memory_ram_bytes),
     }
     line: dict = {"bench": "million", "sessions": args.sessions, "length": length, **env}
@@ -236,7 +241,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--sessions", type=int, default=1, help="more than 1: that many sessions of one length"
     )
-    parser.add_argument("--session-ram-bytes", type=int, default=8 * 1024**3)
+    parser.add_argument(
+        "--session-ram-bytes",
+        type=int,
+        help="a session's RAM for memory blocks (default: the server's, 4 GiB; with --sessions, "
+        "8 GiB); one length under it goes to the disk tier, e.g. 128K tokens under 1 GiB",
+    )
     parser.add_argument("--memory-ram-bytes", type=int, default=6 * 1024**3)
     args = parser.parse_args(argv)
     if min(args.facts, args.keys, args.sessions) < 1:

@@ -51,3 +51,20 @@ def test_a_shorter_document_opens_a_longer_one_and_holds_every_fact_once():
     strip = [p for p in short.split("\n\n") if p not in {f.sentence for f in trial.facts}]
     opening = [p for p in long.split("\n\n") if p not in {f.sentence for f in trial.facts}]
     assert opening[: len(strip)] == strip
+
+
+@pytest.mark.parametrize("ram", [None, 1 << 30])
+def test_a_cell_runs_on_the_server_s_ram_unless_a_disk_cell_is_asked_for(monkeypatch, ram):
+    """One length's server gets LONGSERVE_SESSION_RAM_BYTES only from --session-ram-bytes
+    (128K tokens under 1 GiB: the disk tier at a length RAM could hold)."""
+    seen = []
+
+    def server(args, env):
+        seen.append(env)
+        raise LookupError("stop before a server starts")
+
+    monkeypatch.setattr(million, "server", server)
+    args = million.argparse.Namespace(session_ram_bytes=ram)
+    with pytest.raises(LookupError):
+        million.cell(args, 131072, million.questions_of(seed=0, facts=1, keys=1), "text")
+    assert seen == [{} if ram is None else {"LONGSERVE_SESSION_RAM_BYTES": str(ram)}]
