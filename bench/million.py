@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import itertools
 import json
 import random
@@ -137,6 +138,12 @@ def ask_session(askers: list, trial: Trial, session: str, line: dict) -> dict[st
     return rows
 
 
+def digest(text: str) -> str:
+    """The document's sha256 (12 hex): its haystack is this machine's installed text, so runs on
+    machines with other packages read other documents (decision 089)."""
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 def memory_line(args: argparse.Namespace, line: dict, sampler: Sampler, idle: dict, read_at: int):
     line["rss_anon_idle"] = idle.get("RssAnon")
     line["rss_anon_peak"] = sampler.peak(1)
@@ -148,7 +155,7 @@ def memory_line(args: argparse.Namespace, line: dict, sampler: Sampler, idle: di
 
 def cell(args: argparse.Namespace, length: int, trial: Trial, text: str) -> tuple[dict, dict]:
     """One length on its own server, defaults: its JSON line, and {row: {question: right}}."""
-    line: dict = {"bench": "million", "length": length}
+    line: dict = {"bench": "million", "length": length, "document": digest(text)}
     env = {}  # the server's defaults, unless --session-ram-bytes is given (a disk cell)
     if args.session_ram_bytes is not None:
         line["session_ram_bytes"] = args.session_ram_bytes
@@ -186,8 +193,10 @@ def switching(args: argparse.Namespace) -> None:
         for s in range(args.sessions):
             trial = questions_of(args.seed + s, args.facts, args.keys)
             text = document(trial, args.seed + s, length, count)
+            own_digest = digest(text)
             session, tokens, seconds = upload(http, {"strategy": "segments"}, text, args.timeout)
-            own: dict = {"session": s, "tokens": tokens, "ingest_s": round(seconds, 1)}
+            own: dict = {"session": s, "document": own_digest, "tokens": tokens}
+            own["ingest_s"] = round(seconds, 1)
             own["ingest_tok_s"] = round(tokens / seconds, 1)
             held.append((session, trial, own))
         read_at = len(sampler.samples)
