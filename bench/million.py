@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import itertools
 import json
 import random
@@ -36,7 +35,7 @@ import httpx
 from bench.disk_tier import Sampler, gauge, server_pid, status_kb
 from bench.long_docs import ask
 from bench.recall_chat import Asker, ask_all, upload
-from bench.recall_corpus import kind_paragraphs, load_token_counter
+from bench.recall_corpus import digest, kind_paragraphs, load_token_counter
 from bench.recall_report import compare_rows
 from bench.recall_tasks import Fact, Names, Question, Trial, make_trial, plant_facts
 from bench.server_process import served
@@ -136,12 +135,6 @@ def ask_session(askers: list, trial: Trial, session: str, line: dict) -> dict[st
         line[f"{name}_first_s"] = round(answers[0].seconds, 1)
         line[f"{name}_answers"] = [a.text[:60] for a in answers]
     return rows
-
-
-def digest(text: str) -> str:
-    """The document's sha256 (12 hex): its haystack is this machine's installed text, so runs on
-    machines with other packages read other documents (decision 089)."""
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def memory_line(args: argparse.Namespace, line: dict, sampler: Sampler, idle: dict, read_at: int):

@@ -38,6 +38,7 @@ from __future__ import annotations
 import ast
 import functools
 import gzip
+import hashlib
 import itertools
 import os
 import random
@@ -337,6 +338,12 @@ def load_token_counter(model: str | None) -> Callable[[list[str]], list[int]]:
         return [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
 
     return count
+
+
+def digest(text: str) -> str:
+    """A document's sha256 (12 hex). Documents are made of this machine's installed text, so
+    another machine's packages make another document from the same seed (decision 089)."""
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def build_document(trial: Trial, kind: str, seed: str, length: int, fit: int, count) -> Document:
