@@ -186,9 +186,8 @@ def switching(args: argparse.Namespace) -> None:
         for s in range(args.sessions):
             trial = questions_of(args.seed + s, args.facts, args.keys)
             text = document(trial, args.seed + s, length, count)
-            own_digest = digest(text)
             session, tokens, seconds = upload(http, {"strategy": "segments"}, text, args.timeout)
-            own: dict = {"session": s, "document": own_digest, "tokens": tokens}
+            own: dict = {"session": s, "document": digest(text), "tokens": tokens}
             own["ingest_s"] = round(seconds, 1)
             own["ingest_tok_s"] = round(tokens / seconds, 1)
             held.append((session, trial, own))

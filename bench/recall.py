@@ -231,9 +231,8 @@ def measure(run: Run) -> dict[str, dict]:
                         trial = make_trial(seed, tasks, args.keys, args.values, args.facts)
                         doc = build_document(trial, kind, seed, length, fit, run.count)
                         docs[length, kind, i] = trial, doc
-                        text = digest("\n\n".join(doc.paragraphs))
                         emit({"bench": "recall", "length": length, "kind": kind, "trial": i,
-                              "document": text})  # fmt: skip
+                              "document": digest("\n\n".join(doc.paragraphs))})  # fmt: skip
                     trial, doc = docs[length, kind, i]
                     for row, answers in run.ask(mode, strategy, trial, doc):
                         for j, (question, answer) in enumerate(
