@@ -13,10 +13,11 @@ questions pair across lengths.
 
 Asked on the session, one at a time, by chat through the openai SDK (greedy, the question
 alone): every relation question and every pass key; with --adapter also through the answer
-adapter. Then one streamed completion of --decode-tokens tokens (ignore_eos) for the decode
-step. One JSON line per length (ingest tokens/s, RssAnon idle/peak, RssFile peak, the disk
-tier's bytes, the decode step, the questions right) and a last line pairing every length's
-rows against the others' (McNemar's exact test):
+adapter. Then --decode-runs streamed completions of --decode-tokens tokens (ignore_eos) for the
+decode step, each with the server's CPU seconds per token and the machine's dirty and writeback
+bytes. One JSON line per length (ingest tokens/s, RssAnon idle/peak, RssFile peak, the disk
+tier's bytes, the decode step, the questions right) and a last line pairing every length's rows
+against the others' (McNemar's exact test):
 
     longserve bench million --lengths 32768 131072 1048576 --adapter recall
 """
@@ -28,9 +29,11 @@ import contextlib
 import itertools
 import json
 import random
+import statistics
 from collections.abc import Callable, Iterator
 
 import httpx
+import psutil
 
 from bench.disk_tier import Sampler, gauge, server_pid, status_kb
 from bench.long_docs import ask
@@ -162,10 +165,43 @@ def cell(args: argparse.Namespace, length: int, trial: Trial, text: str) -> tupl
         line["tier"] = http.get(f"/sessions/{session}").json()["memory"].get("tier")
         line["memory_disk_bytes"] = gauge(http, base, "longserve:memory_disk_bytes")
         rows = ask_session(askers, trial, session, line)
-        step = ask(http, model, "", "segments", args.decode_tokens, "completions", session)
-        line["decode"] = {k: step[k] for k in ("ttft_s", "decode_tok_s", "completion_tokens")}
+        line["decode"] = decode_runs(args, http, model, session, sampler.pid)
     memory_line(args, line, sampler, idle, read_at)
     return line, rows
+
+
+def decode_runs(args: argparse.Namespace, http, model: str, session: str, pid: int) -> dict:
+    """--decode-runs streamed completions of --decode-tokens on the session: each stream's
+    first token and tokens/s, the server's CPU seconds per decoded token (its work, against a
+    wall clock others may share) and the machine's dirty and writeback bytes as it starts
+    (the disk tier's pages being written out); the median tokens/s."""
+    runs = []
+    for _ in range(args.decode_runs):
+        pages = meminfo_bytes(("Dirty", "Writeback"))
+        cpu = process_cpu_s(pid)
+        step = ask(http, model, "", "segments", args.decode_tokens, "completions", session)
+        run = {k: step[k] for k in ("ttft_s", "decode_tok_s", "completion_tokens")}
+        run["cpu_s_per_token"] = round((process_cpu_s(pid) - cpu) / step["completion_tokens"], 4)
+        runs.append(run | pages)
+    rates = [r["decode_tok_s"] for r in runs if r["decode_tok_s"]]
+    return {"decode_tok_s": statistics.median(rates) if rates else None, "runs": runs}
+
+
+def meminfo_bytes(names: tuple[str, ...]) -> dict[str, int]:
+    """These /proc/meminfo lines, in bytes."""
+    out = {}
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            name, _, rest = line.partition(":")
+            if name in names:
+                out[name] = int(rest.split()[0]) * 1024
+    return out
+
+
+def process_cpu_s(pid: int) -> float:
+    """User plus system CPU seconds pid has used, its threads together."""
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def switching(args: argparse.Namespace) -> None:
@@ -230,6 +266,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument(
+        "--decode-runs", type=int, default=3, help="streams of --decode-tokens, the median kept"
+    )
     parser.add_argument("--adapter", help="also ask through this answer adapter (e.g. recall)")
     parser.add_argument("--every", type=float, default=0.5, help="seconds between RSS samples")
     parser.add_argument("--series", action="store_true", help="print the RSS samples too")
@@ -250,8 +289,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--memory-ram-bytes", type=int, default=6 * 1024**3)
     args = parser.parse_args(argv)
-    if min(args.facts, args.keys, args.sessions) < 1:
-        parser.error("--facts, --keys and --sessions must be >= 1")
+    if min(args.facts, args.keys, args.sessions, args.decode_runs) < 1:
+        parser.error("--facts, --keys, --sessions and --decode-runs must be >= 1")
     switching(args) if args.sessions > 1 else run(args)
 
 

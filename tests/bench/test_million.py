@@ -4,6 +4,8 @@ document the opening of a longer one's, so questions pair across lengths."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from bench import million
@@ -68,3 +70,21 @@ def test_a_cell_runs_on_the_server_s_ram_unless_a_disk_cell_is_asked_for(monkeyp
     with pytest.raises(LookupError):
         million.cell(args, 131072, million.questions_of(seed=0, facts=1, keys=1), "text")
     assert seen == [{} if ram is None else {"LONGSERVE_SESSION_RAM_BYTES": str(ram)}]
+
+
+def test_decode_runs_keep_each_stream_and_the_median(monkeypatch):
+    """--decode-runs streams, each with its CPU seconds per token (of a real process: this
+    one) and the machine's dirty and writeback bytes; the median rate over them."""
+    rates = iter([30.0, 50.0, 40.0])
+
+    def ask(http, model, text, strategy, max_tokens, api, session):
+        assert (api, session, max_tokens) == ("completions", "s1", 8)
+        return {"ttft_s": 0.1, "decode_tok_s": next(rates), "completion_tokens": max_tokens}
+
+    monkeypatch.setattr(million, "ask", ask)
+    args = million.argparse.Namespace(decode_runs=3, decode_tokens=8)
+    out = million.decode_runs(args, None, "m", "s1", os.getpid())
+    assert out["decode_tok_s"] == 40.0
+    assert [r["decode_tok_s"] for r in out["runs"]] == [30.0, 50.0, 40.0]
+    for run in out["runs"]:
+        assert run["cpu_s_per_token"] >= 0 and run["Dirty"] >= 0 and run["Writeback"] >= 0
