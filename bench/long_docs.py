@@ -22,6 +22,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -46,9 +47,11 @@ def ask(
     max_tokens: int,
     api: str,
     session: str | None = None,
+    on_first: Callable[[], None] | None = None,
 ) -> dict:
     """text and the passkey question, streamed; on `session` (its memory already holds the
-    document) instead of a memory of its own when given."""
+    document) instead of a memory of its own when given. on_first: called as the first token
+    arrives (what the decode that follows costs is measured from there)."""
     body = {
         "model": model,
         "max_tokens": max_tokens,
@@ -82,6 +85,8 @@ def ask(
                 if piece:
                     stamps.append(time.perf_counter())
                     pieces.append(piece)
+                    if on_first is not None and len(stamps) == 1:
+                        on_first()
     if not stamps:
         raise RuntimeError("no tokens came back")
     ttft = stamps[0] - started

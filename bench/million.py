@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import random
@@ -172,16 +173,18 @@ def cell(args: argparse.Namespace, length: int, trial: Trial, text: str) -> tupl
 
 def decode_runs(args: argparse.Namespace, http, model: str, session: str, pid: int) -> dict:
     """--decode-runs streamed completions of --decode-tokens on the session: each stream's
-    first token and tokens/s, the server's CPU seconds per decoded token (its work, against a
-    wall clock others may share) and the machine's dirty and writeback bytes as it starts
-    (the disk tier's pages being written out); the median tokens/s."""
+    first token and tokens/s, the server's CPU seconds per token decoded after the first (its
+    work, against a wall clock others may share) and the machine's dirty and writeback bytes
+    as it starts (the disk tier's pages being written out); the median tokens/s."""
     runs = []
     for _ in range(args.decode_runs):
         pages = meminfo_bytes(("Dirty", "Writeback"))
-        cpu = process_cpu_s(pid)
-        step = ask(http, model, "", "segments", args.decode_tokens, "completions", session)
+        first: list[float] = []  # the server's CPU seconds as the first token arrives
+        step = ask(http, model, "", "segments", args.decode_tokens, "completions", session,
+                   on_first=functools.partial(record_cpu_s, first, pid))  # fmt: skip
         run = {k: step[k] for k in ("ttft_s", "decode_tok_s", "completion_tokens")}
-        run["cpu_s_per_token"] = round((process_cpu_s(pid) - cpu) / step["completion_tokens"], 4)
+        decoded = step["completion_tokens"] - 1
+        run["cpu_s_per_token"] = round((process_cpu_s(pid) - first[0]) / decoded, 4)
         runs.append(run | pages)
     rates = [r["decode_tok_s"] for r in runs if r["decode_tok_s"]]
     return {"decode_tok_s": statistics.median(rates) if rates else None, "runs": runs}
@@ -196,6 +199,10 @@ def meminfo_bytes(names: tuple[str, ...]) -> dict[str, int]:
             if name in names:
                 out[name] = int(rest.split()[0]) * 1024
     return out
+
+
+def record_cpu_s(into: list[float], pid: int) -> None:
+    into.append(process_cpu_s(pid))
 
 
 def process_cpu_s(pid: int) -> float:

@@ -47,6 +47,7 @@ from engine.memory.retrieval import RowReader
 from engine.memory.rotary import RotaryTable
 from engine.memory.selector import Selector
 from engine.memory.step_cache import StepCache
+from engine.runner.cpu_attention import Deferred
 
 if TYPE_CHECKING:
     from engine.memory.mapped import DiskArena
@@ -137,9 +138,10 @@ class Frame(FrameState):
         key: torch.Tensor,
         value: torch.Tensor,
         scaling: float,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | Deferred:
         """query (1, H, T, d), key/value (1, kv_heads, T, d), rotated at the chunk's positions
-        -> attention output (1, T, H, d)."""
+        -> attention output (1, T, H, d); a decode step inside cpu_attention.deferring: the
+        kernel call, deferred to run with the other rows' (the lean decode step runs it)."""
         chunk_angles, window_angles = self._chunk_angles, self._window_angles
         assert chunk_angles is not None, "begin() was not called"
         store = self.layers[layer]

@@ -20,7 +20,13 @@ import torch
 from engine.memory.buffers import GrowingBuffer
 from engine.memory.prior import merge_rows
 from engine.memory.rotary import Angles
-from engine.runner.cpu_attention import attend_pieces, kernel_ready, step_kernels
+from engine.runner.cpu_attention import (
+    Deferred,
+    attend_pieces,
+    kernel_ready,
+    pieces_batch,
+    step_kernels,
+)
 
 if TYPE_CHECKING:
     from engine.memory.frame_state import FrameState
@@ -197,7 +203,7 @@ class StepCache:
         retrieved_rows: torch.Tensor | None = None,
         queries: StepQueries | None = None,
         retrieved_params: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | Deferred:
         """Attention of one token once memory is in use: the sinks and retrieved keys
         (prefix_k, rotated at their frame positions) against the query as the model rotated it
         (its frame position, chunk_angles), the window's keys rotated at their document
@@ -270,13 +276,17 @@ class StepCache:
         retrieved_params: tuple[torch.Tensor, torch.Tensor] | None,
         block: int,
         scaling: float,
-    ) -> torch.Tensor:
-        """The kernel over the pieces (the retrieved ones, if any, second) -> (1, 1, H, d)."""
+    ) -> torch.Tensor | Deferred:
+        """The kernel over the pieces (the retrieved ones, if any, second) -> (1, 1, H, d); in
+        a batched step (`deferring`) the call, deferred to run with the other rows'."""
         rows: list[torch.Tensor | None] = [None] * len(pieces_k)
         masks: list[torch.Tensor | None] = [None] * len(pieces_k)
         params: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(pieces_k)
         if len(prefix_k) > 1:
             rows[1], masks[1], params[1] = retrieved_rows, retrieved_ok, retrieved_params
+        batch = pieces_batch()
+        if batch is not None:
+            return batch.defer(queries, pieces_k, pieces_v, masks, scaling, rows, params, block)
         out = attend_pieces(queries, pieces_k, pieces_v, masks, scaling, rows, params, block)
         kvh, group, d = out.shape
         return out.reshape(1, 1, kvh * group, d)

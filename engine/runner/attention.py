@@ -57,7 +57,9 @@ def longserve_attention(
     if frame is not None:
         if query.shape[0] != 1:
             raise ValueError("memory attention reads one sequence at a time (batch size 1)")
-        return frame.attend(layer, query, key, value, scaling), None
+        attended = frame.attend(layer, query, key, value, scaling)
+        assert isinstance(attended, torch.Tensor), "only the lean decode step defers attention"
+        return attended, None
     assert batch is not None
     return batch.attend(layer, query, key, value, scaling), None
 

@@ -16,7 +16,10 @@ that is impossible, and callers then use torch's own ops.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -68,12 +71,20 @@ def attend_pieces(
     `group` rows, values' per row). -> (kv_heads, group, d)."""
     kernel = load_kernel()
     assert kernel is not None, "attend_pieces without a kernel: check load_kernel() first"
+    return kernel.attend_pieces(
+        *_pieces_args(queries, keys, values, masks, scale, rows, params, group)
+    )
+
+
+def _pieces_args(queries, keys, values, masks, scale, rows, params, group) -> tuple:
+    """attend_pieces' arguments as the kernel takes them, with its key splits."""
     rows = rows or [None] * len(queries)
     params = params or [None] * len(queries)
     total = sum(k.shape[1] if r is None else r.shape[1] for k, r in zip(keys, rows, strict=True))
-    # tasks of at least MIN_CHUNK keys, about four per thread over the kv heads
+    # tasks of at least MIN_CHUNK keys, about four per thread over the kv heads (a row's own:
+    # never the batch's, so that a row's sums do not depend on the rows beside it)
     splits = max(1, min(4 * torch.get_num_threads() // queries[0].shape[0], total // MIN_CHUNK))
-    return kernel.attend_pieces(
+    return (
         [q.contiguous() for q in queries],
         keys,
         values,
@@ -85,6 +96,67 @@ def attend_pieces(
         scale,
         splits,
     )
+
+
+class Deferred:
+    """An attend_pieces call held back to run with the other rows of a layer (PiecesBatch);
+    `out` is its result once the batch has run."""
+
+    __slots__ = ("args", "out")
+
+    def __init__(self, args: tuple) -> None:
+        self.args = args
+        self.out: torch.Tensor | None = None
+
+
+class PiecesBatch:
+    """The attend_pieces calls of a batched decode step's layer, one per memory row, run in one
+    kernel call (one parallel region for all rows' tasks, not one per row)."""
+
+    def __init__(self) -> None:
+        self.calls: list[Deferred] = []
+
+    def defer(self, *args: Any, **kwargs: Any) -> Deferred:
+        """attend_pieces(*args, **kwargs), to be run by `run`."""
+        call = Deferred(_pieces_args(*_bound(*args, **kwargs)))
+        self.calls.append(call)
+        return call
+
+    def run(self) -> None:
+        """Every deferred call, each call's `out` set; the batch is then empty."""
+        if not self.calls:
+            return
+        kernel = load_kernel()
+        assert kernel is not None, "a PiecesBatch without a kernel"
+        columns = list(zip(*(call.args for call in self.calls), strict=True))
+        for call, out in zip(self.calls, kernel.attend_pieces_rows(*columns), strict=True):
+            call.out = out
+        self.calls = []
+
+
+def _bound(queries, keys, values, masks, scale, rows=None, params=None, group=0) -> tuple:
+    return queries, keys, values, masks, scale, rows, params, group
+
+
+_batch: contextvars.ContextVar[PiecesBatch | None] = contextvars.ContextVar(
+    "pieces_batch", default=None
+)
+
+
+def pieces_batch() -> PiecesBatch | None:
+    """The PiecesBatch a memory decode step defers its attention to, inside `deferring`."""
+    return _batch.get()
+
+
+@contextlib.contextmanager
+def deferring() -> Iterator[PiecesBatch]:
+    """Memory rows' attend_pieces calls (StepCache) go to the yielded batch until the block
+    ends; the caller runs it."""
+    token = _batch.set(PiecesBatch())
+    try:
+        yield _batch.get()  # type: ignore[misc]
+    finally:
+        _batch.reset(token)
 
 
 def key_splits(keys: int, kv_heads: int) -> int:

@@ -32,6 +32,7 @@ as before; `attach_decoder` decides once, at load.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -40,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.runner.attention import KV_KWARG, forward_through
-from engine.runner.cpu_attention import kernel_ready, key_splits
+from engine.runner.cpu_attention import Deferred, deferring, kernel_ready, key_splits
 from engine.runner.cpu_extensions import load_extension
 from engine.runner.families import Layer, layer_weights, qk_norm_weights, unsupported
 from engine.runner.quant_linears import (
@@ -243,6 +244,24 @@ class LeanDecoder:
         # Llama's RMSNorm in six small ops (F.rms_norm on the CPU takes twice as long)
         return x * (x.square().mean(-1, keepdim=True) + self.eps).rsqrt() * weight
 
+    def _attend(
+        self, batch: RowBatch, layer: int, qk: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor:
+        """Each row's attention to its cache or frame, (B, heads * d). Several rows' memory
+        frames are attended by one kernel call after every row has made its pieces ready
+        (engine/runner/cpu_attention.py's PiecesBatch), not by a call per row."""
+        heads, d = self.heads, self.head_dim
+        out: list[torch.Tensor | Deferred] = []
+        with deferring() if len(batch.rows) > 1 else contextlib.nullcontext() as pieces:
+            for b, row in enumerate(batch.rows):
+                q, k, v = (t.view(1, -1, 1, d) for t in (qk[b, :heads], qk[b, heads:], value[b]))
+                out.append(row.attend(layer, q, k, v, self.scaling))
+        if pieces is not None:
+            pieces.run()
+        done = [o.out if isinstance(o, Deferred) else o for o in out]
+        flat = [o.reshape(1, heads * d) for o in done]  # type: ignore[union-attr]
+        return flat[0] if len(flat) == 1 else torch.cat(flat)
+
     @torch.inference_mode()
     def forward(self, rows: Sequence[DecodeRow], token_ids: Sequence[int]) -> torch.Tensor:
         """Append token_ids[b] to rows[b] for every b; logits (B, vocab). On failure no row has
@@ -295,11 +314,7 @@ class LeanDecoder:
                     qk = self._rms(qk, self.qk_norms[layer])
                 qk = self._rotate(qk, cos, sin)
             value = qkv_out[:, heads + kv_heads :]
-            out = []
-            for b, row in enumerate(batch.rows):  # each row attends to its cache or frame
-                q, k, v = (t.view(1, -1, 1, d) for t in (qk[b, :heads], qk[b, heads:], value[b]))
-                out.append(row.attend(layer, q, k, v, self.scaling).reshape(1, heads * d))
-            attn = out[0] if rows == 1 else torch.cat(out)
+            attn = self._attend(batch, layer, qk, value)
             if post is not None:  # o, residual, norm, gated MLP, residual in one call
                 o_codes, gu_codes, down_codes = post
                 x = kernels.post_attention(

@@ -39,7 +39,9 @@ class DecodeRow(Protocol):
         value: torch.Tensor,
         scaling: float,
     ) -> torch.Tensor:
-        """query (1, H, 1, d), key/value (1, kv_heads, 1, d) of one layer -> (1, 1, H, d)."""
+        """query (1, H, 1, d), key/value (1, kv_heads, 1, d) of one layer -> (1, 1, H, d); a
+        memory row inside cpu_attention.deferring returns its kernel call instead (a Deferred,
+        run by the lean decode step with the other rows')."""
         ...
 
     def commit(self, logits: torch.Tensor) -> None:

@@ -77,8 +77,9 @@ def test_decode_runs_keep_each_stream_and_the_median(monkeypatch):
     one) and the machine's dirty and writeback bytes; the median rate over them."""
     rates = iter([30.0, 50.0, 40.0])
 
-    def ask(http, model, text, strategy, max_tokens, api, session):
+    def ask(http, model, text, strategy, max_tokens, api, session, on_first):
         assert (api, session, max_tokens) == ("completions", "s1", 8)
+        on_first()  # the first token: the decode's CPU is counted from here
         return {"ttft_s": 0.1, "decode_tok_s": next(rates), "completion_tokens": max_tokens}
 
     monkeypatch.setattr(million, "ask", ask)

@@ -6,6 +6,7 @@ another order, so bit equality is not expected). On the tiny random Llama."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 
 import pytest
@@ -233,3 +234,29 @@ def test_a_bfloat16_model_with_float16_memory_decodes_on_the_cpu(bf16_loaded, mo
     )
     assert len(alone) == 6
     assert batched == alone
+
+
+def test_memory_rows_attended_in_one_kernel_call_decode_as_row_by_row(tiny_loaded, monkeypatch):
+    """A batched step's memory rows are attended by one kernel call per layer
+    (cpu_attention.PiecesBatch), not a call per row: the same tokens and logprobs, exactly."""
+    from engine.runner import cpu_attention, decode_step
+
+    if cpu_attention.load_kernel() is None:
+        pytest.skip("no C++ compiler or ninja to build the kernel")
+    runs = []
+    real_run = cpu_attention.PiecesBatch.run
+
+    def counted(batch):
+        runs.append(len(batch.calls))
+        real_run(batch)
+
+    monkeypatch.setattr(cpu_attention.PiecesBatch, "run", counted)
+
+    def decode() -> list:
+        batch = [new_generation(tiny_loaded, kind, seed, 6) for seed, kind in enumerate(SPECS)]
+        return run_batched(tiny_loaded.model, batch)[0]
+
+    together = decode()
+    assert max(runs) >= 2  # several rows' frames in one call
+    monkeypatch.setattr(decode_step, "deferring", contextlib.nullcontext)
+    assert decode() == together

@@ -475,6 +475,47 @@ def test_the_pieces_kernel_reads_int8_memory_in_place(d):
                       [rows])  # fmt: skip
 
 
+@pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler or ninja to build the kernel")
+def test_a_layer_s_rows_attended_in_one_call_are_each_row_alone_bit_for_bit():
+    """PiecesBatch (a batched step's memory rows in one kernel call): every row's result is
+    exactly its lone call's, whatever rows run beside it (its own key splits), for float32,
+    float16 and int8 pieces, rows read in place and masks."""
+    from engine.memory.quantized import QuantizedBuffer
+    from engine.runner.cpu_attention import PiecesBatch, attend_pieces
+
+    torch.manual_seed(3)
+    kvh, group, d, block = 3, 3, 64, 16
+    cpu = torch.device("cpu")
+    codes_k, codes_v = QuantizedBuffer(kvh, d, block, cpu), QuantizedBuffer(kvh, d, 0, cpu)
+    codes_k.append(torch.randn(kvh, 6 * block, d))
+    codes_v.append(torch.randn(kvh, 6 * block, d))
+    memory = torch.randn(kvh, 300, d).half(), torch.randn(kvh, 300, d).half()
+    calls = []
+    for r, window in enumerate((40, 700, 3)):  # rows of different lengths: other key splits
+        rows = torch.randint(0, 6 if r == 2 else 300 // block, (kvh, 2))
+        rows = (rows[..., None] * block + torch.arange(block)).reshape(kvh, -1)
+        ok = torch.rand(kvh, 2 * block) > 0.2
+        q, q_blocks = torch.randn(kvh, 1, group, d), torch.randn(kvh, 2, group, d)
+        sinks = torch.randn(kvh, 4, d), torch.randn(kvh, 4, d)
+        own = torch.randn(kvh, window, d).half(), torch.randn(kvh, window, d).half()
+        if r == 2:  # int8 memory read in place
+            blocks = (codes_k.codes.view(), codes_v.codes.view())
+            params = (codes_k.params.view(), codes_v.params.view())
+        else:
+            blocks, params = memory, None
+        calls.append((
+            [q, q_blocks, q], [sinks[0], blocks[0], own[0]], [sinks[1], blocks[1], own[1]],
+            [None, ok, None], 0.125, [None, rows, None], [None, params, None], block,
+        ))  # fmt: skip
+    alone = [attend_pieces(*call) for call in calls]
+    batch = PiecesBatch()
+    deferred = [batch.defer(*call) for call in calls]
+    batch.run()
+    for want, call in zip(alone, deferred, strict=True):
+        assert torch.equal(call.out, want)
+    assert batch.calls == []
+
+
 @pytest.mark.parametrize("lean", [True, False])
 def test_a_float16_cache_decodes_as_the_model_within_its_rounding(lean):
     """kv_dtype "float16": the cache holds half-precision keys and values, the kernel widens
