@@ -20,6 +20,11 @@ it reads int8 codes in place; a widened float16 copy where it cannot).
     longserve bench memory_batch --rows 1 8 --memory-dtypes model float16
     longserve bench memory_batch --rows 1 2 4 8 --memory-dtypes float16 int8
     longserve bench memory_batch --rows 1 8 --memory-dtypes auto --kv-dtypes float16 model
+    longserve bench memory_batch --rows 1 8 --memory-dtypes float16 int8 --afresh
+
+--afresh adds, per cell, the rows an answer read afresh decodes on (answer_read "afresh", the
+default): a plain KV cache (the loaded model's kv dtype) of the frame's tokens, its per-row
+cost against the floor of reading that cache once.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from engine.config import EngineConfig
 from engine.memory import step_cache
 from engine.memory.session import SessionMemory
 from engine.protocol import MemorySpec
-from engine.runner.decode_state import decode_batch
+from engine.runner.decode_state import KVCacheState, decode_batch
 from engine.runner.loader import LoadedModel, load_model
 from engine.sessions.memory_state import MemoryState
 
@@ -55,18 +60,22 @@ def step_ms(model, memory: SessionMemory, strategy: str, rows: int, token: int, 
     return statistics.median(times[2:]) * 1000
 
 
-def frame_bytes(model, memory: SessionMemory, strategy: str, token: int) -> tuple[int, int]:
-    """(read, held): the bytes of keys and values one row's decode step hands the attention
-    kernel over all layers, and the same with the retrieved piece counted as memory holds it."""
+def frame_bytes(model, memory: SessionMemory, strategy: str, token: int) -> tuple[int, int, int]:
+    """(read, held, tokens): the bytes of keys and values one row's decode step hands the
+    attention kernel over all layers, the same with the retrieved piece counted as memory holds
+    it, and the frame's tokens (keys per KV head in a layer)."""
     read = held = 0
+    tokens: list[int] = []
     dtype, block = memory.config.memory_dtype, memory.config.block
     real = step_cache.attend_pieces
 
     def counting(queries, keys, values, masks, scale, rows=None, params=None, group=0):
         nonlocal read, held
         rows, given = rows or [None] * len(keys), params or [None] * len(keys)
-        for i, (k, r, p) in enumerate(zip(keys, rows, given, strict=True)):
-            heads, n, d = k.shape[0], k.shape[1] if r is None else r.shape[1], k.shape[2]
+        sizes = [k.shape[1] if r is None else r.shape[1] for k, r in zip(keys, rows, strict=True)]
+        tokens.append(sum(sizes))
+        for i, (k, p) in enumerate(zip(keys, given, strict=True)):
+            heads, n, d = k.shape[0], sizes[i], k.shape[2]
             # int8 codes read in place come with their scales; anything else is read as is
             size = (
                 int8_bytes(heads, n, d, block)
@@ -81,7 +90,32 @@ def frame_bytes(model, memory: SessionMemory, strategy: str, token: int) -> tupl
     state = MemoryState(memory.fork(), strategy)
     with mock.patch.object(step_cache, "attend_pieces", counting), torch.inference_mode():
         decode_batch(model, [state], [token])
-    return read, held
+    return read, held, tokens[0]
+
+
+def afresh_ms(loaded: LoadedModel, ids: torch.Tensor, rows: list[int], steps: int) -> dict:
+    """ms per decode step of B rows on a plain KV cache of ids (the frame's tokens), as an
+    answer read afresh decodes (answer_read "afresh", the default: engine/sessions/frame_text.py),
+    for each B in rows; the prompt read once and copied to every row."""
+    first = KVCacheState(loaded.model, max_tokens=len(ids) + steps + 2, kv_dtype=loaded.kv_dtype)
+    with torch.inference_mode():
+        token = int(first.prefill(ids).argmax())
+    kv = first.cache.prefix(len(ids))
+    out = {}
+    for b in rows:
+        states = []
+        for _ in range(b):
+            state = KVCacheState(loaded.model, len(ids) + steps + 2, loaded.kv_dtype)
+            state.cache.start_from(kv)
+            states.append(state)
+        tokens, times = [token] * b, []
+        with torch.inference_mode():
+            for _ in range(steps + 2):
+                started = time.perf_counter()
+                tokens = decode_batch(loaded.model, states, tokens).argmax(-1).tolist()
+                times.append(time.perf_counter() - started)
+        out[b] = statistics.median(times[2:]) * 1000
+    return out
 
 
 def int8_bytes(heads: int, n: int, d: int, block: int) -> int:
@@ -89,6 +123,16 @@ def int8_bytes(heads: int, n: int, d: int, block: int) -> int:
     float16 (scale, zero) per row, keys one per channel per block (engine/memory/quantized.py).
     Other dtypes are read in place: held as read."""
     return heads * (2 * n * d + 4 * n + 4 * d * -(-n // block))
+
+
+def kv_bytes(model, tokens: int, kv_dtype: str) -> int:
+    """Bytes of a plain KV cache of `tokens` tokens: every layer's keys and values."""
+    cfg = model.config
+    heads = cfg.num_key_value_heads or cfg.num_attention_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dtype = next(model.parameters()).dtype if kv_dtype == "model" else getattr(torch, kv_dtype)
+    size = torch.empty(0, dtype=dtype).element_size()
+    return cfg.num_hidden_layers * 2 * heads * tokens * d * size
 
 
 def stream_gbps(megabytes: int = 512, repeats: int = 5) -> float:
@@ -129,6 +173,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--tokens", type=int, default=6000)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--afresh",
+        action="store_true",
+        help="also rows on a plain KV cache of the frame's tokens, as answers read afresh decode",
+    )
     args = parser.parse_args(argv)
 
     loaded = load_model(EngineConfig(model=args.model, linear_dtype=args.linear_dtype))
@@ -156,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"vs_{first}_rows": round(rows * ms[first] / (first * value), 2),
             }
             print(json.dumps(line), flush=True)
-        read, held = frame_bytes(loaded.model, memory, args.strategy, token)
+        read, held, frame_tokens = frame_bytes(loaded.model, memory, args.strategy, token)
         cost, floor = per_row(ms), held / gbps / 1e6
         summary = {
             "bench": "memory_batch",
@@ -171,6 +220,24 @@ def main(argv: list[str] | None = None) -> None:
             "per_row_vs_floor": round(cost / floor, 2),
         }
         print(json.dumps(summary), flush=True)
+        if args.afresh:
+            fresh = afresh_ms(loaded, ids[:frame_tokens], args.rows, args.steps)
+            cache = kv_bytes(loaded.model, frame_tokens, loaded.kv_dtype)
+            cost, floor = per_row(fresh), cache / gbps / 1e6
+            line = {
+                "bench": "memory_batch",
+                "answer_read": "afresh",
+                "memory_dtype": memory_dtype,
+                "kv_dtype": loaded.kv_dtype,
+                "frame_tokens": frame_tokens,
+                "step_ms": {b: round(v, 1) for b, v in fresh.items()},
+                "per_row_ms": round(cost, 2),
+                "cache_mb": round(cache / 1e6, 1),
+                "read_gbps": round(gbps, 1),
+                "floor_ms": round(floor, 2),
+                "per_row_vs_floor": round(cost / floor, 2),
+            }
+            print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from bench.memory_batch import int8_bytes, per_row, stream_gbps
+from bench.memory_batch import int8_bytes, kv_bytes, per_row, stream_gbps
 from engine.memory.quantized import QuantizedBuffer
 
 
@@ -30,3 +30,19 @@ def test_per_row_is_the_slope_from_the_fewest_to_the_most_rows():
 
 def test_stream_bandwidth_is_a_positive_rate():
     assert stream_gbps(megabytes=8, repeats=1) > 0
+
+
+def test_kv_bytes_are_what_a_plain_cache_of_the_frame_holds():
+    """The afresh rows' floor: a KVCache with exactly `tokens` tokens of room, every layer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.runner.kv_cache import KVCache
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    for kv_dtype, dtype in (("float16", torch.float16), ("model", None)):
+        cache = KVCache(model, max_tokens=20, dtype=dtype)
+        cache.begin(20)
+        assert cache.capacity == 20
+        assert kv_bytes(model, 20, kv_dtype) == cache.nbytes()

@@ -241,10 +241,6 @@ void accumulate(const float* weights, const float* const* v, int64_t n, int64_t 
 
 #include "pieces_avx512.h"
 
-template <typename T>
-void decode_tasks(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                  float sc, int64_t splits, int64_t chunk, float* ap, float* mp, float* lp);
-
 // The (kv head, key chunk) tasks' partial results merged by their log-sum-exp: acc (heads,
 // splits, group, d), maxes and sums (heads, splits, group) -> (heads, group, d)
 torch::Tensor merge_splits(const torch::Tensor& acc, const torch::Tensor& maxes,
@@ -275,89 +271,128 @@ torch::Tensor merge_splits(const torch::Tensor& acc, const torch::Tensor& maxes,
   return out;
 }
 
-// q (kv_heads, group, d) contiguous float32; k, v (kv_heads, S, d) with contiguous rows, float32
-// or float16 (a float16 KV cache: each row widened as it is read) -> (kv_heads, group, d)
-// float32.
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
-                               int64_t splits) {
-  const auto kv_type = k.scalar_type();
-  TORCH_CHECK(q.scalar_type() == at::kFloat && v.scalar_type() == kv_type &&
-                  (kv_type == at::kFloat || kv_type == at::kHalf),
-              "decode_attention: a float32 query, float32 or float16 keys and values");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.is_contiguous(),
-              "decode_attention: q (kv_heads, group, d) contiguous, k/v (kv_heads, S, d)");
-  const int64_t heads = k.size(0), keys = k.size(1), d = k.size(2), group = q.size(1);
-  TORCH_CHECK(q.size(0) == heads && q.size(2) == d && v.sizes() == k.sizes() && keys > 0 &&
-                  d <= 256,
-              "decode_attention: shapes do not match (head_dim up to 256)");
-  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == d && v.stride(1) == d,
-              "decode_attention: k/v rows must be contiguous");
-  splits = std::max<int64_t>(1, std::min(splits, keys));
-  const int64_t chunk = (keys + splits - 1) / splits;
-  auto acc = torch::zeros({heads, splits, group, d}, q.options());
-  auto maxes = torch::full({heads, splits, group}, -FLT_MAX, q.options());
-  auto sums = torch::zeros({heads, splits, group}, q.options());
-  float* ap = acc.data_ptr<float>();
-  float* mp = maxes.data_ptr<float>();
-  float* lp = sums.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  if (kv_type == at::kHalf) {
-    decode_tasks<at::Half>(q, k, v, sc, splits, chunk, ap, mp, lp);
-  } else {
-    decode_tasks<float>(q, k, v, sc, splits, chunk, ap, mp, lp);
+// A thread's scratch for the tasks it runs, sized for the (group, d) of the last task's job
+struct TaskScratch {
+  int64_t group = -1, d = -1;
+  std::vector<float> scores, kbuf, vbuf;  // a block's scores; float16 rows, widened
+#ifdef LONGSERVE_PIECES_AVX512
+  std::unique_ptr<pieces512::Scratch> wide;  // for d a multiple of 16
+#endif
+  void fit(int64_t g, int64_t dim) {
+    if (g == group && dim == d) return;
+    group = g, d = dim;
+    scores.assign(g * kBlock, 0.f), kbuf.assign(kBlock * dim, 0.f), vbuf.assign(kBlock * dim, 0.f);
+#ifdef LONGSERVE_PIECES_AVX512
+    wide = dim % 16 == 0 ? std::make_unique<pieces512::Scratch>(g, dim) : nullptr;
+#endif
   }
+};
 
-  return merge_splits(acc, maxes, sums);
-}
-
-// Every (kv head, key chunk) task's online softmax: acc (heads, splits, group, d), maxes and
-// sums (heads, splits, group)
-template <typename T>
-void decode_tasks(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                  float sc, int64_t splits, int64_t chunk, float* ap, float* mp, float* lp) {
-  const int64_t heads = k.size(0), keys = k.size(1), d = k.size(2), group = q.size(1);
-  const float* qp = q.data_ptr<float>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
-  const int64_t ks = k.stride(0), vs = v.stride(0);
-  at::parallel_for(0, heads * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * kBlock), kbuf, vbuf;
-    if (std::is_same<T, at::Half>::value) {
-      kbuf.resize(kBlock * d);
-      vbuf.resize(kBlock * d);
-    }
-    const float* krows[kBlock];
-    const float* vrows[kBlock];
-#ifdef LONGSERVE_PIECES_AVX512
-    std::unique_ptr<pieces512::Scratch> scratch;
-    if (d % 16 == 0) scratch = std::make_unique<pieces512::Scratch>(group, d);
-#endif
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / splits, first = (task % splits) * chunk;
-      const int64_t last = std::min(keys, first + chunk);
-      const float* qh = qp + h * group * d;
-      float* a = ap + task * group * d;
-      float* m = mp + task * group;
-      float* l = lp + task * group;
-      for (int64_t b0 = first; b0 < last; b0 += kBlock) {
-        const int64_t n = std::min(kBlock, last - b0);
-        const auto next = [b0](int64_t j) { return b0 + j; };
-#ifdef LONGSERVE_PIECES_AVX512
-        if (scratch) {  // read as held, 16 lanes at a time (pieces_avx512.h)
-          const pieces512::Piece piece{kp + h * ks, vp + h * vs, d, d, nullptr, nullptr, 0, 0, 0};
-          pieces512::fold_block<T>(piece, next, b0, n, qh, keys, group, d, sc, nullptr, *scratch,
-                                   m, l, a);
-          continue;
-        }
-#endif
-        row_pointers(kp + h * ks, d, n, d, kbuf.data(), next, krows);
-        row_pointers(vp + h * vs, d, n, d, vbuf.data(), next, vrows);
-        score_rows(qh, krows, n, group, d, sc, scores.data());
-        fold_scores(scores.data(), n, group, d, m, l, a);
-        accumulate(scores.data(), vrows, n, group, d, a);
-      }
+// Every task of every job (a DecodeJob or a PiecesJob: its tasks() and run(task, scratch)),
+// taken in turn by whichever thread is free rather than dealt out in equal shares: on a shared
+// machine one thread can lag, and the others would wait for it at the region's end. A task's
+// arithmetic is the same whichever thread runs it, and each job's merge is in task order, so a
+// job's result does not depend on the jobs run beside it (a batched step's other rows).
+template <typename Job>
+void run_jobs(std::vector<Job>& jobs) {
+  std::vector<int64_t> starts{0};
+  for (const auto& job : jobs) starts.push_back(starts.back() + job.tasks());
+  const int64_t tasks = starts.back();
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    TaskScratch scratch;
+    size_t j = 0;
+    for (int64_t task; (task = next.fetch_add(1)) < tasks;) {
+      while (task >= starts[j + 1]) ++j;  // a thread's tasks come in increasing order
+      jobs[j].run(task - starts[j], scratch);
     }
   });
+}
+
+// One decode token's attention over a KV cache: q (kv_heads, group, d) contiguous float32; k, v
+// (kv_heads, S, d) with contiguous rows, float32 or float16 (a float16 KV cache: each row
+// widened as it is read); the keys split into `splits` chunks per kv head, each (kv head,
+// chunk) task an online softmax into acc (heads, splits, group, d), maxes and sums (heads,
+// splits, group), merged by their log-sum-exp -> (kv_heads, group, d) float32.
+struct DecodeJob {
+  torch::Tensor q, k, v;
+  int64_t heads, keys, d, group, splits, chunk;
+  float sc;
+  torch::Tensor acc, maxes, sums;
+
+  DecodeJob(torch::Tensor q_, torch::Tensor k_, torch::Tensor v_, double scale, int64_t splits_)
+      : q(std::move(q_)), k(std::move(k_)), v(std::move(v_)), sc(static_cast<float>(scale)) {
+    const auto kv_type = k.scalar_type();
+    TORCH_CHECK(q.scalar_type() == at::kFloat && v.scalar_type() == kv_type &&
+                    (kv_type == at::kFloat || kv_type == at::kHalf),
+                "decode_attention: a float32 query, float32 or float16 keys and values");
+    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.is_contiguous(),
+                "decode_attention: q (kv_heads, group, d) contiguous, k/v (kv_heads, S, d)");
+    heads = k.size(0), keys = k.size(1), d = k.size(2), group = q.size(1);
+    TORCH_CHECK(q.size(0) == heads && q.size(2) == d && v.sizes() == k.sizes() && keys > 0 &&
+                    d <= 256,
+                "decode_attention: shapes do not match (head_dim up to 256)");
+    TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == d && v.stride(1) == d,
+                "decode_attention: k/v rows must be contiguous");
+    splits = std::max<int64_t>(1, std::min(splits_, keys));
+    chunk = (keys + splits - 1) / splits;
+    acc = torch::zeros({heads, splits, group, d}, q.options());
+    maxes = torch::full({heads, splits, group}, -FLT_MAX, q.options());
+    sums = torch::zeros({heads, splits, group}, q.options());
+  }
+
+  int64_t tasks() const { return heads * splits; }
+
+  void run(int64_t task, TaskScratch& x) {
+    if (k.scalar_type() == at::kHalf) {
+      run_typed<at::Half>(task, x);
+    } else {
+      run_typed<float>(task, x);
+    }
+  }
+
+  template <typename T>
+  void run_typed(int64_t task, TaskScratch& x) {
+    x.fit(group, d);
+    const float* krows[kBlock];
+    const float* vrows[kBlock];
+    const T* kp = k.data_ptr<T>();
+    const T* vp = v.data_ptr<T>();
+    const int64_t ks = k.stride(0), vs = v.stride(0);
+    const int64_t h = task / splits, first = (task % splits) * chunk;
+    const int64_t last = std::min(keys, first + chunk);
+    const float* qh = q.data_ptr<float>() + h * group * d;
+    float* a = acc.data_ptr<float>() + task * group * d;
+    float* m = maxes.data_ptr<float>() + task * group;
+    float* l = sums.data_ptr<float>() + task * group;
+    for (int64_t b0 = first; b0 < last; b0 += kBlock) {
+      const int64_t n = std::min(kBlock, last - b0);
+      const auto next = [b0](int64_t j) { return b0 + j; };
+#ifdef LONGSERVE_PIECES_AVX512
+      if (x.wide) {  // read as held, 16 lanes at a time (pieces_avx512.h)
+        const pieces512::Piece piece{kp + h * ks, vp + h * vs, d, d, nullptr, nullptr, 0, 0, 0};
+        pieces512::fold_block<T>(piece, next, b0, n, qh, keys, group, d, sc, nullptr, *x.wide, m,
+                                 l, a);
+        continue;
+      }
+#endif
+      row_pointers(kp + h * ks, d, n, d, x.kbuf.data(), next, krows);
+      row_pointers(vp + h * vs, d, n, d, x.vbuf.data(), next, vrows);
+      score_rows(qh, krows, n, group, d, sc, x.scores.data());
+      fold_scores(x.scores.data(), n, group, d, m, l, a);
+      accumulate(x.scores.data(), vrows, n, group, d, a);
+    }
+  }
+
+  torch::Tensor result() const { return merge_splits(acc, maxes, sums); }
+};
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
+                               int64_t splits) {
+  std::vector<DecodeJob> jobs;
+  jobs.emplace_back(std::move(q), std::move(k), std::move(v), scale, splits);
+  run_jobs(jobs);
+  return jobs[0].result();
 }
 
 // One decode token over several pieces of keys under one softmax (a memory frame's step:
@@ -444,25 +479,8 @@ struct PiecesJob {
 
   int64_t tasks() const { return heads * splits; }
 
-  // A thread's scratch for the tasks it runs, sized for the (group, d) of the last job
-  struct Scratch {
-    int64_t group = -1, d = -1;
-    std::vector<float> scores, kbuf, vbuf;  // a block's scores; float16 rows, widened
-#ifdef LONGSERVE_PIECES_AVX512
-    std::unique_ptr<pieces512::Scratch> wide;
-#endif
-    void fit(int64_t g, int64_t dim) {
-      if (g == group && dim == d) return;
-      group = g, d = dim;
-      scores.assign(g * kBlock, 0.f), kbuf.assign(kBlock * dim, 0.f), vbuf.assign(kBlock * dim, 0.f);
-#ifdef LONGSERVE_PIECES_AVX512
-      wide = dim % 16 == 0 ? std::make_unique<pieces512::Scratch>(g, dim) : nullptr;
-#endif
-    }
-  };
-
   // Task `task` (a kv head's chunk of the pieces' keys) into its slot of acc, maxes and sums
-  void run(int64_t task, Scratch& x) {
+  void run(int64_t task, TaskScratch& x) {
     x.fit(group, d);
     const float* krows[kBlock];
     const float* vrows[kBlock];
@@ -537,25 +555,6 @@ struct PiecesJob {
 
   torch::Tensor result() const { return merge_splits(acc, maxes, sums); }
 };
-
-// Every task of every job, taken in turn by whichever thread is free rather than dealt out in
-// equal shares: on a shared machine one thread can lag, and the others would wait for it at the
-// region's end. A task's arithmetic is the same whichever thread runs it, and each job's merge
-// is in task order, so a job's result does not depend on the jobs run beside it.
-void run_jobs(std::vector<PiecesJob>& jobs) {
-  std::vector<int64_t> starts{0};
-  for (const auto& job : jobs) starts.push_back(starts.back() + job.tasks());
-  const int64_t tasks = starts.back();
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    PiecesJob::Scratch scratch;
-    size_t j = 0;
-    for (int64_t task; (task = next.fetch_add(1)) < tasks;) {
-      while (task >= starts[j + 1]) ++j;  // tasks are taken in increasing order
-      jobs[j].run(task - starts[j], scratch);
-    }
-  });
-}
 
 torch::Tensor attend_pieces(std::vector<torch::Tensor> queries, std::vector<torch::Tensor> keys,
                             std::vector<torch::Tensor> values, std::vector<torch::Tensor> masks,

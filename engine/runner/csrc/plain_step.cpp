@@ -1,7 +1,7 @@
 // plain_layers: every decoder layer of one decode step for up to 16 plain KV-cache rows, in one
 // call: per layer, quant_matmul.cpp's pre_attention (RMSNorm, q|k|v, rotary), each row's new key
 // and value written into its cache, decode_attention.cpp's split-key attention over the row's
-// cache, and post_attention (o, residual, RMSNorm, gated MLP, residual). The same functions the
+// cache (every row's in one parallel region), and post_attention (o, residual, RMSNorm, gated MLP, residual). The same functions the
 // lean step calls layer by layer from Python, without the ~20 small Python-side ops per layer
 // that cost a 135M model's step about a quarter of its time (docs/decisions/072).
 #include <torch/extension.h>
@@ -11,6 +11,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -59,7 +60,8 @@ torch::Tensor plain_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
     const torch::Tensor* w = weights.data() + l * PER_LAYER;
     const auto qkv = qm::pre_attention(x, w[0], eps, w[1], w[2], w[3], cos, sin,
                                        (heads + kv_heads) * d);  // (B, (heads + 2 kv) * d)
-    std::vector<torch::Tensor> attn(rows);
+    std::vector<da::DecodeJob> jobs;  // every row's attention, run in one parallel region
+    jobs.reserve(rows);
     for (int64_t b = 0; b < rows; ++b) {
       const auto row = qkv[b];
       const auto layer = caches[b][l];  // (2, kv_heads, capacity, d)
@@ -70,9 +72,11 @@ torch::Tensor plain_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
       const auto q = row.narrow(0, 0, heads * d).view({kv_heads, group, d});
       const auto keys = layer.select(0, 0).narrow(1, 0, p + 1);
       const auto values = layer.select(0, 1).narrow(1, 0, p + 1);
-      attn[b] = da::decode_attention(q.contiguous(), keys, values, scale, splits[b])
-                    .view({1, heads * d});
+      jobs.emplace_back(q.contiguous(), keys, values, scale, splits[b]);
     }
+    da::run_jobs(jobs);
+    std::vector<torch::Tensor> attn;
+    for (const auto& job : jobs) attn.push_back(job.result().view({1, heads * d}));
     const auto attended = rows == 1 ? attn[0] : torch::cat(attn);
     x = qm::post_attention(x, attended, w[5], w[6], w[7], w[4], eps, w[8], w[9], w[10], w[11],
                            w[12], w[13]);
