@@ -50,7 +50,13 @@ from engine.sessions.memory_state import MemoryState
 def step_ms(model, memory: SessionMemory, strategy: str, rows: int, token: int, steps: int):
     """Median ms of a decode step of `rows` forks of memory, after two warm-up steps."""
     states = [MemoryState(memory.fork(), strategy) for _ in range(rows)]
-    tokens, times = [token] * rows, []
+    return median_step_ms(model, states, token, steps)
+
+
+def median_step_ms(model, states: list, token: int, steps: int) -> float:
+    """Median ms of a decode step of every state at once, greedy from token, after two warm-up
+    steps."""
+    tokens, times = [token] * len(states), []
     with torch.inference_mode():
         for _ in range(steps + 2):
             started = time.perf_counter()
@@ -108,13 +114,7 @@ def afresh_ms(loaded: LoadedModel, ids: torch.Tensor, rows: list[int], steps: in
             state = KVCacheState(loaded.model, len(ids) + steps + 2, loaded.kv_dtype)
             state.cache.start_from(kv)
             states.append(state)
-        tokens, times = [token] * b, []
-        with torch.inference_mode():
-            for _ in range(steps + 2):
-                started = time.perf_counter()
-                tokens = decode_batch(loaded.model, states, tokens).argmax(-1).tolist()
-                times.append(time.perf_counter() - started)
-        out[b] = statistics.median(times[2:]) * 1000
+        out[b] = median_step_ms(loaded.model, states, token, steps)
     return out
 
 

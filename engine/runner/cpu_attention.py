@@ -108,6 +108,10 @@ class Deferred:
         self.args = args
         self.out: torch.Tensor | None = None
 
+    def result(self) -> torch.Tensor:
+        assert self.out is not None, "the PiecesBatch holding this call has not run"
+        return self.out
+
 
 class PiecesBatch:
     """The attend_pieces calls of a batched decode step's layer, one per memory row, run in one
@@ -116,9 +120,19 @@ class PiecesBatch:
     def __init__(self) -> None:
         self.calls: list[Deferred] = []
 
-    def defer(self, *args: Any, **kwargs: Any) -> Deferred:
-        """attend_pieces(*args, **kwargs), to be run by `run`."""
-        call = Deferred(_pieces_args(*_bound(*args, **kwargs)))
+    def defer(
+        self,
+        queries: list[torch.Tensor],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        masks: list[torch.Tensor | None],
+        scale: float,
+        rows: list[torch.Tensor | None] | None = None,
+        params: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+        group: int = 0,
+    ) -> Deferred:
+        """attend_pieces(...) with these arguments, to be run by `run`."""
+        call = Deferred(_pieces_args(queries, keys, values, masks, scale, rows, params, group))
         self.calls.append(call)
         return call
 
@@ -132,10 +146,6 @@ class PiecesBatch:
         for call, out in zip(self.calls, kernel.attend_pieces_rows(*columns), strict=True):
             call.out = out
         self.calls = []
-
-
-def _bound(queries, keys, values, masks, scale, rows=None, params=None, group=0) -> tuple:
-    return queries, keys, values, masks, scale, rows, params, group
 
 
 _batch: contextvars.ContextVar[PiecesBatch | None] = contextvars.ContextVar(
@@ -152,9 +162,10 @@ def pieces_batch() -> PiecesBatch | None:
 def deferring() -> Iterator[PiecesBatch]:
     """Memory rows' attend_pieces calls (StepCache) go to the yielded batch until the block
     ends; the caller runs it."""
-    token = _batch.set(PiecesBatch())
+    batch = PiecesBatch()
+    token = _batch.set(batch)
     try:
-        yield _batch.get()  # type: ignore[misc]
+        yield batch
     finally:
         _batch.reset(token)
 

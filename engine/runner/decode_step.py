@@ -258,8 +258,8 @@ class LeanDecoder:
                 out.append(row.attend(layer, q, k, v, self.scaling))
         if pieces is not None:
             pieces.run()
-        done = [o.out if isinstance(o, Deferred) else o for o in out]
-        flat = [o.reshape(1, heads * d) for o in done]  # type: ignore[union-attr]
+        done = [o.result() if isinstance(o, Deferred) else o for o in out]
+        flat = [o.reshape(1, heads * d) for o in done]
         return flat[0] if len(flat) == 1 else torch.cat(flat)
 
     @torch.inference_mode()
