@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -111,12 +112,21 @@ def one_ninja() -> Iterator[None]:
 
 
 def headers_digest() -> str:
-    """A digest of csrc's headers: torch's builder versions a build by its sources and flags
-    only, so a header's change reaches a cached build through this flag."""
+    """A digest of csrc's headers and of the sources another source includes (plain_step.cpp
+    includes two): torch's builder versions a build by its own sources and flags only, so an
+    included file's change reaches a cached build through this flag."""
     digest = hashlib.sha256()
-    for header in sorted(_CSRC.glob("*.h")):
+    for header in sorted(_CSRC.glob("*.h")) + included_sources():
         digest.update(header.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def included_sources() -> list[Path]:
+    """csrc's .cpp files that another source #includes, sorted."""
+    named = set()
+    for source in _CSRC.glob("*.cpp"):
+        named.update(re.findall(r'^#include "(\w+\.cpp)"', source.read_text(), re.MULTILINE))
+    return sorted(_CSRC / name for name in named)
 
 
 def clear_stale_lock(name: str) -> bool:
