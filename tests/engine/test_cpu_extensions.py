@@ -57,3 +57,18 @@ def test_the_build_step_builds_every_kernel_or_fails_naming_it(monkeypatch):
     monkeypatch.setattr(cpu_extensions, "_built", {"token_search": None})
     monkeypatch.setattr(cpu_extensions, "STEMS", ("token_search",))
     assert cpu_extensions.build_all() == ["token_search"]
+
+
+def test_a_change_to_an_included_source_changes_the_build_flag(tmp_path, monkeypatch):
+    """plain_step.cpp includes decode_attention.cpp: torch's builder hashes only the sources it
+    is given, so the headers digest (a build flag) must cover the included source too."""
+    for source in ("outer.cpp", "inner.cpp", "alone.cpp"):
+        (tmp_path / source).write_text("// a kernel\n")
+    (tmp_path / "outer.cpp").write_text('#include "inner.cpp"\n')
+    monkeypatch.setattr(cpu_extensions, "_CSRC", tmp_path)
+    assert cpu_extensions.included_sources() == [tmp_path / "inner.cpp"]
+    before = cpu_extensions.headers_digest()
+    (tmp_path / "alone.cpp").write_text("// changed, and built from itself\n")
+    assert cpu_extensions.headers_digest() == before
+    (tmp_path / "inner.cpp").write_text("// changed\n")
+    assert cpu_extensions.headers_digest() != before

@@ -252,15 +252,9 @@ void accumulate(const float* weights, const float* const* v, int64_t n, int64_t 
 #include "pieces_avx512.h"
 
 // The (kv head, key chunk) tasks' partial results merged by their log-sum-exp: acc (heads,
-// splits, group, d), maxes and sums (heads, splits, group) -> (heads, group, d)
-torch::Tensor merge_splits(const torch::Tensor& acc, const torch::Tensor& maxes,
-                           const torch::Tensor& sums) {
-  const int64_t heads = acc.size(0), splits = acc.size(1), group = acc.size(2), d = acc.size(3);
-  const float* ap = acc.data_ptr<float>();
-  const float* mp = maxes.data_ptr<float>();
-  const float* lp = sums.data_ptr<float>();
-  auto out = torch::empty({heads, group, d}, acc.options());
-  float* op = out.data_ptr<float>();
+// splits, group, d), maxes and sums (heads, splits, group) -> out (heads, group, d)
+void merge_into(const float* ap, const float* mp, const float* lp, int64_t heads, int64_t splits,
+                int64_t group, int64_t d, float* op) {
   for (int64_t h = 0; h < heads; ++h) {
     for (int64_t g = 0; g < group; ++g) {
       float top = -FLT_MAX;
@@ -278,6 +272,14 @@ torch::Tensor merge_splits(const torch::Tensor& acc, const torch::Tensor& maxes,
       for (int64_t i = 0; i < d; ++i) o[i] /= total;
     }
   }
+}
+
+torch::Tensor merge_splits(const torch::Tensor& acc, const torch::Tensor& maxes,
+                           const torch::Tensor& sums) {
+  const int64_t heads = acc.size(0), splits = acc.size(1), group = acc.size(2), d = acc.size(3);
+  auto out = torch::empty({heads, group, d}, acc.options());
+  merge_into(acc.data_ptr<float>(), maxes.data_ptr<float>(), sums.data_ptr<float>(), heads,
+             splits, group, d, out.data_ptr<float>());
   return out;
 }
 
@@ -310,7 +312,7 @@ void run_jobs(std::vector<Job>& jobs) {
   const int64_t tasks = starts.back();
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    TaskScratch scratch;
+    thread_local TaskScratch scratch;  // its buffers kept across regions
     size_t j = 0;
     for (int64_t task; (task = next.fetch_add(1)) < tasks;) {
       while (task >= starts[j + 1]) ++j;  // a thread's tasks come in increasing order
@@ -319,62 +321,55 @@ void run_jobs(std::vector<Job>& jobs) {
   });
 }
 
-// One decode token's attention over a KV cache: q (kv_heads, group, d) contiguous float32; k, v
-// (kv_heads, S, d) with contiguous rows, float32 or float16 (a float16 KV cache: each row
-// widened as it is read); the keys split into `splits` chunks per kv head, each (kv head,
-// chunk) task an online softmax into acc (heads, splits, group, d), maxes and sums (heads,
-// splits, group), merged by their log-sum-exp -> (kv_heads, group, d) float32.
+// One decode token's attention over a KV cache: q (kv_heads, group, d) contiguous float32; keys
+// and values (kv_heads, S, d) at k and v, head h's at h * ks and h * vs, rows contiguous, float32
+// or float16 (a float16 KV cache: each row widened as it is read); the keys split into `splits` chunks per
+// kv head, each (kv head, chunk) task an online softmax into acc (heads, splits, group, d),
+// maxes and sums (heads, splits, group), merged by their log-sum-exp into (kv_heads, group, d).
+// Raw pointers and buffers kept across calls (`set`), so that plain_step.cpp's every row and
+// layer costs no tensor ops (they were ~40 % of an 8-row step on a short cache: decision 091).
 struct DecodeJob {
-  torch::Tensor q, k, v;
-  int64_t heads, keys, d, group, splits, chunk;
-  float sc;
-  torch::Tensor acc, maxes, sums;
+  const float* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  bool half = false;
+  int64_t ks = 0, vs = 0, heads = 0, keys = 0, d = 0, group = 0, splits = 0, chunk = 0;
+  float sc = 0.f;
+  std::vector<float> acc, maxes, sums;
 
-  DecodeJob(torch::Tensor q_, torch::Tensor k_, torch::Tensor v_, double scale, int64_t splits_)
-      : q(std::move(q_)), k(std::move(k_)), v(std::move(v_)), sc(static_cast<float>(scale)) {
-    const auto kv_type = k.scalar_type();
-    TORCH_CHECK(q.scalar_type() == at::kFloat && v.scalar_type() == kv_type &&
-                    (kv_type == at::kFloat || kv_type == at::kHalf),
-                "decode_attention: a float32 query, float32 or float16 keys and values");
-    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.is_contiguous(),
-                "decode_attention: q (kv_heads, group, d) contiguous, k/v (kv_heads, S, d)");
-    heads = k.size(0), keys = k.size(1), d = k.size(2), group = q.size(1);
-    TORCH_CHECK(q.size(0) == heads && q.size(2) == d && v.sizes() == k.sizes() && keys > 0 &&
-                    d <= 256,
-                "decode_attention: shapes do not match (head_dim up to 256)");
-    TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == d && v.stride(1) == d,
-                "decode_attention: k/v rows must be contiguous");
+  void set(const float* q_, const void* k_, const void* v_, bool half_, int64_t ks_, int64_t vs_,
+           int64_t heads_, int64_t keys_, int64_t d_, int64_t group_, float scale,
+           int64_t splits_) {
+    q = q_, k = k_, v = v_, half = half_, ks = ks_, vs = vs_, heads = heads_, keys = keys_, d = d_;
+    group = group_, sc = scale;
     splits = std::max<int64_t>(1, std::min(splits_, keys));
     chunk = (keys + splits - 1) / splits;
-    acc = torch::zeros({heads, splits, group, d}, q.options());
-    maxes = torch::full({heads, splits, group}, -FLT_MAX, q.options());
-    sums = torch::zeros({heads, splits, group}, q.options());
+    acc.assign(heads * splits * group * d, 0.f);
+    maxes.assign(heads * splits * group, -FLT_MAX);
+    sums.assign(heads * splits * group, 0.f);
   }
 
   int64_t tasks() const { return heads * splits; }
 
   void run(int64_t task, TaskScratch& x) {
-    if (k.scalar_type() == at::kHalf) {
-      run_typed<at::Half>(task, x);
+    if (half) {
+      run_typed(static_cast<const at::Half*>(k), static_cast<const at::Half*>(v), task, x);
     } else {
-      run_typed<float>(task, x);
+      run_typed(static_cast<const float*>(k), static_cast<const float*>(v), task, x);
     }
   }
 
   template <typename T>
-  void run_typed(int64_t task, TaskScratch& x) {
+  void run_typed(const T* kp, const T* vp, int64_t task, TaskScratch& x) {
     x.fit(group, d);
     const float* krows[kBlock];
     const float* vrows[kBlock];
-    const T* kp = k.data_ptr<T>();
-    const T* vp = v.data_ptr<T>();
-    const int64_t ks = k.stride(0), vs = v.stride(0);
     const int64_t h = task / splits, first = (task % splits) * chunk;
     const int64_t last = std::min(keys, first + chunk);
-    const float* qh = q.data_ptr<float>() + h * group * d;
-    float* a = acc.data_ptr<float>() + task * group * d;
-    float* m = maxes.data_ptr<float>() + task * group;
-    float* l = sums.data_ptr<float>() + task * group;
+    const float* qh = q + h * group * d;
+    float* a = acc.data() + task * group * d;
+    float* m = maxes.data() + task * group;
+    float* l = sums.data() + task * group;
     for (int64_t b0 = first; b0 < last; b0 += kBlock) {
       const int64_t n = std::min(kBlock, last - b0);
       const auto next = [b0](int64_t j) { return b0 + j; };
@@ -399,15 +394,32 @@ struct DecodeJob {
     }
   }
 
-  torch::Tensor result() const { return merge_splits(acc, maxes, sums); }
+  void result_into(float* out) const {
+    merge_into(acc.data(), maxes.data(), sums.data(), heads, splits, group, d, out);
+  }
 };
 
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
                                int64_t splits) {
-  std::vector<DecodeJob> jobs;
-  jobs.emplace_back(std::move(q), std::move(k), std::move(v), scale, splits);
+  const auto kv_type = k.scalar_type();
+  TORCH_CHECK(q.scalar_type() == at::kFloat && v.scalar_type() == kv_type &&
+                  (kv_type == at::kFloat || kv_type == at::kHalf),
+              "decode_attention: a float32 query, float32 or float16 keys and values");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.is_contiguous(),
+              "decode_attention: q (kv_heads, group, d) contiguous, k/v (kv_heads, S, d)");
+  const int64_t heads = k.size(0), keys = k.size(1), d = k.size(2), group = q.size(1);
+  TORCH_CHECK(q.size(0) == heads && q.size(2) == d && v.sizes() == k.sizes() && keys > 0 &&
+                  d <= 256,
+              "decode_attention: shapes do not match (head_dim up to 256)");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == d && v.stride(1) == d,
+              "decode_attention: k/v rows must be contiguous");
+  std::vector<DecodeJob> jobs(1);
+  jobs[0].set(q.data_ptr<float>(), k.data_ptr(), v.data_ptr(), kv_type == at::kHalf, k.stride(0),
+              v.stride(0), heads, keys, d, group, static_cast<float>(scale), splits);
   run_jobs(jobs);
-  return jobs[0].result();
+  auto out = torch::empty({heads, group, d}, q.options());
+  jobs[0].result_into(out.data_ptr<float>());
+  return out;
 }
 
 #include "pieces_job.h"
