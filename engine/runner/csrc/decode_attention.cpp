@@ -373,19 +373,21 @@ struct DecodeJob {
     for (int64_t b0 = first; b0 < last; b0 += kBlock) {
       const int64_t n = std::min(kBlock, last - b0);
       const auto next = [b0](int64_t j) { return b0 + j; };
-      if (b0 + kBlock < last) {
-        const int64_t ahead = std::min(kBlock, last - b0 - kBlock);
-        prefetch_rows(kp + h * ks + (b0 + kBlock) * d, ahead, d);
-        prefetch_rows(vp + h * vs + (b0 + kBlock) * d, ahead, d);
-      }
 #ifdef LONGSERVE_PIECES_AVX512
-      if (x.wide) {  // read as held, 16 lanes at a time (pieces_avx512.h)
-        const pieces512::Piece piece{kp + h * ks, vp + h * vs, d, d, nullptr, nullptr, 0, 0, 0};
+      if (x.wide) {  // read as held, 16 lanes at a time (pieces_avx512.h), the next block's
+        // rows prefetched beside this block's
+        const int64_t ahead = b0 + 2 * kBlock <= last ? kBlock * d : 0;
+        const pieces512::Piece piece{kp + h * ks, vp + h * vs, d, d, nullptr, nullptr, 0, 0, 0, ahead};
         pieces512::fold_block<T>(piece, next, b0, n, qh, keys, group, d, sc, nullptr, *x.wide, m,
                                  l, a);
         continue;
       }
 #endif
+      if (b0 + kBlock < last) {
+        const int64_t ahead = std::min(kBlock, last - b0 - kBlock);
+        prefetch_rows(kp + h * ks + (b0 + kBlock) * d, ahead, d);
+        prefetch_rows(vp + h * vs + (b0 + kBlock) * d, ahead, d);
+      }
       row_pointers(kp + h * ks, d, n, d, x.kbuf.data(), next, krows);
       row_pointers(vp + h * vs, d, n, d, x.vbuf.data(), next, vrows);
       score_rows(qh, krows, n, group, d, sc, x.scores.data());

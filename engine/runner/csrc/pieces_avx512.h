@@ -12,6 +12,13 @@
 namespace pieces512 {
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+// a row of d elements asked for in L1
+template <typename T>
+inline void prefetch_row(const T* p, int64_t d) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t o = 0; o < d * static_cast<int64_t>(sizeof(T)); o += 64) __builtin_prefetch(c + o, 0, 3);
+}
 inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -45,9 +52,12 @@ inline __m256 sums8_wide(const __m512* a) {
 // are converted here where they are read, with no float copy of the block (docs/decisions/086).
 template <typename T, int G>
 void score_group(const float* q, const T* const* k, int64_t n, int64_t d, const float* bias,
-                 float sc, float* s) {
+                 float sc, float* s, int64_t ahead = 0) {
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
+    if (ahead) {
+      for (int r = 0; r < 8; ++r) prefetch_row(k[j + r] + ahead, d);
+    }
     __m512 acc[G][8];
     for (int g = 0; g < G; ++g) {
       for (int r = 0; r < 8; ++r) acc[g][r] = _mm512_setzero_ps();
@@ -144,7 +154,11 @@ void accumulate(const float* w, const T* const* v, int64_t n, int64_t d, float* 
 // values, int8 codes), d a multiple of 64: each value row's 64 lanes widened once for all G, not
 // once per query (as score_group does for keys); the same sums in the same order as accumulate's.
 template <typename T, int G>
-void accumulate_group(const float* w, const T* const* v, int64_t n, int64_t d, float* a) {
+void accumulate_group(const float* w, const T* const* v, int64_t n, int64_t d, float* a,
+                      int64_t ahead = 0) {
+  if (ahead) {
+    for (int64_t j = 0; j < n; ++j) prefetch_row(v[j] + ahead, d);
+  }
   for (int64_t d0 = 0; d0 < d; d0 += 64) {
     __m512 acc[G][4];
     for (int g = 0; g < G; ++g) {
@@ -198,6 +212,7 @@ struct Piece {
   const at::Half* vp;    // int8 values: (scale, zero) per row
   int64_t kps, vps;      // their row strides
   int64_t qgroup;
+  int64_t ahead = 0;  // contiguous rows: the next block's row this many elements on, prefetched
 };
 
 // Head h of a piece's keys k and values v (int8 codes: with their params kp and vp, keys'
@@ -288,6 +303,12 @@ void fold_block(const Piece& p, F index, int64_t b0, int64_t count, const float*
       } else {
         score<float>(qs, kfloats + j0, j1 - j0, group, d, bias, sc, scores + j0);
       }
+    } else if (p.ahead && d % 64 == 0 && group <= 3) {
+      switch (group) {
+        case 1: score_group<T, 1>(q, krows + j0, j1 - j0, d, nullptr, sc, scores + j0, p.ahead); break;
+        case 2: score_group<T, 2>(q, krows + j0, j1 - j0, d, nullptr, sc, scores + j0, p.ahead); break;
+        default: score_group<T, 3>(q, krows + j0, j1 - j0, d, nullptr, sc, scores + j0, p.ahead); break;
+      }
     } else {
       score<T>(q, krows + j0, j1 - j0, group, d, nullptr, sc, scores + j0);
     }
@@ -325,9 +346,9 @@ void fold_block(const Piece& p, F index, int64_t b0, int64_t count, const float*
       w = wc;
     }
     switch (group) {  // int8: the codes under the weights times their rows' scales
-      case 1: accumulate_group<T, 1>(w, vrows, count, d, a); break;
-      case 2: accumulate_group<T, 2>(w, vrows, count, d, a); break;
-      default: accumulate_group<T, 3>(w, vrows, count, d, a); break;
+      case 1: accumulate_group<T, 1>(w, vrows, count, d, a, p.ahead); break;
+      case 2: accumulate_group<T, 2>(w, vrows, count, d, a, p.ahead); break;
+      default: accumulate_group<T, 3>(w, vrows, count, d, a, p.ahead); break;
     }
     if constexpr (std::is_same<T, uint8_t>::value) {
       for (int64_t g = 0; g < group; ++g) {
