@@ -323,9 +323,10 @@ void run_jobs(std::vector<Job>& jobs) {
 
 // One decode token's attention over a KV cache: q (kv_heads, group, d) contiguous float32; keys
 // and values (kv_heads, S, d) at k and v, head h's at h * ks and h * vs, rows contiguous, float32
-// or float16 (a float16 KV cache: each row widened as it is read); the keys split into `splits` chunks per
-// kv head, each (kv head, chunk) task an online softmax into acc (heads, splits, group, d),
-// maxes and sums (heads, splits, group), merged by their log-sum-exp into (kv_heads, group, d).
+// or float16 (a float16 KV cache: each row widened as it is read); the keys split into `splits`
+// chunks per kv head, each (kv head, chunk) task an online softmax into acc (heads, splits,
+// group, d), maxes and sums (heads, splits, group), merged by their log-sum-exp into (kv_heads,
+// group, d).
 // Raw pointers and buffers kept across calls (`set`), so that plain_step.cpp's every row and
 // layer costs no tensor ops (they were ~40 % of an 8-row step on a short cache: decision 091).
 struct DecodeJob {
@@ -376,8 +377,8 @@ struct DecodeJob {
 #ifdef LONGSERVE_PIECES_AVX512
       if (x.wide) {  // read as held, 16 lanes at a time (pieces_avx512.h), the next block's
         // rows prefetched beside this block's
-        const int64_t ahead = b0 + 2 * kBlock <= last ? kBlock * d : 0;
-        const pieces512::Piece piece{kp + h * ks, vp + h * vs, d, d, nullptr, nullptr, 0, 0, 0, ahead};
+        pieces512::Piece piece{kp + h * ks, vp + h * vs, d, d, nullptr, nullptr, 0, 0, 0};
+        piece.ahead = b0 + 2 * kBlock <= last ? kBlock * d : 0;
         pieces512::fold_block<T>(piece, next, b0, n, qh, keys, group, d, sc, nullptr, *x.wide, m,
                                  l, a);
         continue;

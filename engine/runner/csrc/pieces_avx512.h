@@ -17,7 +17,8 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 template <typename T>
 inline void prefetch_row(const T* p, int64_t d) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t o = 0; o < d * static_cast<int64_t>(sizeof(T)); o += 64) __builtin_prefetch(c + o, 0, 3);
+  const int64_t bytes = d * static_cast<int64_t>(sizeof(T));
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
 }
 inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -90,12 +91,12 @@ void score_group(const float* q, const T* const* k, int64_t n, int64_t d, const 
 // (group, d); bias null for none. Eight keys at a time, each with its own accumulator.
 template <typename T>
 void score(const float* q, const T* const* k, int64_t n, int64_t group, int64_t d,
-           const float* bias, float sc, float* s) {
+           const float* bias, float sc, float* s, int64_t ahead = 0) {
   if constexpr (std::is_same<T, at::Half>::value) {
     switch (group) {
-      case 1: return score_group<T, 1>(q, k, n, d, bias, sc, s);
-      case 2: return score_group<T, 2>(q, k, n, d, bias, sc, s);
-      case 3: return score_group<T, 3>(q, k, n, d, bias, sc, s);
+      case 1: return score_group<T, 1>(q, k, n, d, bias, sc, s, ahead);
+      case 2: return score_group<T, 2>(q, k, n, d, bias, sc, s, ahead);
+      case 3: return score_group<T, 3>(q, k, n, d, bias, sc, s, ahead);
       default: break;
     }
   }
@@ -303,14 +304,8 @@ void fold_block(const Piece& p, F index, int64_t b0, int64_t count, const float*
       } else {
         score<float>(qs, kfloats + j0, j1 - j0, group, d, bias, sc, scores + j0);
       }
-    } else if (p.ahead && d % 64 == 0 && group <= 3) {
-      switch (group) {
-        case 1: score_group<T, 1>(q, krows + j0, j1 - j0, d, nullptr, sc, scores + j0, p.ahead); break;
-        case 2: score_group<T, 2>(q, krows + j0, j1 - j0, d, nullptr, sc, scores + j0, p.ahead); break;
-        default: score_group<T, 3>(q, krows + j0, j1 - j0, d, nullptr, sc, scores + j0, p.ahead); break;
-      }
     } else {
-      score<T>(q, krows + j0, j1 - j0, group, d, nullptr, sc, scores + j0);
+      score<T>(q, krows + j0, j1 - j0, group, d, nullptr, sc, scores + j0, p.ahead);
     }
     j0 = j1;
   }
