@@ -5,6 +5,8 @@ store (engine/caches/store.py)."""
 from __future__ import annotations
 
 import asyncio
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -136,9 +138,14 @@ async def _collect(stream):
 
 
 def _stored_chunks(tmp_path) -> list:
+    """The store's chunk files. os.walk skips a directory that vanishes while it is read (the
+    store's own .tmp-* writes come and go under a reading in flight); rglob raised there."""
     root = tmp_path / "data" / "memory-store"
     return sorted(
-        p for p in root.rglob("chunk.*") if p.is_file() and p.parent.name.startswith("enc")
+        Path(parent) / name
+        for parent, _, names in os.walk(root)
+        for name in names
+        if name.startswith("chunk.") and Path(parent).name.startswith("enc")
     )
 
 
