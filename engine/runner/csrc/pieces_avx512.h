@@ -12,14 +12,6 @@
 namespace pieces512 {
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-// a row of d elements asked for in L1
-template <typename T>
-inline void prefetch_row(const T* p, int64_t d) {
-  const char* c = reinterpret_cast<const char*>(p);
-  const int64_t bytes = d * static_cast<int64_t>(sizeof(T));
-  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
-}
 inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -57,7 +49,7 @@ void score_group(const float* q, const T* const* k, int64_t n, int64_t d, const 
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     if (ahead) {
-      for (int r = 0; r < 8; ++r) prefetch_row(k[j + r] + ahead, d);
+      for (int r = 0; r < 8; ++r) prefetch_rows(k[j + r] + ahead, 1, d);
     }
     __m512 acc[G][8];
     for (int g = 0; g < G; ++g) {
@@ -158,7 +150,7 @@ template <typename T, int G>
 void accumulate_group(const float* w, const T* const* v, int64_t n, int64_t d, float* a,
                       int64_t ahead = 0) {
   if (ahead) {
-    for (int64_t j = 0; j < n; ++j) prefetch_row(v[j] + ahead, d);
+    for (int64_t j = 0; j < n; ++j) prefetch_rows(v[j] + ahead, 1, d);
   }
   for (int64_t d0 = 0; d0 < d; d0 += 64) {
     __m512 acc[G][4];

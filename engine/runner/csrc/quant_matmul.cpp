@@ -13,7 +13,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -360,19 +359,6 @@ void check_x(const torch::Tensor& x, int64_t K) {
 
 int64_t grain(int64_t N) { return std::max<int64_t>(16, N / (8 * at::get_num_threads())); }
 
-// rows(n0, n1) over [0, N) in chunks of grain(N) output rows, each taken by whichever thread is
-// free: at::parallel_for deals out equal shares, and on a shared machine the thread that lags
-// keeps the other waiting at the region's end (libgomp's wait was ~17 % of an 8-row step).
-// Every output row's sums are the same whichever thread computes it.
-template <typename F>
-void parallel_rows(int64_t N, const F& rows) {
-  const int64_t chunk = grain(N), chunks = (N + chunk - 1) / chunk;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(chunks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    for (int64_t c; (c = next.fetch_add(1)) < chunks;) rows(c * chunk, std::min(N, (c + 1) * chunk));
-  });
-}
-
 // y (M, N) = x (M, K) times the 4-bit codes (N, K/2) with their block scales and minimums.
 void q4_into(const float* x, int64_t M, const torch::Tensor& codes, const torch::Tensor& scales,
              const torch::Tensor& mins, float* y) {
@@ -383,7 +369,7 @@ void q4_into(const float* x, int64_t M, const torch::Tensor& codes, const torch:
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float* d = scales.data_ptr<float>();
   const float* m = mins.numel() > 0 ? mins.data_ptr<float>() : nullptr;
-  parallel_rows(N, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, grain(N), [&](int64_t n0, int64_t n1) {
     q4_rows(c, d, m, xq.q.data(), xq.d.data(), xq.s.data(), xdp.data(), M, N, K, n0, n1, y);
   });
 }
@@ -439,7 +425,7 @@ void q8_into(const float* x, int64_t M, const torch::Tensor& codes, const torch:
   const Q8Weights w{codes.data_ptr<int8_t>(), scales.data_ptr<float>(),
                     mins.numel() > 0 ? mins.data_ptr<float>() : nullptr,
                     scales.size(1) == 2 * (K / QK)};
-  parallel_rows(N, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, grain(N), [&](int64_t n0, int64_t n1) {
     q8_rows(w, xq.q.data(), xq.d.data(), xq.s.data(), M, N, K, n0, n1, y);
   });
 }
