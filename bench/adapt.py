@@ -246,6 +246,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a list's target: one sentence listing the values, or each value's own sentence",
     )
     parser.add_argument(
+        "--list-relations",
+        choices=("fixed", "generated"),
+        default="fixed",
+        help="lists' relations: the six fixed ones, or drawn from owners, items, verbs and "
+        "wordings (bench/adapt_lists.py)",
+    )
+    parser.add_argument(
         "--frames",
         type=float,
         default=0.0,
@@ -292,10 +299,21 @@ def run(args: argparse.Namespace) -> int:
         lora.load(args.init)
     optimizer = torch.optim.AdamW(list(lora.params.values()), lr=args.lr, weight_decay=0.0)
     evals = tasks(
-        f"eval:{args.seed}", count, facts=(4, 8), lists=args.lists, list_answer=args.list_answer
+        f"eval:{args.seed}",
+        count,
+        facts=(4, 8),
+        lists=args.lists,
+        list_answer=args.list_answer,
+        list_relations=args.list_relations,
     )
     held = list(itertools.islice(evals, args.eval_tasks))
-    stream = tasks(args.seed, count, lists=args.lists, list_answer=args.list_answer)
+    stream = tasks(
+        args.seed,
+        count,
+        lists=args.lists,
+        list_answer=args.list_answer,
+        list_relations=args.list_relations,
+    )
     reader = frame_stream = None
     framed = random.Random(f"frames:{args.seed}")
     if args.frames > 0:
@@ -311,6 +329,7 @@ def run(args: argparse.Namespace) -> int:
             tokens=tuple(args.frame_tokens),
             lists=args.lists,
             list_answer=args.list_answer,
+            list_relations=args.list_relations,
         )
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -344,6 +363,7 @@ def run(args: argparse.Namespace) -> int:
             tokens=tuple(args.frame_tokens),
             lists=args.lists,
             list_answer=args.list_answer,
+            list_relations=args.list_relations,
         )
         framed_held = itertools.islice(evals, args.eval_tasks)
         examples = [x for task in framed_held for x in reader.examples(task)]
@@ -356,6 +376,7 @@ def run(args: argparse.Namespace) -> int:
         )
         + (f" --lists {args.lists}" if args.lists else "")
         + (f" --list-answer {args.list_answer}" if args.list_answer != "list" else "")
+        + (f" --list-relations {args.list_relations}" if args.list_relations != "fixed" else "")
         + (
             f" --frames {args.frames} --frame-tokens {args.frame_tokens[0]} {args.frame_tokens[1]}"
             if args.frames

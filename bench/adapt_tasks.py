@@ -17,6 +17,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from bench.adapt_lists import LIST_RELATIONS, ListRelation, generated
 from bench.recall_corpus import kind_paragraphs
 
 TRAIN_KINDS = ("manpages", "docs", "docstrings")  # bench.recall_corpus's tuned kinds
@@ -142,45 +143,6 @@ RELATIONS = (
 )
 
 
-@dataclass(frozen=True)
-class ListRelation:
-    facts: tuple[str, ...]  # one value each: {key} and {value}
-    questions: tuple[str, ...]  # all of a key's values
-    answer: str  # {key} and {values}: "A, B and C"
-
-
-LIST_RELATIONS = (
-    ListRelation(
-        ("Cabinet {key} holds folder {value}.", "Folder {value} is kept in cabinet {key}."),
-        ("Which folders does cabinet {key} hold?", "List the folders kept in cabinet {key}."),
-        "Cabinet {key} holds folders {values}.",
-    ),
-    ListRelation(
-        ("Ship {key} carried container {value}.", "Container {value} sailed on ship {key}."),
-        ("Which containers did ship {key} carry?", "Name every container that sailed on {key}."),
-        "Ship {key} carried containers {values}.",
-    ),
-    ListRelation(
-        ("Runner {key} wore bib {value} in one race.", "In another race, {key} wore bib {value}."),
-        ("Which bibs did runner {key} wear?", "What were all of {key}'s race bibs?"),
-        "Runner {key} wore bibs {values}.",
-    ),
-    ListRelation(
-        ("Meter {value} belongs to the {key} plant.", "The {key} plant also runs meter {value}."),
-        ("Which meters belong to the {key} plant?", "List every meter the {key} plant runs."),
-        "The {key} plant runs meters {values}.",
-    ),
-    ListRelation(
-        ("Recipe {key} calls for jar {value}.", "Jar {value} is used in recipe {key}."),
-        ("Which jars does recipe {key} call for?", "Name all the jars used in recipe {key}."),
-        "Recipe {key} calls for jars {values}.",
-    ),
-    ListRelation(
-        ("Pilot {key} flew route {value}.", "Route {value} was flown by pilot {key} as well."),
-        ("Which routes did pilot {key} fly?", "What are all the routes {key} has flown?"),
-        "Pilot {key} flew routes {values}.",
-    ),
-)
 SYLLABLES = [
     "ka",
     "ne",
@@ -244,12 +206,13 @@ def listed(values: list[str]) -> str:
 
 
 def list_facts(
-    rng: random.Random, used: set[str], sentences: bool = False
+    rng: random.Random, used: set[str], sentences: bool = False, generate: bool = False
 ) -> tuple[list[str], list[tuple[str, str]]]:
     """A list relation's facts and questions: 2-4 keys of 1-4 values each, the values'
     sentences apart; the answer lists a key's values in the passage's order of its facts, in
-    one sentence, or (`sentences`) as each value's own sentence in turn."""
-    relation = rng.choice(LIST_RELATIONS)
+    one sentence, or (`sentences`) as each value's own sentence in turn. The relation is one
+    of the six fixed ones, or (`generate`) one drawn by bench.adapt_lists.generated."""
+    relation: ListRelation = generated(rng) if generate else rng.choice(LIST_RELATIONS)
     planted: list[tuple[str, str, str]] = []  # (sentence, key, value)
     for _ in range(rng.randint(2, 4)):
         key = _name(rng, used)
@@ -274,13 +237,15 @@ def tasks(
     facts: tuple[int, int] = (2, 10),
     lists: float = 0.0,
     list_answer: str = "list",
+    list_relations: str = "fixed",
 ) -> Iterator[Task]:
     """Endless tasks of this seed: a passage of `tokens` (range) of one tuned kind's prose with
     `facts` (range) facts of one relation at random places, and sometimes one or two of another
     relation; every fact of the first relation asked, about half of them by a paraphrase. A
     `lists` share of passages holds list_facts instead (their facts in passage order), with
     the same distractors, answered as `list_answer` says ("list": one sentence; "sentences":
-    each value's own sentence in turn). lists=0 draws exactly what it drew before lists existed."""
+    each value's own sentence in turn) over `list_relations` ("fixed": the six;
+    "generated": bench.adapt_lists.generated). lists=0 draws exactly what it drew before lists existed."""
     rng = random.Random(f"adapt:{seed}")
     list_rng = random.Random(f"adapt-lists:{seed}")
     sources = {kind: kind_paragraphs(kind, f"adapt:{seed}") for kind in TRAIN_KINDS}
@@ -298,7 +263,9 @@ def tasks(
         planted, asked = [], []
         as_list = lists > 0 and list_rng.random() < lists
         if as_list:
-            planted, asked = list_facts(list_rng, used, list_answer == "sentences")
+            planted, asked = list_facts(
+                list_rng, used, list_answer == "sentences", list_relations == "generated"
+            )
         else:
             for _ in range(rng.randint(*facts)):
                 key, value = _name(rng, used), _value(rng, used)

@@ -5,6 +5,7 @@ tiny model writes an adapter the engine reads, with the command that made it."""
 from __future__ import annotations
 
 import itertools
+import random
 import re
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from bench import adapt, adapt_tasks, recall_tasks
+from bench import adapt, adapt_lists, adapt_tasks, recall_tasks
 from engine.runner.adapter import read_adapter
 from engine.runner.loader import load_model
 
@@ -39,9 +40,11 @@ def test_tasks_ask_every_planted_fact_by_its_key_in_tuned_prose(monkeypatch):
     assert set(read) == set(adapt_tasks.TRAIN_KINDS) == {"manpages", "docs", "docstrings"}
 
 
-def test_list_tasks_ask_every_key_for_all_its_values_in_passage_order():
+@pytest.mark.parametrize("relations", ["fixed", "generated"])
+def test_list_tasks_ask_every_key_for_all_its_values_in_passage_order(relations):
     lists = 0
-    for task in itertools.islice(adapt_tasks.tasks(5, words, tokens=(100, 300), lists=0.5), 12):
+    draw = adapt_tasks.tasks(5, words, tokens=(100, 300), lists=0.5, list_relations=relations)
+    for task in itertools.islice(draw, 12):
         for question, answer in task.questions:
             values = re.findall(r"\d{5,}", answer)
             if len(values) < 2:
@@ -77,6 +80,19 @@ def test_a_list_answered_in_sentences_copies_each_values_own_sentence_in_turn():
     assert lists >= 3
 
 
+def test_a_generated_relation_words_each_value_several_ways_and_asks_in_grammar():
+    rng = random.Random(1)
+    for relation in (adapt_lists.generated(rng) for _ in range(50)):
+        assert 3 <= len(relation.facts) == len(set(relation.facts))
+        assert all(f.count("{key}") == f.count("{value}") == 1 for f in relation.facts)
+        assert all(q.count("{key}") == 1 and "{value" not in q for q in relation.questions)
+        assert relation.answer.count("{values}") == 1
+        plural = [q for q in relation.questions if q.startswith(("Which", "Give all"))]
+        assert not any(re.search(r" (is|was|belongs) ", q) for q in plural)
+    keys = {adapt_lists.generated(rng).answer for _ in range(50)}
+    assert len(keys) > 30  # many relations, not a handful
+
+
 def test_no_lists_draws_the_tasks_the_shipped_adapter_was_trained_on():
     def take(**kw):
         return list(itertools.islice(adapt_tasks.tasks(2, words, tokens=(100, 200), **kw), 4))
@@ -96,6 +112,14 @@ def test_no_lists_draws_the_tasks_the_shipped_adapter_was_trained_on():
 def test_the_relations_are_not_the_recall_benchs():
     ours = {f for r in adapt_tasks.RELATIONS for f in r.facts + r.questions + r.paraphrases}
     ours |= {f for r in adapt_tasks.LIST_RELATIONS for f in (*r.facts, *r.questions, r.answer)}
+    rng = random.Random(0)
+    drawn = {
+        f
+        for _ in range(200)
+        for r in [adapt_lists.generated(rng)]
+        for f in (*r.facts, *r.questions, r.answer)
+    }
+    ours |= drawn
     bench = {
         f
         for r in [*recall_tasks.RELATIONS.values(), recall_tasks.VAULT]
@@ -104,7 +128,9 @@ def test_the_relations_are_not_the_recall_benchs():
     assert not ours & bench
     bench_lists = {*recall_tasks.MULTIVALUE_FACTS, recall_tasks.MULTIVALUE_QUESTION}
     assert not ours & bench_lists
-    assert not any("badge" in f or "expedition" in f for f in ours)
+    bench_words = {"badge", "expedition", "issued", "ship", "village", "telescope", "archive"}
+    bench_words |= {"contract", "vault", "serial", "registration", "reference"}
+    assert not any(set(re.findall(r"[a-z]+", f.lower())) & bench_words for f in drawn)
     assert not set(adapt_tasks.SYLLABLES) & set(recall_tasks.SYLLABLES)
 
 
