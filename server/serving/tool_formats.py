@@ -3,7 +3,7 @@
 One `ToolSyntax` per way a model writes calls. `LONGSERVE` is the server's own, for a chat
 template that renders no tools (the embedded SmolLM2): Hermes-style <tool_call> blocks of
 compact JSON, which the server renders into the prompt itself (server/serving/tools.py). The
-others follow a template that renders tools (engine/protocol.py `ToolFormat`, detected by the
+others follow a template that renders tools (engine/protocol `ToolFormat`, detected by the
 engine at load); the template renders the tools and the calls sent back, and the grammar
 forces what the template shows the model, JSON spaced as its `tojson` writes it:
 

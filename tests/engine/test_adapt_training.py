@@ -93,11 +93,22 @@ def test_a_generated_relation_words_each_value_several_ways_and_asks_in_grammar(
     assert len(keys) > 30  # many relations, not a handful
 
 
-def test_no_lists_draws_the_tasks_the_shipped_adapter_was_trained_on():
+def fixed_paragraphs(kind: str, seed) -> itertools.count:
+    """Paragraphs that depend on nothing installed: the draws below are the same on every
+    machine (the real ones read /usr/share/doc, which apt changes)."""
+    rng = random.Random(f"{kind}:{seed}")
+    return (f"{kind} paragraph {i} " + "word " * rng.randint(5, 120) for i in itertools.count())
+
+
+def test_no_lists_draws_the_tasks_the_shipped_adapter_was_trained_on(monkeypatch):
+    """lists=0 draws what tasks() drew before list tasks existed: the same random calls in
+    the same order (the questions a7c3181 drew; on machine-independent paragraphs they are
+    the same)."""
+    monkeypatch.setattr(adapt_tasks, "kind_paragraphs", fixed_paragraphs)
+
     def take(**kw):
         return list(itertools.islice(adapt_tasks.tasks(2, words, tokens=(100, 200), **kw), 4))
 
-    # drawn by bench/adapt_tasks.py before list tasks existed (a7c3181)
     assert take()[0].questions[0] == (
         "What is the record number of patient Eftekvescha?",
         "The record number of patient Eftekvescha is 2128045.",
