@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import random
 import re
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -93,7 +94,7 @@ def test_a_generated_relation_words_each_value_several_ways_and_asks_in_grammar(
     assert len(keys) > 30  # many relations, not a handful
 
 
-def fixed_paragraphs(kind: str, seed) -> itertools.count:
+def fixed_paragraphs(kind: str, seed) -> Iterator[str]:
     """Paragraphs that depend on nothing installed: the draws below are the same on every
     machine (the real ones read /usr/share/doc, which apt changes)."""
     rng = random.Random(f"{kind}:{seed}")
