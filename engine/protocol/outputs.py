@@ -199,3 +199,4 @@ class TokenizerInfo:
     bos_token: str | None = None
     eos_token: str | None = None
     pad_token: str | None = None
+    chat_template: str | None = None

@@ -76,3 +76,4 @@ class PreparedPrompt:
 
     prompt: Prompt
     num_tokens: int
+    token_ids: Any = field(default=None, repr=False, compare=False)
