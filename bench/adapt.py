@@ -298,22 +298,14 @@ def run(args: argparse.Namespace) -> int:
     if args.init:
         lora.load(args.init)
     optimizer = torch.optim.AdamW(list(lora.params.values()), lr=args.lr, weight_decay=0.0)
-    evals = tasks(
-        f"eval:{args.seed}",
-        count,
-        facts=(4, 8),
-        lists=args.lists,
-        list_answer=args.list_answer,
-        list_relations=args.list_relations,
-    )
+    lists = {  # the list options every task stream shares
+        "lists": args.lists,
+        "list_answer": args.list_answer,
+        "list_relations": args.list_relations,
+    }
+    evals = tasks(f"eval:{args.seed}", count, facts=(4, 8), **lists)
     held = list(itertools.islice(evals, args.eval_tasks))
-    stream = tasks(
-        args.seed,
-        count,
-        lists=args.lists,
-        list_answer=args.list_answer,
-        list_relations=args.list_relations,
-    )
+    stream = tasks(args.seed, count, **lists)
     reader = frame_stream = None
     framed = random.Random(f"frames:{args.seed}")
     if args.frames > 0:
@@ -327,9 +319,7 @@ def run(args: argparse.Namespace) -> int:
             f"frames:{args.seed}",
             count,
             tokens=tuple(args.frame_tokens),
-            lists=args.lists,
-            list_answer=args.list_answer,
-            list_relations=args.list_relations,
+            **lists,
         )
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -361,9 +351,7 @@ def run(args: argparse.Namespace) -> int:
             f"frames-eval:{args.seed}",
             count,
             tokens=tuple(args.frame_tokens),
-            lists=args.lists,
-            list_answer=args.list_answer,
-            list_relations=args.list_relations,
+            **lists,
         )
         framed_held = itertools.islice(evals, args.eval_tasks)
         examples = [x for task in framed_held for x in reader.examples(task)]

@@ -122,7 +122,7 @@ QUESTION_SHAPES = (
     "Name each of the {items} {owner} {active}.",
     "Give all the {items} that {passive_plural} {owner}.",
 )
-PLURAL = {"was": "were", "is": "are", "went": "went", "belongs": "belong"}
+PLURAL = {"was": "were", "is": "are", "belongs": "belong"}  # other verbs: the same
 
 
 def _capital(text: str) -> str:
@@ -131,11 +131,9 @@ def _capital(text: str) -> str:
 
 def generated(rng: random.Random) -> ListRelation:
     """A list relation of an owner, an item and a verb, its facts in three to five wordings."""
-    owner, (item, items), (active, passive) = (
-        rng.choice(OWNERS),
-        rng.choice(ITEMS),
-        rng.choice(VERBS),
-    )
+    owner = rng.choice(OWNERS)
+    item, items = rng.choice(ITEMS)
+    active, passive = rng.choice(VERBS)
     first, _, rest = passive.partition(" ")
     words = {
         "owner": owner,

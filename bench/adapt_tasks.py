@@ -17,7 +17,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from bench.adapt_lists import LIST_RELATIONS, ListRelation, generated
+from bench.adapt_lists import LIST_RELATIONS, generated
 from bench.recall_corpus import kind_paragraphs
 
 TRAIN_KINDS = ("manpages", "docs", "docstrings")  # bench.recall_corpus's tuned kinds
@@ -212,7 +212,7 @@ def list_facts(
     sentences apart; the answer lists a key's values in the passage's order of its facts, in
     one sentence, or (`sentences`) as each value's own sentence in turn. The relation is one
     of the six fixed ones, or (`generate`) one drawn by bench.adapt_lists.generated."""
-    relation: ListRelation = generated(rng) if generate else rng.choice(LIST_RELATIONS)
+    relation = generated(rng) if generate else rng.choice(LIST_RELATIONS)
     planted: list[tuple[str, str, str]] = []  # (sentence, key, value)
     for _ in range(rng.randint(2, 4)):
         key = _name(rng, used)
@@ -244,8 +244,8 @@ def tasks(
     relation; every fact of the first relation asked, about half of them by a paraphrase. A
     `lists` share of passages holds list_facts instead (their facts in passage order), with
     the same distractors, answered as `list_answer` says ("list": one sentence; "sentences":
-    each value's own sentence in turn) over `list_relations` ("fixed": the six;
-    "generated": bench.adapt_lists.generated). lists=0 draws exactly what it drew before lists existed."""
+    each value's own sentence in turn) over `list_relations` ("fixed": the six; "generated":
+    bench.adapt_lists.generated). lists=0 draws exactly what it drew before lists existed."""
     rng = random.Random(f"adapt:{seed}")
     list_rng = random.Random(f"adapt-lists:{seed}")
     sources = {kind: kind_paragraphs(kind, f"adapt:{seed}") for kind in TRAIN_KINDS}
