@@ -21,7 +21,7 @@ serve: setup
 	$(BIN)/longserve serve --host $(HOST) --port $(PORT)
 
 test: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25
 
 # The image built and the compose stack run in Docker (tests/stack): installs and starts dockerd
 # where it is missing (as root), skips saying why where containers cannot run at all.

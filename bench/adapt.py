@@ -218,14 +218,19 @@ def evaluate_frames(model, tokenizer, lora: LoRA, examples, end: int) -> dict[st
 
 
 def evaluate(model, tokenizer, lora: LoRA, held: list[Task], end: int) -> dict[str, int]:
-    score = {"base": 0, "adapter": 0, "n": 0}
+    """Base and adapter on held tasks; list passages' questions also counted apart (lists_*)."""
+    score = {"base": 0, "adapter": 0, "n": 0, "lists_base": 0, "lists_adapter": 0, "lists_n": 0}
     for i, task in enumerate(held):
         for ids, (_, sentence) in zip(
             prompts(tokenizer, task, i % 2 == 0), task.questions, strict=True
         ):
-            score["n"] += 1
+            groups = ("", "lists_") if task.lists else ("",)
+            for group in groups:
+                score[f"{group}n"] += 1
             for name, adapted in (("base", False), ("adapter", True)):
-                score[name] += right(sentence, answer(model, tokenizer, ids, end, adapted, lora))
+                hit = right(sentence, answer(model, tokenizer, ids, end, adapted, lora))
+                for group in groups:
+                    score[f"{group}{name}"] += hit
     return score
 
 
@@ -327,7 +332,9 @@ def run(args: argparse.Namespace) -> int:
         if reader is not None and frame_stream is not None and framed.random() < args.frames:
             loss, n = 0.0, 0
             for _ in range(20):  # a passage whose frames hold none of its answers: another
-                for ids, sentence in reader.examples(next(frame_stream)):
+                framed_task = next(frame_stream)
+                kind = "frames, list" if framed_task.lists else "frames, single"
+                for ids, sentence in reader.examples(framed_task):
                     cache = DynamicCache()  # a frame of its own: nothing shared
                     loss += answer_loss(model, lora, tokenizer, ids, 0, cache, sentence, end)
                     n += 1
@@ -336,14 +343,16 @@ def run(args: argparse.Namespace) -> int:
             else:
                 raise SystemExit("20 passages in a row whose frames held none of the answers")
         else:
-            loss, n = task_loss(model, lora, tokenizer, next(stream), step % 2 == 0, end)
+            task = next(stream)
+            kind = "list" if task.lists else "single"
+            loss, n = task_loss(model, lora, tokenizer, task, step % 2 == 0, end)
         for p in lora.params.values():
             p.grad /= n
         lr = args.lr * min(1.0, step / 10) * (0.5 + 0.5 * math.cos(math.pi * step / args.steps))
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
-        line = {"step": step, "loss": round(loss / n, 4), "questions": n}
+        line = {"step": step, "loss": round(loss / n, 4), "questions": n, "kind": kind}
         print(json.dumps({**line, "seconds": round(time.perf_counter() - started, 1)}), flush=True)
     result = evaluate(model, tokenizer, lora, held, end) if args.eval_tasks else {}
     if reader is not None and args.eval_tasks:

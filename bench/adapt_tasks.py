@@ -183,6 +183,7 @@ class Task:
 
     passage: str
     questions: tuple[tuple[str, str], ...]
+    lists: bool = False  # its questions ask for list_facts' keys
 
 
 def _name(rng: random.Random, used: set[str]) -> str:
@@ -284,4 +285,4 @@ def tasks(
         for sentence in planted:
             paragraphs.insert(rng.randint(0, len(paragraphs)), sentence)
         rng.shuffle(asked)
-        yield Task("\n\n".join(paragraphs), tuple(asked))
+        yield Task("\n\n".join(paragraphs), tuple(asked), as_list)

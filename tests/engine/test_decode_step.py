@@ -204,14 +204,15 @@ def test_plain_rows_step_all_layers_in_one_call_as_layer_by_layer(kv_dtype):
     """plain_step.cpp runs every layer of plain KV rows' step in one call: bit for bit the
     logits and the caches the layer-by-layer calls give (a row's answer does not depend on
     whether a memory row shares its step), for one row and for rows of different lengths (one
-    long enough for several key chunks)."""
+    long enough for several key chunks; eight rows, whose tasks take several chunks each while
+    a lone row's take one: group_chunks)."""
     model = tiny_llama("int4")
     decoder = decoder_of(model)
     assert decoder._plain is not None
-    for lengths in ((30,), (30, 600, 12)):
+    for lengths in ((30,), (30, 600, 12), (30, 2000, 12, 5, 700, 64, 1500, 300)):
         prompts = [torch.arange(n) % 300 for n in lengths]
-        one_call = [KVCacheState(model, 1024, kv_dtype) for _ in prompts]
-        by_layer = [KVCacheState(model, 1024, kv_dtype) for _ in prompts]
+        one_call = [KVCacheState(model, 2048, kv_dtype) for _ in prompts]
+        by_layer = [KVCacheState(model, 2048, kv_dtype) for _ in prompts]
         with torch.inference_mode():
             for a, b, ids in zip(one_call, by_layer, prompts, strict=True):
                 a.prefill(ids)

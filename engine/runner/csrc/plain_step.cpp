@@ -102,6 +102,7 @@ torch::Tensor plain_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                   splits[b], caches[b].size(3), jobs[b]);
       }
     }
+    da::group_chunks(jobs);
     da::run_jobs(jobs);
     float* out = attended.data_ptr<float>();
     for (int64_t b = 0; b < rows; ++b) jobs[b].result_into(out + b * heads * d);
