@@ -14,7 +14,7 @@ from fastapi.openapi.utils import get_openapi
 from engine.protocol import EngineClient
 from memory_store.client import MemoryStoreClient
 from server.drain import DrainGate, DrainState
-from server.errors import install_error_handlers
+from server.error_mapping import install_error_handlers
 from server.limits import BodySizeLimit, HeadSizeLimit, RefuseEncodedBodies
 from server.metrics import Metrics
 from server.routes import (

@@ -12,7 +12,8 @@ import anyio
 from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 
-from server.errors import error_body, from_exception, server_shutting_down
+from server.error_mapping import from_exception
+from server.errors import error_body, server_shutting_down
 from server.serving.choices import ChoiceStreams
 
 # When the server stops with streams still open (its drain timed out), each stream gets this

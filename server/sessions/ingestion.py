@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator
 from engine.protocol import EngineError, IngestProgress, StoreUnavailableError
 from memory_store.errors import StoreError
 from server.documents import Upload
-from server.errors import document_not_found, from_exception
+from server.error_mapping import from_exception
+from server.errors import document_not_found
 from server.extraction import DocumentReader
 from server.metrics import Metrics
 from server.protocol_sessions import SessionDocument

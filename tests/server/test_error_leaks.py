@@ -34,7 +34,7 @@ async def test_an_engine_failure_is_an_internal_error_with_an_id_in_the_log(
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     headers = {"Authorization": f"Bearer {API_KEY}"}
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "a b c"}]}
-    with caplog.at_level(logging.ERROR, logger="server.errors"):
+    with caplog.at_level(logging.ERROR, logger="server.error_mapping"):
         async with httpx.AsyncClient(
             transport=transport, base_url="http://t", headers=headers
         ) as http:
