@@ -41,6 +41,14 @@ questions, so the summary pairs them (McNemar), e.g. float16 against int8 in one
 prior's two matches in one run: `--variants dense='{"prior_match": "dense"}'
 hybrid='{"prior_match": "hybrid"}'`.
 
+--journal FILE appends each answered unit (one document in one mode) to FILE as it completes and
+reuses the units an earlier run answered with exactly the same request (bench/recall_journal.py):
+documents are asked one at a time in every mode, so a run stopped early still pairs, and the same
+command run again goes on where it stopped:
+
+    longserve bench recall --lengths 32768 131072 --held-out --strategies segments \
+        --modes reference truncate rag session inline --journal recall.jsonl
+
 --adapter NAME asks every question of every mode a second time through the answer adapter
 served as `<model>:NAME` (engine/runner/adapter.py), on the same session or context, as the
 rows `mode+NAME`: the adapter against the base model on the same questions, in one run.
@@ -49,6 +57,7 @@ rows `mode+NAME`: the adapter against the base model on the same questions, in o
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
@@ -70,6 +79,7 @@ from bench.recall_corpus import (
     load_token_counter,
     retrieve,
 )
+from bench.recall_journal import Journal, unit_key
 from bench.recall_report import cell_record, compare_rows, row_text
 from bench.recall_tasks import Trial, make_trial
 from bench.server_process import model_args, served
@@ -89,6 +99,7 @@ class Run:
     adapted: dict[str, Asker] = field(default_factory=dict)
     cells: dict[tuple, list[Answer]] = field(default_factory=lambda: defaultdict(list))
     read_seconds: dict[tuple, list[float]] = field(default_factory=lambda: defaultdict(list))
+    journal: Journal | None = None  # --journal: units answered before, reused when identical
 
     def ask(
         self, mode: str, strategy: str | None, trial: Trial, doc: Document
@@ -113,6 +124,63 @@ class Run:
                 answer.context_tokens = tokens
         self.read_seconds[mode, strategy].append(seconds)
         return out
+
+    def ask_unit(
+        self, mode: str, strategy: str | None, trial: Trial, doc: Document, where: dict
+    ) -> list[tuple[str, list[Answer]]]:
+        """ask(), with each answer named by question (kind:trial:index, the same in every mode),
+        taken from --journal when an earlier run sent exactly this, else asked and journaled."""
+        key = None
+        if self.journal is not None:
+            sent = self.sent(mode, strategy, doc)
+            model, budget = self.asker.model, self.args.max_tokens
+            key = unit_key(row_name(mode, strategy), sent, trial, model, budget)
+            found = self.journal.get(key)
+            if found is not None:
+                rows, seconds = found
+                if seconds is not None:
+                    self.read_seconds[mode, strategy].append(seconds)
+                self._progress(where, rows, "journal")
+                return list(rows.items())
+        out = self.ask(mode, strategy, trial, doc)
+        for _, answers in out:
+            for j, (question, answer) in enumerate(zip(trial.questions, answers, strict=True)):
+                answer.question = f"{where['kind']}:{where['trial']}:{j}"
+                answer.paraphrased = question.paraphrased
+        if self.journal is not None and key is not None:
+            reads = self.read_seconds.get((mode, strategy)) if mode == "session" else None
+            self.journal.put(key, where, dict(out), reads[-1] if reads else None)
+        self._progress(where, dict(out), "asked")
+        return out
+
+    def sent(self, mode: str, strategy: str | None, doc: Document) -> dict:
+        """What a mode sends the server besides the questions (texts by sha256): a journal
+        unit's key (bench/recall_journal.py)."""
+
+        def sha(text: str) -> str:
+            return hashlib.sha256(text.encode()).hexdigest()
+
+        if mode == "reference":
+            body: dict = {"text": sha(doc.reference)}
+        elif mode == "truncate":
+            body = {"text": sha(doc.tail)}
+        elif mode == "rag":
+            args = self.args
+            body = {"text": sha(doc.text), "rag": [args.rag_tokens, args.rag_chunk_tokens]}
+        else:
+            body = {"text": sha(doc.text), "memory": self._memory(strategy)}
+        return {**body, "adapters": sorted(self.adapted)}
+
+    @staticmethod
+    def _progress(where: dict, rows: dict[str, list[Answer]], source: str) -> None:
+        for row, answers in rows.items():
+            right = sum(a.correct for a in answers)
+            print(
+                f"{where['length']} {where['kind']}:{where['trial']} {row}/"
+                f"{where['strategy'] or '-'} {right}/{len(answers)} ({source})",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _memory(self, strategy: str | None) -> dict:
         name, _, variant = (strategy or "").partition("@")  # combos: "segments@int8"
@@ -215,50 +283,43 @@ def compare_length(run: Run, length: int) -> dict[str, dict]:
 
 
 def measure(run: Run) -> dict[str, dict]:
+    """Document-major: each document is asked in every mode and strategy before the next is
+    built, so a run stopped early (or continued from --journal) still pairs its rows."""
     args = run.args
     fit = run.info["max_model_len"] - args.reserve
-    docs: dict[tuple, tuple[Trial, Document]] = {}
     table: dict[str, dict] = {}
     for length in args.lengths:
         trials = trials_per_kind(args, length)
         for mode, strategy in combos(args):
             run.read_seconds.pop((mode, strategy), None)
-            for kind in args.kinds:
-                for i in range(trials):
-                    if (length, kind, i) not in docs:
-                        seed = f"{args.seed}:{kind}:{i}"
-                        tasks = tuple(args.tasks)
-                        trial = make_trial(seed, tasks, args.keys, args.values, args.facts)
-                        doc = build_document(trial, kind, seed, length, fit, run.count)
-                        docs[length, kind, i] = trial, doc
-                        emit({"bench": "recall", "length": length, "kind": kind, "trial": i,
-                              "document": digest("\n\n".join(doc.paragraphs))})  # fmt: skip
-                    trial, doc = docs[length, kind, i]
-                    for row, answers in run.ask(mode, strategy, trial, doc):
-                        for j, (question, answer) in enumerate(
-                            zip(trial.questions, answers, strict=True)
-                        ):
-                            answer.question = f"{kind}:{i}:{j}"
-                            answer.paraphrased = question.paraphrased
+        for kind in args.kinds:
+            for i in range(trials):
+                seed = f"{args.seed}:{kind}:{i}"
+                trial = make_trial(seed, tuple(args.tasks), args.keys, args.values, args.facts)
+                doc = build_document(trial, kind, seed, length, fit, run.count)
+                document = digest(doc.text)
+                emit({"bench": "recall", "length": length, "kind": kind, "trial": i,
+                      "document": document})  # fmt: skip
+                for mode, strategy in combos(args):
+                    where = {"length": length, "kind": kind, "trial": i, "mode": mode,
+                             "strategy": strategy, "document": document}  # fmt: skip
+                    for row, answers in run.ask_unit(mode, strategy, trial, doc, where):
+                        for question, answer in zip(trial.questions, answers, strict=True):
                             run.cells[length, kind, question.task, row, strategy].append(answer)
-                for task in args.tasks:
-                    for row in run.rows(mode):
-                        answers = run.cells[length, kind, task, row, strategy]
-                        emit(run.line(length, kind, task, row, strategy, answers))
+        for mode, strategy in combos(args):
             for task in args.tasks:
                 for row in run.rows(mode):
+                    for kind in args.kinds:
+                        answers = run.cells[length, kind, task, row, strategy]
+                        emit(run.line(length, kind, task, row, strategy, answers))
                     answers = [
                         a
                         for kind in args.kinds
                         for a in run.cells[length, kind, task, row, strategy]
                     ]
                     line = run.line(length, "all", task, row, strategy, answers)
-                    # which questions it got right, so that a run stopped before its summary
-                    # can still be paired row by row (bench/recall_report.py)
                     line["questions_right"] = sorted(a.question for a in answers if a.correct)
                     emit(line)
-        for key in [key for key in docs if key[0] == length]:
-            del docs[key]
         for name, row in compare_length(run, length).items():
             table[f"{length}/{name}"] = row
     return table
@@ -302,6 +363,7 @@ def run(args: argparse.Namespace) -> None:
         headers = {"Authorization": f"Bearer {args.api_key}"}
         with httpx.Client(base_url=f"{base}/v1", headers=headers, timeout=600) as http:
             bench = Run(args, Asker(client, card.id, args.max_tokens), http, info, count)
+            bench.journal = Journal(args.journal) if args.journal else None
             served_ids = [m.id for m in client.models.list().data]
             for adapter in args.adapter or ():
                 name = f"{card.id}:{adapter}"
@@ -309,7 +371,10 @@ def run(args: argparse.Namespace) -> None:
                     raise SystemExit(f"the server does not serve {name} (it serves {served_ids})")
                 bench.adapted[adapter] = Asker(client, name, args.max_tokens)
             table = measure(bench)
-            emit(summary(bench, table, time.perf_counter() - started))
+            record = summary(bench, table, time.perf_counter() - started)
+            if bench.journal is not None:
+                record["provenance"] = bench.journal.provenance()
+            emit(record)
 
 
 def main(argv: list[str] | None = None) -> None:

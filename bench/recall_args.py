@@ -85,6 +85,12 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
         metavar="NAME=PATH",
         help="adapter files the started server serves besides its shipped ones (its --adapter)",
     )
+    parser.add_argument(
+        "--journal",
+        metavar="FILE",
+        help="append each answered unit (a document in one mode) to FILE and reuse the units "
+        "an earlier run answered with exactly the same request (bench/recall_journal.py)",
+    )
     add_server_arguments(parser)
     args = parser.parse_args(argv)
     args.modes = args.modes or list(BASELINES + MEMORY_MODES)
