@@ -136,3 +136,89 @@ class Journal:
             "hosts": sorted({u["host"] for u in used}),
             "commits": sorted({str(u["commit"]) for u in used}),
         }
+
+
+def rows_of(units: list[dict], length: int) -> dict[str, dict[str, bool]]:
+    """{row: {question: correct}} at one length, only over the documents every row of that
+    length answered without a failed request, so the rows compare on the same questions."""
+    at = [u for u in units if u["length"] == length]
+    answered: dict[str, dict[str, dict]] = {}  # row -> document -> unit
+    for unit in at:
+        for row in unit["rows"]:
+            name = f"{row}/{unit['strategy'] or '-'}"
+            answered.setdefault(name, {})[f"{unit['kind']}:{unit['trial']}"] = unit
+    shared = set.intersection(*(set(docs) for docs in answered.values())) if answered else set()
+    out: dict[str, dict[str, bool]] = {}
+    for name, docs in answered.items():
+        row = name.rsplit("/", 1)[0]
+        out[name] = {
+            a["question"]: a["correct"]
+            for doc in sorted(shared)
+            for a in docs[doc]["rows"][row]
+            if not a.get("error")
+        }
+    return out
+
+
+def report(path: str | os.PathLike) -> list[str]:
+    """What a journal holds, read without a server: per length, each row's correct/n (Wilson
+    interval) with McNemar's exact test against every other row, on the documents every row
+    answered; questions expecting several values (multivalue) counted apart too."""
+    from bench.recall_report import compare_rows, row_text
+
+    units: dict[str, dict] = {}
+    for line in Path(path).read_text().splitlines():
+        try:
+            unit = json.loads(line)
+            units[unit["key"]] = unit
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    listed = list(units.values())
+    lengths = sorted({u["length"] for u in listed})
+    out = []
+    for length in lengths:
+        here = [u for u in listed if u["length"] == length]
+        # the reference document is the same at every length: its unit, answered at one
+        # length, is reused at the others and journaled once
+        held = {(u["kind"], u["trial"]) for u in here if u["mode"] == "reference"}
+        here += [
+            {**u, "length": length}
+            for u in listed
+            if u["mode"] == "reference" and (u["kind"], u["trial"]) not in held
+        ]
+        rows = rows_of(here, length)
+        docs = {f"{u['kind']}:{u['trial']}" for u in here}
+        out.append(f"{length}: {len(docs)} documents, rows over those every row answered")
+        out += [row_text(length, name, row) for name, row in compare_rows(rows).items()]
+        lists = {
+            name: (sum(answers[q] for q in answers if q in several), len(several & answers.keys()))
+            for name, answers in rows.items()
+            for several in [multivalue_questions(here)]
+        }
+        out.append(
+            f"{length} multivalue: " + ", ".join(f"{n} {c}/{t}" for n, (c, t) in lists.items())
+        )
+    out.append(
+        "hosts: "
+        + "; ".join(sorted({u["host"] for u in listed}))
+        + " | commits: "
+        + ", ".join(sorted({str(u["commit"]) for u in listed}))
+    )
+    return out
+
+
+def multivalue_questions(units: list[dict]) -> set[str]:
+    """The questions whose answer must hold several values."""
+    return {
+        a["question"]
+        for u in units
+        for answers in u["rows"].values()
+        for a in answers
+        if len(a["expected"]) > 1
+    }
+
+
+if __name__ == "__main__":
+    import sys
+
+    print("\n".join(report(sys.argv[1])))

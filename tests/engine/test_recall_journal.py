@@ -119,3 +119,21 @@ def test_every_mode_keys_on_what_it_sends(tmp_path, mode):
     if mode in ("inline", "session"):
         run.args.knobs = {"k": 2}
         assert run.sent(mode, "segments", doc) != sent
+
+
+def test_the_journal_reports_paired_rows_without_a_server(tmp_path, capsys):
+    """`python -m bench.recall_journal FILE`: each length's rows over the documents every row
+    answered (the reference, journaled at the first length, counts at every length)."""
+    from bench.recall_journal import report
+
+    recall.measure(make_run(tmp_path, [], lengths=(3000, 6000)))
+    path = tmp_path / "recall.jsonl"
+    # a run cut in the second length's second document: that document is left out of its rows
+    path.write_text("\n".join(path.read_text().splitlines()[:-1]) + "\n")
+    lines = report(path)
+    assert lines[0].startswith("3000: 2 documents")
+    assert any(line.startswith("3000 session/segments 2/8 (") for line in lines)
+    assert any(line.startswith("6000 reference/- 1/4 (") for line in lines)
+    assert any(line.startswith("6000 session/segments 1/4 (") for line in lines)
+    assert "3000 multivalue: " in "\n".join(lines)
+    assert lines[-1].startswith(f"hosts: {host()} | commits: ")
