@@ -138,9 +138,10 @@ class Journal:
         }
 
 
-def rows_of(units: list[dict], length: int) -> dict[str, dict[str, bool]]:
+def rows_of(units: list[dict], length: int) -> tuple[dict[str, dict[str, bool]], dict[str, str]]:
     """{row: {question: correct}} at one length, only over the documents every row of that
-    length answered without a failed request, so the rows compare on the same questions."""
+    length answered, so the rows compare on the same questions; and {row: its seconds per
+    question (and, for a session, per document read)} over them."""
     at = [u for u in units if u["length"] == length]
     answered: dict[str, dict[str, dict]] = {}  # row -> document -> unit
     for unit in at:
@@ -149,15 +150,17 @@ def rows_of(units: list[dict], length: int) -> dict[str, dict[str, bool]]:
             answered.setdefault(name, {})[f"{unit['kind']}:{unit['trial']}"] = unit
     shared = set.intersection(*(set(docs) for docs in answered.values())) if answered else set()
     out: dict[str, dict[str, bool]] = {}
+    timing: dict[str, str] = {}
     for name, docs in answered.items():
         row = name.rsplit("/", 1)[0]
-        out[name] = {
-            a["question"]: a["correct"]
-            for doc in sorted(shared)
-            for a in docs[doc]["rows"][row]
-            if not a.get("error")
-        }
-    return out
+        answers = [a for doc in sorted(shared) for a in docs[doc]["rows"][row]]
+        out[name] = {a["question"]: a["correct"] for a in answers if not a.get("error")}
+        seconds = [a["seconds"] for a in answers if not a.get("error")]
+        reads = [docs[d]["read_seconds"] for d in shared if docs[d].get("read_seconds")]
+        timing[name] = f"{sum(seconds) / max(1, len(seconds)):.1f} s/question" + (
+            f", {sum(reads) / len(reads):.0f} s/read" if reads else ""
+        )
+    return out, timing
 
 
 def report(path: str | os.PathLike) -> list[str]:
@@ -186,10 +189,11 @@ def report(path: str | os.PathLike) -> list[str]:
             for u in listed
             if u["mode"] == "reference" and (u["kind"], u["trial"]) not in held
         ]
-        rows = rows_of(here, length)
-        docs = {f"{u['kind']}:{u['trial']}" for u in here}
-        out.append(f"{length}: {len(docs)} documents, rows over those every row answered")
+        rows, timing = rows_of(here, length)
+        shared = {q.rsplit(":", 1)[0] for answers in rows.values() for q in answers}
+        out.append(f"{length}: {len(shared)} documents answered in every row")
         out += [row_text(length, name, row) for name, row in compare_rows(rows).items()]
+        out.append(f"{length} timing: " + "; ".join(f"{n} {t}" for n, t in timing.items()))
         lists = {
             name: (sum(answers[q] for q in answers if q in several), len(several & answers.keys()))
             for name, answers in rows.items()

@@ -135,5 +135,9 @@ def test_the_journal_reports_paired_rows_without_a_server(tmp_path, capsys):
     assert any(line.startswith("3000 session/segments 2/8 (") for line in lines)
     assert any(line.startswith("6000 reference/- 1/4 (") for line in lines)
     assert any(line.startswith("6000 session/segments 1/4 (") for line in lines)
+    assert "6000: 1 documents answered in every row" in lines
+    timing = next(line for line in lines if line.startswith("6000 timing: "))
+    assert "reference/- 0.5 s/question" in timing
+    assert "session/segments 0.5 s/question, 2 s/read" in "\n".join(lines)
     assert "3000 multivalue: " in "\n".join(lines)
     assert lines[-1].startswith(f"hosts: {host()} | commits: ")
