@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 
@@ -194,13 +195,14 @@ def report(path: str | os.PathLike) -> list[str]:
         out.append(f"{length}: {len(shared)} documents answered in every row")
         out += [row_text(length, name, row) for name, row in compare_rows(rows).items()]
         out.append(f"{length} timing: " + "; ".join(f"{n} {t}" for n, t in timing.items()))
-        lists = {
-            name: (sum(answers[q] for q in answers if q in several), len(several & answers.keys()))
+        several = multivalue_questions(here)
+        listed_rows = {
+            name: list_answers(here, name, several & answers.keys())
             for name, answers in rows.items()
-            for several in [multivalue_questions(here)]
         }
         out.append(
-            f"{length} multivalue: " + ", ".join(f"{n} {c}/{t}" for n, (c, t) in lists.items())
+            f"{length} multivalue (whole lists; values found; numbers invented): "
+            + ", ".join(f"{n} {w}/{t}; {f}/{v}; {i}" for n, (w, t, f, v, i) in listed_rows.items())
         )
     out.append(
         "hosts: "
@@ -209,6 +211,25 @@ def report(path: str | os.PathLike) -> list[str]:
         + ", ".join(sorted({str(u["commit"]) for u in listed}))
     )
     return out
+
+
+def list_answers(units: list[dict], name: str, asked: set[str]) -> tuple[int, int, int, int, int]:
+    """A row's multivalue answers among `asked`: (right whole, asked, values found, values
+    expected, numbers of five or more digits given that were not expected)."""
+    row, _, strategy = name.rpartition("/")
+    whole = found = values = invented = 0
+    for unit in units:
+        if (unit["strategy"] or "-") != strategy or row not in unit["rows"]:
+            continue
+        for a in unit["rows"][row]:
+            if a["question"] not in asked:
+                continue
+            given = set(re.findall(r"\d{5,}", a["text"]))
+            whole += a["correct"]
+            found += len(given & set(a["expected"]))
+            values += len(a["expected"])
+            invented += len(given - set(a["expected"]))
+    return whole, len(asked), found, values, invented
 
 
 def multivalue_questions(units: list[dict]) -> set[str]:

@@ -139,5 +139,24 @@ def test_the_journal_reports_paired_rows_without_a_server(tmp_path, capsys):
     timing = next(line for line in lines if line.startswith("6000 timing: "))
     assert "reference/- 0.5 s/question" in timing
     assert "session/segments 0.5 s/question, 2 s/read" in "\n".join(lines)
-    assert "3000 multivalue: " in "\n".join(lines)
+    assert "3000 multivalue (whole lists; values found; numbers invented): " in "\n".join(lines)
     assert lines[-1].startswith(f"hosts: {host()} | commits: ")
+
+
+def test_list_answers_count_values_found_and_numbers_invented():
+    from bench.recall_journal import list_answers
+
+    def answer(question, text, expected, correct=False):
+        return {"question": question, "text": text, "expected": expected, "correct": correct}
+
+    unit = {
+        "strategy": "segments",
+        "rows": {
+            "session": [
+                answer("news:0:0", "1. 1234567 2. 7654321 3. 7654322", ["1234567", "7654321", "555555"]),
+                answer("news:0:1", "The code is 99999.", ["99999"], correct=True),
+            ]
+        },
+    }  # fmt: skip
+    assert list_answers([unit], "session/segments", {"news:0:0"}) == (0, 1, 2, 3, 1)
+    assert list_answers([unit], "inline/segments", {"news:0:0"}) == (0, 1, 0, 0, 0)
