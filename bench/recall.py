@@ -147,7 +147,8 @@ class Run:
             for j, (question, answer) in enumerate(zip(trial.questions, answers, strict=True)):
                 answer.question = f"{where['kind']}:{where['trial']}:{j}"
                 answer.paraphrased = question.paraphrased
-        if self.journal is not None and key is not None:
+        if key is not None:  # set only with a journal
+            assert self.journal is not None
             reads = self.read_seconds.get((mode, strategy)) if mode == "session" else None
             self.journal.put(key, where, dict(out), reads[-1] if reads else None)
         self._progress(where, dict(out), "asked")
