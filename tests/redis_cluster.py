@@ -162,8 +162,8 @@ class RedisClusterProcesses:
         with self.client(port) as c:
             return str(c.execute_command("CLUSTER", "MYID"))
 
-    def primary_of(self, slot: int) -> int:
-        for node in self.view():
+    def primary_of(self, slot: int, seen_from: int | None = None) -> int:
+        for node in self.view(seen_from):
             if node.is_primary and any(slot in r for r in node.slots):
                 return node.port
         raise LookupError(f"no primary serves slot {slot}")
@@ -232,12 +232,14 @@ class RedisClusterProcesses:
         """Wait until a live primary serves `slot` (after `dead_port` was killed); its port."""
 
         def promoted() -> bool:
+            # Over only when every live node names the same new primary: a client that asks a
+            # node still naming the dead one would be sent there (a 503 after "failover").
             try:
-                port = self.primary_of(slot)
-                with self.client(port) as c:
-                    return port != dead_port and "cluster_state:ok" in c.execute_command(
-                        "CLUSTER", "INFO"
-                    )
+                seen = {self.primary_of(slot, seen_from=p) for p in self.running()}
+                if len(seen) != 1 or dead_port in seen:
+                    return False
+                with self.client(seen.pop()) as c:
+                    return "cluster_state:ok" in c.execute_command("CLUSTER", "INFO")
             except (redis.RedisError, LookupError):
                 return False
 
