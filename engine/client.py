@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import os
-import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -21,8 +19,6 @@ from typing import Any
 import torch
 
 from engine.caches.kv_prefix import KVPrefixCache, PromptReuse
-from engine.caches.prefix_cache import summed
-from engine.caches.prefix_store import PrefixStoreStats
 from engine.caches.store import StoreBridge, model_fingerprint
 from engine.config import EngineConfig
 from engine.protocol import (
@@ -50,6 +46,7 @@ from engine.runner.decode_step import decoder_of
 from engine.runner.generate import Generation, running_generation, step_batch
 from engine.runner.grammar import Grammars
 from engine.runner.loader import LoadedModel, load_model
+from engine.runner.sampling import check_sampling
 from engine.runner.tool_template import tool_format
 from engine.scheduler.heap import trim_heap
 from engine.scheduler.preprocess import Preprocessor, lower_thread_priority
@@ -60,27 +57,8 @@ from engine.sessions.backend import Decoding, SessionBackend
 from engine.sessions.conversation import check_memory_cap
 from engine.sessions.frame_backend import FrameBackend
 from engine.sessions.larimar import LarimarBackend
+from engine.stats import engine_stats
 from memory_store.client import MemoryStoreClient
-
-MAX_TOP_LOGPROBS = 20
-
-
-def _validate_sampling(sampling: SamplingParams) -> None:
-    def bad(msg: str, param: str) -> InvalidRequest:
-        return InvalidRequest(msg, param=param)
-
-    if sampling.max_tokens < 1:
-        raise bad("max_tokens must be at least 1", "max_tokens")
-    if not sampling.temperature >= 0.0:
-        raise bad("temperature must be >= 0", "temperature")
-    if not 0.0 < sampling.top_p <= 1.0:
-        raise bad("top_p must be in (0, 1]", "top_p")
-    if sampling.top_k < 0:
-        raise bad("top_k must be >= 0 (0 disables it)", "top_k")
-    if not 0 <= sampling.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
-    if not all(isinstance(s, str) for s in sampling.stop):
-        raise bad("stop must be a list of strings", "stop")
 
 
 class LocalEngine:
@@ -217,7 +195,7 @@ class LocalEngine:
         token_limit: int | None = None,
     ) -> PreparedPrompt:
         self._worker.check_alive()
-        _validate_sampling(sampling)
+        check_sampling(sampling)
 
         def prepare() -> PreparedPrompt:
             if sampling.response_format is not None:
@@ -239,7 +217,7 @@ class LocalEngine:
         adapter: str | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         self._worker.check_alive()
-        _validate_sampling(sampling)
+        check_sampling(sampling)
         answers = self._adapter(adapter)
         prepared: torch.Tensor | None = None
         if isinstance(prompt, PreparedPrompt):  # tokenized, its grammar compiled
@@ -354,32 +332,7 @@ class LocalEngine:
         return EngineHealth(ok=True, detail=f"{self._info.id} on {self.loaded.device}")
 
     def stats(self) -> EngineStats:
-        sessions = list(self._frame_backend.conversations.values())
-        prefixes = summed(self._frame_backend.prefixes.stats(), self._kv_prefixes.stats())
-        shared = self._frame_backend.prefix_store
-        stored = shared.stats() if shared is not None else PrefixStoreStats()
-        return EngineStats(
-            num_requests_running=self._worker.num_running,
-            num_requests_waiting=self._worker.num_waiting,
-            sessions_active=len(sessions),
-            memory_tokens=sum(int(s.memory.num_tokens) for s in sessions),
-            sessions_offloaded=sum(1 for s in sessions if s.memory.offloaded),
-            sessions_on_disk=sum(1 for s in sessions if s.memory.on_disk),
-            memory_disk_bytes=arena.used if (arena := self._frame_backend.arena) else 0,
-            prefix_cache_hits=prefixes.hits,
-            prefix_cache_misses=prefixes.misses,
-            prefix_cache_tokens_reused=prefixes.tokens_reused,
-            prefix_cache_evictions=prefixes.evictions,
-            prefix_cache_entries=prefixes.entries,
-            prefix_cache_bytes=prefixes.bytes,
-            prefix_cache_store_hits=stored.hits,
-            prefix_cache_store_tokens_imported=stored.tokens_imported,
-            prefix_cache_store_chunks_written=stored.chunks_written,
-            prefix_cache_store_failures=stored.failures,
-            grammars_compiled=self._grammars.compiled,
-            grammar_cache_hits=self._grammars.cache_hits,
-            grammar_compile_seconds=self._grammars.compile_seconds_total,
-        )
+        return engine_stats(self._worker, self._frame_backend, self._kv_prefixes, self._grammars)
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self._worker.stop)
@@ -425,32 +378,3 @@ def _can_batch(steps: Any) -> bool:
     """Whether a job's steps are at a decode step of a Generation (any path)."""
     generation = running_generation(steps)
     return generation is not None and generation.batch_ready
-
-
-def start_engine(config: EngineConfig, store: MemoryStoreClient | None = None) -> LocalEngine:
-    """A LocalEngine built on a thread that ends once it is built, so that the device thread is
-    the only live thread that has run parallel torch work. Loading runs OpenMP parallel
-    regions; the team a live thread keeps outnumbers this machine's cores next to the device
-    thread's, libgomp then stops spinning between regions, and every small matmul of a
-    decode step waits to wake its threads: a step took 30 ms instead of 19 ms here
-    (docs/decisions/034)."""
-    built: dict[str, Any] = {}
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    # tokenizers' own thread pool would take every core for one prompt, at the caller's
-    # priority, not the preprocessing thread's (docs/decisions/061); an operator may set it
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-    def build() -> None:
-        try:
-            built["engine"] = LocalEngine(config, store=store)
-        except BaseException as e:  # re-raised on the caller's thread
-            built["error"] = e
-
-    loader = threading.Thread(target=build, name="longserve-load")
-    loader.start()
-    loader.join()
-    if "error" in built:
-        raise built["error"]
-    engine: LocalEngine = built["engine"]
-    return engine

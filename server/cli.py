@@ -170,8 +170,8 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         return EXIT_BAD_CONFIG
 
-    from engine.client import start_engine
     from engine.config import EngineConfig
+    from engine.start import start_engine
     from server.app import build_app
     from server.drain import serve
 

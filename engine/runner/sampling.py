@@ -10,7 +10,29 @@ from __future__ import annotations
 
 import torch
 
-from engine.protocol import SamplingParams
+from engine.protocol import InvalidRequest, SamplingParams
+
+MAX_TOP_LOGPROBS = 20
+
+
+def check_sampling(sampling: SamplingParams) -> None:
+    """InvalidRequest, naming the parameter, for sampling settings no request may use."""
+
+    def bad(msg: str, param: str) -> InvalidRequest:
+        return InvalidRequest(msg, param=param)
+
+    if sampling.max_tokens < 1:
+        raise bad("max_tokens must be at least 1", "max_tokens")
+    if not sampling.temperature >= 0.0:
+        raise bad("temperature must be >= 0", "temperature")
+    if not 0.0 < sampling.top_p <= 1.0:
+        raise bad("top_p must be in (0, 1]", "top_p")
+    if sampling.top_k < 0:
+        raise bad("top_k must be >= 0 (0 disables it)", "top_k")
+    if not 0 <= sampling.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+    if not all(isinstance(s, str) for s in sampling.stop):
+        raise bad("stop must be a list of strings", "stop")
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:

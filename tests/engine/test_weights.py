@@ -63,8 +63,8 @@ async def test_the_engine_serves_with_lower_precision_linears(
 async def test_start_engine_builds_off_thread_and_raises_its_errors(tiny_model_dir, tmp_path):
     import pytest
 
-    from engine.client import start_engine
     from engine.runner.loader import ModelLoadError
+    from engine.start import start_engine
 
     engine = start_engine(EngineConfig(model=str(tiny_model_dir), device="cpu"))
     try:
@@ -80,7 +80,7 @@ async def test_start_engine_builds_off_thread_and_raises_its_errors(tiny_model_d
 async def test_start_engine_sets_torch_threads_from_the_config(tiny_model_dir):
     """Replicas sharing a machine split its cores (decision 061): threads=N is what torch
     then runs the model's arithmetic on; 0 leaves torch's default."""
-    from engine.client import start_engine
+    from engine.start import start_engine
 
     before = torch.get_num_threads()
     try:
