@@ -9,7 +9,8 @@ from typing import Any, Generic, TypeVar
 
 from engine.protocol import GenerationDelta, RequestStats
 from engine.scheduler.fair import session_tenant
-from engine.scheduler.worker import Collector, Job, Steps, Worker
+from engine.scheduler.jobs import Collector, Job, Steps
+from engine.scheduler.worker import Worker
 
 T = TypeVar("T")
 

@@ -10,8 +10,8 @@ on any path: the engine's `can_batch`), through the engine's `run_batch`. With a
 `decode_share`, a reading step of t seconds is followed by batched steps only, for
 t * share / (1 - share) seconds, so streams beside a long read get several tokens per reading
 chunk instead of one. Jobs that use the same session run one at a time, in arrival order. A
-job's outputs go to its `Collector`, which hands them to the asyncio loop with
-`call_soon_threadsafe`; no torch runs in async code.
+job's outputs go to its `Collector` (engine/scheduler/jobs.py), which hands them to the asyncio
+loop with `call_soon_threadsafe`; no torch runs in async code.
 
 Failures: an exception inside a job's step ends that job only (its consumer gets an EngineError).
 When a batched step fails as a whole, its jobs run that step again one by one, so only the job
@@ -21,86 +21,19 @@ with EngineDead, and so does every later call.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import concurrent.futures
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from engine.protocol import EngineDead, EngineError
-from engine.scheduler.fair import ANONYMOUS, FairQueue
+from engine.scheduler.fair import FairQueue
+from engine.scheduler.jobs import Job
 
 logger = logging.getLogger(__name__)
-
-_ITEM, _ERROR, _END = "item", "error", "end"
-
-
-class Collector:
-    """Per-request mailbox: filled from the worker thread, drained by one async consumer."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        self.closed = False  # set once _END or _ERROR was delivered
-
-    def _put(self, kind: str, value: Any) -> None:
-        # A closed loop raises RuntimeError: the consumer is gone, nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, (kind, value))
-
-    def put(self, item: Any) -> None:
-        self._put(_ITEM, item)
-
-    def fail(self, error: BaseException) -> None:
-        if not self.closed:
-            self.closed = True
-            self._put(_ERROR, error)
-
-    def end(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self._put(_END, None)
-
-    async def get(self) -> tuple[bool, Any]:
-        """(True, item) for the next output, (False, None) at the end; raises a job's error."""
-        kind, value = await self._queue.get()
-        if kind == _ERROR:
-            raise value
-        return (kind == _ITEM), value
-
-
-class Steps(Protocol):
-    """A job's work: each `next()` is one step, yielding an output for the collector or None
-    for a quiet step; `close()` stops it early and frees its state (generators have both)."""
-
-    def __iter__(self) -> Iterator[Any]: ...
-
-    def __next__(self) -> Any: ...
-
-    def close(self) -> None: ...
-
-
-@dataclass(eq=False)
-class Job:
-    request_id: str
-    steps: Steps
-    collector: Collector
-    session_id: str | None = None
-    tenant: str = ANONYMOUS  # whose job it is: the unit of fair share
-    # The output to send when the job is aborted (e.g. a delta with finish_reason "abort"),
-    # given the last output sent; None sends nothing and just ends the stream.
-    on_abort: Callable[[Any], Any] | None = None
-    # Error to raise to the consumer when aborted (e.g. SessionNotFound after drop_session).
-    abort_error: BaseException | None = None
-    aborted: bool = False
-    last_output: Any = None
-    last_turn: int = 0  # the loop iteration in which it last ran a step on its own
-
 
 RunBatch = Callable[[list[Any]], Sequence[Any]]
 """Runs the next step of several jobs' steps (each `batch_ready`) together: one output (or

@@ -14,7 +14,8 @@ import torch
 from engine.protocol import EngineError, SamplingParams
 from engine.runner.decode_state import KVCacheState, decode_batch
 from engine.runner.generate import Generation, step_batch
-from engine.scheduler.worker import Collector, Job, Worker
+from engine.scheduler.jobs import Collector, Job
+from engine.scheduler.worker import Worker
 from tests.engine.helpers import record_batches
 
 LOGITS_ATOL = 1e-4

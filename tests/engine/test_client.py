@@ -19,7 +19,8 @@ from engine.protocol import (
 )
 from engine.runner.chat_template import encode_chat
 from engine.runner.loader import ModelLoadError, embedded_model_path, load_model
-from engine.scheduler.worker import Collector, Job, Worker
+from engine.scheduler.jobs import Collector, Job
+from engine.scheduler.worker import Worker
 from tests.helpers import protocol_mismatches
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

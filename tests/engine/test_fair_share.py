@@ -14,7 +14,8 @@ import pytest
 from engine.config import EngineConfig
 from engine.protocol import EngineOverloaded
 from engine.scheduler.fair import session_tenant
-from engine.scheduler.worker import Collector, Job, Worker
+from engine.scheduler.jobs import Collector, Job
+from engine.scheduler.worker import Worker
 from tests.helpers import wait_until
 
 
