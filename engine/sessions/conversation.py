@@ -203,6 +203,41 @@ class Conversation:
             encoding=encoding,
         )
 
+    def end_request(
+        self,
+        mark: MemoryMark,
+        hash_before: str | None,
+        new: list[Turn] | None,
+        restart: bool,
+        tail: list[int],
+        answer: str,
+        *,
+        finished: bool,
+        max_bytes: int,
+    ) -> SessionTurn | None:
+        """After a request: the turn it took, or None when it left nothing or did not finish.
+
+        A finished request has read its whole turn (the end of turn fed in batched steps). An
+        aborted or failed one is forgotten (`drop_turn`) unless some of it reached memory;
+        then `tail` (what it generated and the end of turn, unread) is read too, so the memory
+        still holds whole turns, and the turn waits in `unsent` for the next finished request."""
+        self.last_used = time.monotonic()
+        if not finished and self.drop_turn(mark):
+            return None
+        if tail:
+            try:
+                with torch.inference_mode():
+                    self.memory.append(torch.tensor(tail, dtype=torch.long))
+            except Exception:
+                logger.exception("closing a turn of a session failed")
+        if new is not None:
+            self.add_turns(new, answer)
+        turn = self.finish_turn(restart, new, answer, hash_before, max_bytes)
+        if not finished:
+            self.unsent.append(turn)
+            return None
+        return turn
+
     def take_unsent(self, turn: SessionTurn) -> tuple[SessionTurn, ...]:
         """`turn`, after any turn kept here that no finished request carried out yet."""
         turns, self.unsent = (*self.unsent, turn), []

@@ -10,7 +10,6 @@ table is written on the device thread only.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from collections.abc import AsyncIterator, Callable, Generator
 from typing import TYPE_CHECKING, Literal
@@ -20,11 +19,10 @@ import torch
 from engine.caches.prefix_cache import PrefixCache, reading_units
 from engine.caches.prefix_store import PrefixStore
 from engine.caches.store import StoreBridge, document_id
-from engine.caches.store import ingest_steps as store_ingest_steps
 from engine.config import EngineConfig
 from engine.memory.mapped import disk_arena
 from engine.memory.projections import Projections
-from engine.memory.session import STRATEGIES, MemoryMark, SessionMemory
+from engine.memory.session import STRATEGIES, SessionMemory
 from engine.protocol import (
     CollectionAttachment,
     GenerationDelta,
@@ -38,7 +36,6 @@ from engine.protocol import (
     SessionTurn,
 )
 from engine.runner.adapter import AnswerAdapter
-from engine.runner.chat_template import Turn, encode_document
 from engine.runner.generate import Generation
 from engine.scheduler.stream import aborted_delta, on_device, submit
 from engine.scheduler.worker import Worker
@@ -46,14 +43,13 @@ from engine.sessions.backend import Decoding
 from engine.sessions.conversation import Conversation, check_memory_cap, turn_prompt
 from engine.sessions.document_collections import DocumentCollections
 from engine.sessions.frame_text import FrameTextState, answering
+from engine.sessions.ingest import read_document_steps
 from engine.sessions.memory_state import MemoryState
 from engine.sessions.prior_query import prior_encoder, prior_query
-from engine.sessions.tiers import check_disk_room, offload_idle, spill_past_budget
+from engine.sessions.tiers import offload_idle, spill_past_budget
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-logger = logging.getLogger(__name__)
 
 
 class FrameBackend:
@@ -332,47 +328,21 @@ class FrameBackend:
             if self.conversations.get(session_id) is session:
                 if isinstance(state, FrameTextState):
                     state.flush()  # the answer read afresh joins the memory
-                turn = self._end_turn(session, generation, mark, hash_before, new, restart, final)
+                turn = session.end_request(
+                    mark,
+                    hash_before,
+                    new,
+                    restart,
+                    generation.unread_tail(),
+                    generation.text,
+                    finished=final is not None,
+                    max_bytes=self.config.max_turn_encoding_bytes,
+                )
                 session.memory.end_request()
         if final is not None and turn is not None:
             yield dataclasses.replace(final, turns=session.take_unsent(turn))
         elif final is not None:
             yield final
-
-    def _end_turn(
-        self,
-        session: Conversation,
-        generation: Generation,
-        mark: MemoryMark,
-        hash_before: str | None,
-        new: list[Turn] | None,
-        restart: bool,
-        final: GenerationDelta | None,
-    ) -> SessionTurn | None:
-        """After a request on a session: the turn it took, or None when it left nothing.
-
-        A finished request has read its whole turn (the end of turn fed in batched steps). An
-        aborted or failed one is forgotten (`drop_turn`) unless some of it reached memory;
-        then what it generated and the end of turn are read too, so the memory still holds
-        whole turns, and the turn waits in `unsent` for the next finished request."""
-        session.last_used = time.monotonic()
-        if final is None and session.drop_turn(mark):
-            return None
-        tail = generation.unread_tail()
-        if tail:
-            try:
-                with torch.inference_mode():
-                    session.memory.append(torch.tensor(tail, dtype=torch.long))
-            except Exception:
-                logger.exception("closing a turn of a session failed")
-        if new is not None:
-            session.add_turns(new, generation.text)
-        limit = self.config.max_turn_encoding_bytes
-        turn = session.finish_turn(restart, new, generation.text, hash_before, limit)
-        if final is None:
-            session.unsent.append(turn)
-            return None
-        return turn
 
     def _ingest_steps(
         self, request_id: str, session_id: str, text: str
@@ -380,47 +350,22 @@ class FrameBackend:
         self._ingest_ids.add(request_id)
         session = self.conversations.get(session_id)
         try:
-            started = time.perf_counter()
             if session is None:
                 raise SessionNotFound(f"session {session_id!r} has no memory")
-            ids = encode_document(self.decoding.tokenizer, text, session.rendered)
-            check_memory_cap(session.memory.num_tokens + len(ids), self.config.max_memory_tokens)
-            check_disk_room(session.memory, len(ids), self.config.session_ram_bytes)
-            yield IngestProgress(0, len(ids), time.perf_counter() - started, done=not ids)
-            session.memory.reserve(len(ids))  # its blocks' room at once, not by doubling
-            if self._store is not None and ids:
-                yield from store_ingest_steps(
-                    self._store,
-                    self._model_fingerprint,
-                    session.memory,
-                    ids,
-                    session_id=session_id,
-                    doc_id=document_id(request_id),
-                    decode=lambda piece: str(self.decoding.tokenizer.decode(piece)),
-                    started=started,
-                    on_read=lambda: self._read_document(session, text),
-                )
-                return
-            chunk = self.config.prefill_chunk_tokens
-            doc = torch.tensor(ids, dtype=torch.long)  # (T,)
-            for start in range(0, len(ids), chunk):
-                with torch.inference_mode():
-                    session.memory.append(doc[start : start + chunk], document=True)
-                done = min(start + chunk, len(ids))
-                if done == len(ids):
-                    self._read_document(session, text)
-                yield IngestProgress(
-                    done, len(ids), time.perf_counter() - started, done=done == len(ids)
-                )
+            yield from read_document_steps(
+                session,
+                text,
+                self.decoding.tokenizer,
+                self.config,
+                self._store,
+                self._model_fingerprint,
+                session_id=session_id,
+                doc_id=document_id(request_id),
+            )
         finally:
             self._ingest_ids.discard(request_id)
             if session is not None:
                 session.last_used = time.monotonic()
-
-    @staticmethod
-    def _read_document(session: Conversation, text: str) -> None:
-        """A document was read whole: later turns continue after it."""
-        session.read_document(("user", text))
 
     def offload_idle(self) -> None:
         """Worker housekeeping (device thread): idle sessions to host memory, and past the
