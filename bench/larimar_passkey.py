@@ -45,7 +45,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.runner.loader import load_model
-from engine.sessions.larimar import LarimarParams, LarimarReader, split_context
+from engine.sessions.larimar import LarimarParams, LarimarReader
+from engine.sessions.larimar_prompt import split_context
 from memory_store.backends import EmbeddedBackend
 from memory_store.embedder import default_embedder
 

@@ -9,11 +9,9 @@ import pytest
 import torch
 
 from engine.protocol import InvalidRequest, MemorySpec
-from engine.sessions.larimar import (
-    LarimarParams,
-    LarimarReader,
+from engine.sessions.larimar import LarimarParams, LarimarReader, parse_larimar_spec
+from engine.sessions.larimar_prompt import (
     conditioned,
-    parse_larimar_spec,
     reading_query,
     retrieved_sentences,
     split_context,
