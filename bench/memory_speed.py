@@ -29,7 +29,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.memory.band import read_dtype
-from engine.memory.session import STRATEGIES, SessionMemory
+from engine.memory.session import SessionMemory
+from engine.memory.strategies import STRATEGIES
 from engine.protocol import MemorySpec
 from engine.runner.decode_state import KVCacheState
 from engine.runner.decode_step import decode_rows

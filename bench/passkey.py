@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.memory.session import STRATEGIES, SessionMemory
+from engine.memory.session import SessionMemory
+from engine.memory.strategies import STRATEGIES
 from engine.protocol import MemorySpec
 from engine.runner.loader import load_model
 from engine.sessions.frame_text import FrameTextState

@@ -1,7 +1,8 @@
 """The session memory: documents longer than the model's window, read into a per-session
 memory that every forward attends to through a frame (docs/architecture.md section 3).
 
-    session.py     SessionMemory, STRATEGIES - the only interface the rest of engine/ uses
+    session.py     SessionMemory - the only interface the rest of engine/ uses
+    strategies.py  STRATEGIES, and the selector each plugs into the frame
     transfer.py    a memory's encodings out to the memory store and back in, and its turns
     decode_row.py  a memory's one-token append as a row of a batched decode forward
     frame.py       Frame: the frame [sinks | retrieved | local window | chunk], one layer's

@@ -23,12 +23,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from engine.memory.config import (
-    NeurocacheConfig,
-    SegmentsConfig,
-    TokensConfig,
-    parse_memory_spec,
-)
+from engine.memory.config import parse_memory_spec
 from engine.memory.decode_row import MemoryRow
 from engine.memory.frame import Frame
 from engine.memory.frame_state import FrameMark
@@ -36,13 +31,11 @@ from engine.memory.mapped import DiskArena
 from engine.memory.prior import TextPrior
 from engine.memory.projections import Projections
 from engine.memory.rotary import RotaryTable
-from engine.memory.selector import Selector
+from engine.memory.strategies import new_selector
 from engine.memory.transfer import EncodingTransfer
 from engine.protocol import InvalidRequest, MemorySpec
 from engine.runner.attention import FRAME_KWARG, require_longserve_attention
 from memory_store.client import TextEncoder, chain_hash
-
-STRATEGIES: tuple[str, ...] = ("segments", "tokens", "neurocache")
 
 
 @dataclass(frozen=True)
@@ -90,21 +83,9 @@ class SessionMemory(EncodingTransfer):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         param = next(model.parameters())
         dtype, device = param.dtype, param.device
-        selector: Selector
-        if isinstance(self.config, SegmentsConfig):
-            from engine.memory.segments import SegmentSelector
-
-            selector = SegmentSelector(self.config, num_layers, kv_heads, head_dim, dtype, device)
-        elif isinstance(self.config, TokensConfig):
-            from engine.memory.tokens import TokenSelector
-
-            selector = TokenSelector(self.config, num_layers, kv_heads, head_dim, device)
-        elif isinstance(self.config, NeurocacheConfig):
-            from engine.memory.neurocache import NeurocacheSelector
-
-            selector = NeurocacheSelector(self.config, model, projections)
-        else:  # pragma: no cover - parse_memory_spec only returns the three above
-            raise InvalidRequest(f"unknown strategy {self.strategy}", param="memory.strategy")
+        selector = new_selector(
+            self.config, model, projections, (num_layers, kv_heads, head_dim), dtype, device
+        )
         self._selector = selector
         self._frame = Frame(
             self.config,

@@ -22,7 +22,8 @@ from engine.caches.store import StoreBridge, document_id
 from engine.config import EngineConfig
 from engine.memory.mapped import disk_arena
 from engine.memory.projections import Projections
-from engine.memory.session import STRATEGIES, SessionMemory
+from engine.memory.session import SessionMemory
+from engine.memory.strategies import STRATEGIES
 from engine.protocol import (
     CollectionAttachment,
     GenerationDelta,

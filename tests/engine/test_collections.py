@@ -14,7 +14,8 @@ import memory_store.embedder
 from engine.caches import ingest_cli
 from engine.client import LocalEngine
 from engine.config import EngineConfig
-from engine.memory.session import STRATEGIES, SessionMemory
+from engine.memory.session import SessionMemory
+from engine.memory.strategies import STRATEGIES
 from engine.protocol import (
     CollectionIncompatible,
     CollectionNotFound,

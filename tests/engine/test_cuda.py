@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.memory.session import STRATEGIES, SessionMemory
+from engine.memory.session import SessionMemory
+from engine.memory.strategies import STRATEGIES
 from engine.protocol import MemorySpec, SamplingParams
 from engine.runner.loader import load_model
 

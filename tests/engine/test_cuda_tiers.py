@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from engine.memory.mapped import DiskArena
-from engine.memory.session import STRATEGIES, SessionMemory
+from engine.memory.session import SessionMemory
+from engine.memory.strategies import STRATEGIES
 from engine.protocol import MemorySpec
 from engine.runner.adapter import read_adapter
 from engine.runner.decode_state import decode_batch

@@ -18,7 +18,8 @@ import torch
 from engine.config import EngineConfig
 from engine.memory.buffers import GrowingBuffer
 from engine.memory.mapped import DiskArena, buffer, disk_arena, spilled
-from engine.memory.session import STRATEGIES, SessionMemory
+from engine.memory.session import SessionMemory
+from engine.memory.strategies import STRATEGIES
 from engine.protocol import InvalidRequest, MemoryBudgetExceeded, MemorySpec
 from engine.sessions.tiers import spill_past_budget
 from server.app import build_app

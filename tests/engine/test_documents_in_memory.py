@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.memory.session import STRATEGIES, SessionMemory
+from engine.memory.session import SessionMemory
+from engine.memory.strategies import STRATEGIES
 from engine.protocol import MemorySpec
 
 from .test_memory_frame import ATOL, tiny

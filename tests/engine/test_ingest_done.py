@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.memory.session import STRATEGIES
+from engine.memory.strategies import STRATEGIES
 from engine.protocol import MemorySpec, SamplingParams, StoreUnavailableError
 from engine.scheduler.stream import on_device
 from memory_store.errors import StoreUnavailableError as StoreDown

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from engine.memory.quantized import QuantizedBuffer, quantize
-from engine.memory.session import STRATEGIES, SessionMemory
+from engine.memory.session import SessionMemory
+from engine.memory.strategies import STRATEGIES
 from engine.protocol import InvalidRequest, MemorySpec
 from engine.runner.cpu_attention import load_kernel
 from memory_store.encodings import decode_chunk, encode_chunk

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine.memory.projections import Projections
-from engine.memory.session import STRATEGIES, SessionMemory
+from engine.memory.session import SessionMemory
+from engine.memory.strategies import STRATEGIES
 from engine.protocol import InvalidRequest, MemorySpec
 
 from .test_memory_frame import ATOL, FITS, reference_logits, tiny

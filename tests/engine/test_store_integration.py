@@ -15,7 +15,8 @@ import torch
 from engine.caches.store import StoreBridge
 from engine.client import LocalEngine
 from engine.config import EngineConfig
-from engine.memory.session import STRATEGIES, SessionMemory
+from engine.memory.session import SessionMemory
+from engine.memory.strategies import STRATEGIES
 from engine.protocol import MemorySpec, SamplingParams, StoreUnavailableError
 from memory_store.encodings import decode_chunk, encode_chunk
 from memory_store.errors import StoreUnavailableError
