@@ -244,6 +244,11 @@ def multivalue_questions(units: list[dict]) -> set[str]:
 
 
 if __name__ == "__main__":
-    import sys
+    import argparse
 
-    print("\n".join(report(sys.argv[1])))
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.recall_journal",
+        description="Print a `bench recall --journal` file's paired rows, without a server.",
+    )
+    parser.add_argument("journal", help="the JSON-lines journal a recall run wrote")
+    print("\n".join(report(parser.parse_args().journal)))
