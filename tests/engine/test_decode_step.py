@@ -302,7 +302,7 @@ def test_other_architectures_keep_transformers_forward():
 
 @pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler or ninja to build the kernel")
 @pytest.mark.parametrize("keys", [1, 7, 255, 1000])
-@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("group", [1, 2, 3, 4])  # up to 3 read each key once (AVX2, AVX-512)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_the_cpu_kernel_is_sdpa(keys, group, dtype):
     """float16 keys and values (a float16 KV cache) are widened as read: SDPA over the same
@@ -319,8 +319,9 @@ def test_the_cpu_kernel_is_sdpa(keys, group, dtype):
 
 
 @pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler or ninja to build the kernel")
-# no 8-wide path; 8 lanes (AVX2); 16 lanes with 3 vectors of accumulators, or 4 and then 1
-@pytest.mark.parametrize("d", [36, 200, 48, 80, 128])
+# no 8-wide path; 8 lanes (AVX2; 32 at a time for 64 and 128); 16 lanes with 3 vectors of
+# accumulators, or 4 and then 1
+@pytest.mark.parametrize("d", [36, 200, 48, 80, 128, 64])
 def test_the_cpu_kernel_takes_other_head_dims(d):
     torch.manual_seed(d)
     query, keys, values = torch.randn(2, 3, d), torch.randn(2, 300, d), torch.randn(2, 300, d)

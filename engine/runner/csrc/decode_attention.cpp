@@ -250,6 +250,7 @@ void accumulate(const float* weights, const float* const* v, int64_t n, int64_t 
 }
 
 #include "pieces_avx512.h"
+#include "plain_avx2.h"
 
 // The (kv head, key chunk) tasks' partial results merged by their log-sum-exp: acc (heads,
 // splits, group, d), maxes and sums (heads, splits, group) -> out (heads, group, d)
@@ -287,6 +288,7 @@ torch::Tensor merge_splits(const torch::Tensor& acc, const torch::Tensor& maxes,
 struct TaskScratch {
   int64_t group = -1, d = -1;
   std::vector<float> scores, kbuf, vbuf;  // a block's scores; float16 rows, widened
+  std::vector<float> state;               // a task's running softmax (Running)
 #ifdef LONGSERVE_PIECES_AVX512
   std::unique_ptr<pieces512::Scratch> wide;  // for d a multiple of 16
 #endif
@@ -294,10 +296,35 @@ struct TaskScratch {
     if (g == group && dim == d) return;
     group = g, d = dim;
     scores.assign(g * kBlock, 0.f), kbuf.assign(kBlock * dim, 0.f), vbuf.assign(kBlock * dim, 0.f);
+    state.assign(g * dim + 2 * g, 0.f);
 #ifdef LONGSERVE_PIECES_AVX512
     wide = dim % 16 == 0 ? std::make_unique<pieces512::Scratch>(g, dim) : nullptr;
 #endif
   }
+};
+
+// A task's running softmax (maxes m, sums l, accumulators a of its group's queries) held in the
+// thread's scratch while the task runs, and written to the job's slot once, at its end: the
+// slots of tasks on the other thread share cache lines with it, and writing them at every block
+// made the cores trade those lines back and forth (docs/decisions/096).
+struct Running {
+  float *m, *l, *a;  // the task's own copy
+  float *slot_m, *slot_l, *slot_a;
+  int64_t group, d;
+  Running(TaskScratch& x, float* m_, float* l_, float* a_, int64_t group_, int64_t d_)
+      : slot_m(m_), slot_l(l_), slot_a(a_), group(group_), d(d_) {
+    m = x.state.data(), l = m + group, a = l + group;
+    std::copy(slot_m, slot_m + group, m);
+    std::copy(slot_l, slot_l + group, l);
+    std::copy(slot_a, slot_a + group * d, a);
+  }
+  ~Running() {
+    std::copy(m, m + group, slot_m);
+    std::copy(l, l + group, slot_l);
+    std::copy(a, a + group * d, slot_a);
+  }
+  Running(const Running&) = delete;
+  Running& operator=(const Running&) = delete;
 };
 
 // Every task of every job (a DecodeJob or a PiecesJob: its tasks() and run(task, scratch)),

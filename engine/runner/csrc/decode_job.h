@@ -56,8 +56,9 @@ struct DecodeJob {
     const float* qh = q + h * group * d;
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t part = h * splits + c, end = std::min(keys, (c + 1) * chunk);
-      run_chunk(kp, vp, h, c * chunk, end, last, qh, acc.data() + part * group * d,
-                maxes.data() + part * group, sums.data() + part * group, x);
+      Running r(x, maxes.data() + part * group, sums.data() + part * group,
+                acc.data() + part * group * d, group, d);
+      run_chunk(kp, vp, h, c * chunk, end, last, qh, r.a, r.m, r.l, x);
     }
   }
 
@@ -77,6 +78,20 @@ struct DecodeJob {
         piece.ahead = b0 + 2 * kBlock <= last ? kBlock * d : 0;
         pieces512::fold_block<T>(piece, next, b0, n, qh, keys, group, d, sc, nullptr, *x.wide, m,
                                  l, a);
+        continue;
+      }
+#endif
+#ifdef LONGSERVE_PLAIN_AVX2
+      const T* kheld[kBlock];  // the block's rows where they are held
+      const T* vheld[kBlock];
+      for (int64_t j = 0; j < n; ++j) {
+        kheld[j] = kp + h * ks + (b0 + j) * d;
+        vheld[j] = vp + h * vs + (b0 + j) * d;
+      }
+      // the next block's rows prefetched beside this block's, as the AVX-512 path does
+      const int64_t ahead = b0 + 2 * kBlock <= last ? kBlock * d : 0;
+      if (plain256::fold_rows<T>(kheld, vheld, n, qh, group, d, sc, x.scores.data(),
+                                 x.kbuf.data(), m, l, a, ahead)) {
         continue;
       }
 #endif

@@ -94,9 +94,9 @@ struct PiecesJob {
     const float* vrows[kBlock];
     const int64_t h = task / splits, first = (task % splits) * chunk;
     const int64_t last = std::min(total, first + chunk);
-    float* a = acc.data_ptr<float>() + task * group * d;
-    float* m = maxes.data_ptr<float>() + task * group;
-    float* l = sums.data_ptr<float>() + task * group;
+    Running r(x, maxes.data_ptr<float>() + task * group, sums.data_ptr<float>() + task * group,
+              acc.data_ptr<float>() + task * group * d, group, d);
+    float *a = r.a, *m = r.m, *l = r.l;
     int64_t offset = 0;  // of piece i in the pieces' keys taken one after the other
     for (size_t i = 0; i < queries.size(); offset += lengths[i], ++i) {
       const int64_t n = lengths[i];
