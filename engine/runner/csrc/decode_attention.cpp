@@ -130,6 +130,8 @@ void int8_rows(const torch::Tensor& codes, const torch::Tensor& params, int64_t 
   }
 }
 
+#include "plain_avx2.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 // the sums of eight vectors, in order
 inline __m256 sums8(const __m256* a) {
@@ -158,6 +160,12 @@ void accumulate_rows(const float* p, const float* const* v, int64_t offset, int6
 // (group, d). With AVX2, eight keys at a time, each with its own accumulator.
 void score_rows(const float* q, const float* const* k, int64_t n, int64_t group, int64_t d,
                 float sc, float* scores) {
+#ifdef LONGSERVE_PLAIN_AVX2
+  if (plain256::takes(group, d)) {  // each row read once for the group: the same sums
+    plain256::score<float>(q, k, n, group, d, sc, scores, nullptr, 0);
+    return;
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (d % 8 == 0) {
     for (int64_t g = 0; g < group; ++g) {
@@ -218,6 +226,12 @@ void fold_scores(float* scores, int64_t n, int64_t group, int64_t d, float* m, f
 // a[g] += sum_j weights[g * kBlock + j] * v[j] for the n value rows v[j]
 void accumulate(const float* weights, const float* const* v, int64_t n, int64_t group, int64_t d,
                 float* a) {
+#ifdef LONGSERVE_PLAIN_AVX2
+  if (plain256::takes(group, d)) {  // each row read once for the group: the same sums
+    plain256::accumulate<float>(weights, v, n, group, d, a, 0);
+    return;
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (d % 8 == 0) {
     for (int64_t g = 0; g < group; ++g) {
@@ -250,7 +264,6 @@ void accumulate(const float* weights, const float* const* v, int64_t n, int64_t 
 }
 
 #include "pieces_avx512.h"
-#include "plain_avx2.h"
 
 // The (kv head, key chunk) tasks' partial results merged by their log-sum-exp: acc (heads,
 // splits, group, d), maxes and sums (heads, splits, group) -> out (heads, group, d)

@@ -82,16 +82,17 @@ struct DecodeJob {
       }
 #endif
 #ifdef LONGSERVE_PLAIN_AVX2
-      const T* kheld[kBlock];  // the block's rows where they are held
-      const T* vheld[kBlock];
-      for (int64_t j = 0; j < n; ++j) {
-        kheld[j] = kp + h * ks + (b0 + j) * d;
-        vheld[j] = vp + h * vs + (b0 + j) * d;
-      }
-      // the next block's rows prefetched beside this block's, as the AVX-512 path does
-      const int64_t ahead = b0 + 2 * kBlock <= last ? kBlock * d : 0;
-      if (plain256::fold_rows<T>(kheld, vheld, n, qh, group, d, sc, x.scores.data(),
-                                 x.kbuf.data(), m, l, a, ahead)) {
+      if (plain256::takes(group, d)) {
+        const T* kheld[kBlock];  // the block's rows where they are held
+        const T* vheld[kBlock];
+        for (int64_t j = 0; j < n; ++j) {
+          kheld[j] = kp + h * ks + (b0 + j) * d;
+          vheld[j] = vp + h * vs + (b0 + j) * d;
+        }
+        // the next block's rows prefetched beside this block's, as the AVX-512 path does
+        const int64_t ahead = b0 + 2 * kBlock <= last ? kBlock * d : 0;
+        plain256::fold_rows<T>(kheld, vheld, n, qh, group, d, sc, x.scores.data(), x.kbuf.data(),
+                               m, l, a, ahead);
         continue;
       }
 #endif

@@ -134,6 +134,16 @@ struct PiecesJob {
           continue;
         }
 #endif
+#ifdef LONGSERVE_PLAIN_AVX2
+        if (k.scalar_type() != at::kByte && plain256::takes(group, d)) {  // rows read as held
+          if (k.scalar_type() == at::kHalf) {
+            fold_held<at::Half>(k, v, h, index, b0, count, qp, per, ok, x, m, l, a);
+          } else {
+            fold_held<float>(k, v, h, index, b0, count, qp, per, ok, x, m, l, a);
+          }
+          continue;
+        }
+#endif
         if (k.scalar_type() == at::kByte) {
           int8_rows(k, key_params[i], qgroup, h, count, d, x.kbuf.data(), index, krows);
           int8_rows(v, value_params[i], 0, h, count, d, x.vbuf.data(), index, vrows);
@@ -160,6 +170,42 @@ struct PiecesJob {
       }
     }
   }
+
+#ifdef LONGSERVE_PLAIN_AVX2
+  // The `count` rows of head h's float16 or float32 piece from b0 (index(j): key j's row)
+  // folded into (m, l, a), read where they are held, once for the query group (plain_avx2.h);
+  // queries qp (nq, group, d), one per `per` keys; keys left out where ok is false
+  template <typename T, typename F>
+  void fold_held(const torch::Tensor& k, const torch::Tensor& v, int64_t h, F index, int64_t b0,
+                 int64_t count, const float* qp, int64_t per, const bool* ok, TaskScratch& x,
+                 float* m, float* l, float* a) const {
+    const T* kh = k.data_ptr<T>() + h * k.stride(0);
+    const T* vh = v.data_ptr<T>() + h * v.stride(0);
+    const T* krows[kBlock];
+    const T* vrows[kBlock];
+    for (int64_t j = 0; j < count; ++j) {
+      krows[j] = kh + index(j) * k.stride(1);
+      vrows[j] = vh + index(j) * v.stride(1);
+    }
+    float* scores = x.scores.data();
+    for (int64_t j0 = 0; j0 < count;) {  // runs of keys that share a query
+      const int64_t qi = (b0 + j0) / per;
+      const int64_t j1 = std::min(count, (qi + 1) * per - b0);
+      plain256::score<T>(qp + qi * group * d, krows + j0, j1 - j0, group, d, sc, scores + j0,
+                         x.kbuf.data(), 0);
+      j0 = j1;
+    }
+    if (ok) {
+      for (int64_t j = 0; j < count; ++j) {
+        if (!ok[b0 + j]) {
+          for (int64_t g = 0; g < group; ++g) scores[g * kBlock + j] = -FLT_MAX;
+        }
+      }
+    }
+    fold_scores(scores, count, group, d, m, l, a);
+    plain256::accumulate<T>(scores, vrows, count, group, d, a, 0);
+  }
+#endif
 
   torch::Tensor result() const { return merge_splits(acc, maxes, sums); }
 };

@@ -1,13 +1,18 @@
-// A plain KV cache's block of keys with AVX2 (included by decode_attention.cpp, for machines
-// without AVX-512): float16 or float32 keys and values read where they are held, each row loaded
-// (and widened) once for the up-to-3 queries of a kv head's group, where the generic path
-// widened every row into a float copy and read it once per query (docs/decisions/096). Each
-// score and each lane of the accumulator takes the same sums in the same order as that path
-// (score_rows, accumulate), so a row's answer is the same as before, in any batch.
+// A block of float16 or float32 keys with AVX2, for machines without AVX-512 (included by
+// decode_attention.cpp): a plain KV cache's, or a memory frame's float pieces. Keys and values
+// are read where they are held, each row loaded (and widened) once for the up-to-3 queries of a
+// kv head's group, where the generic path widened every row into a float copy and read it once
+// per query (docs/decisions/096). Each score and each lane of the accumulator takes the same
+// sums in the same order as that path (score_rows, accumulate), so a row's answer is the same
+// as before, in any batch.
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define LONGSERVE_PLAIN_AVX2 1
+
+// decode_attention.cpp's, declared here: this header is included inside that file's namespace,
+// after dot, widen and prefetch_rows and before fold_scores
+void fold_scores(float* scores, int64_t n, int64_t group, int64_t d, float* m, float* l, float* a);
 
 namespace plain256 {
 
@@ -94,29 +99,39 @@ void accumulate_group(const float* w, const T* const* v, int64_t n, int64_t d, f
   }
 }
 
-template <typename T, int G>
-void fold_rows_group(const T* const* k, const T* const* v, int64_t n, const float* q, int64_t d,
-                     float sc, float* scores, float* tail, float* m, float* l, float* a,
-                     int64_t ahead) {
-  score_group<T, G>(q, k, n, d, sc, scores, tail, ahead);
-  fold_scores(scores, n, G, d, m, l, a);
-  accumulate_group<T, G>(scores, v, n, d, a, ahead);
+// Whether this path takes a group of `group` queries of d lanes (else the generic path runs)
+inline bool takes(int64_t group, int64_t d) { return d % 32 == 0 && group >= 1 && group <= 3; }
+
+// score_group and accumulate_group for a group `takes` accepts
+template <typename T>
+void score(const float* q, const T* const* k, int64_t n, int64_t group, int64_t d, float sc,
+           float* s, float* tail, int64_t ahead) {
+  switch (group) {
+    case 1: return score_group<T, 1>(q, k, n, d, sc, s, tail, ahead);
+    case 2: return score_group<T, 2>(q, k, n, d, sc, s, tail, ahead);
+    default: return score_group<T, 3>(q, k, n, d, sc, s, tail, ahead);
+  }
+}
+
+template <typename T>
+void accumulate(const float* w, const T* const* v, int64_t n, int64_t group, int64_t d, float* a,
+                int64_t ahead) {
+  switch (group) {
+    case 1: return accumulate_group<T, 1>(w, v, n, d, a, ahead);
+    case 2: return accumulate_group<T, 2>(w, v, n, d, a, ahead);
+    default: return accumulate_group<T, 3>(w, v, n, d, a, ahead);
+  }
 }
 
 // The n rows k[j], v[j] folded into the running softmax (m, l, a) of a group of queries q
-// (group, d); false where this path does not take the shape (group over 3, d not a multiple of
-// 32), for the generic path to run instead. tail: d floats.
+// (group, d), a shape `takes` accepts; tail: d floats
 template <typename T>
-bool fold_rows(const T* const* k, const T* const* v, int64_t n, const float* q, int64_t group,
+void fold_rows(const T* const* k, const T* const* v, int64_t n, const float* q, int64_t group,
                int64_t d, float sc, float* scores, float* tail, float* m, float* l, float* a,
                int64_t ahead) {
-  if (d % 32 != 0) return false;
-  switch (group) {
-    case 1: fold_rows_group<T, 1>(k, v, n, q, d, sc, scores, tail, m, l, a, ahead); return true;
-    case 2: fold_rows_group<T, 2>(k, v, n, q, d, sc, scores, tail, m, l, a, ahead); return true;
-    case 3: fold_rows_group<T, 3>(k, v, n, q, d, sc, scores, tail, m, l, a, ahead); return true;
-    default: return false;
-  }
+  score<T>(q, k, n, group, d, sc, scores, tail, ahead);
+  fold_scores(scores, n, group, d, m, l, a);
+  accumulate<T>(scores, v, n, group, d, a, ahead);
 }
 
 }  // namespace plain256
