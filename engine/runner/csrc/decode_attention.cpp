@@ -130,6 +130,17 @@ void int8_rows(const torch::Tensor& codes, const torch::Tensor& params, int64_t 
   }
 }
 
+// Scores of the keys left out (ok[b0 + j] false) set to -FLT_MAX for every query of the group,
+// so that the fold gives them no weight (attend_pieces' masks)
+inline void mask_out(float* scores, const bool* ok, int64_t b0, int64_t count, int64_t group) {
+  if (!ok) return;
+  for (int64_t j = 0; j < count; ++j) {
+    if (!ok[b0 + j]) {
+      for (int64_t g = 0; g < group; ++g) scores[g * kBlock + j] = -FLT_MAX;
+    }
+  }
+}
+
 #include "plain_avx2.h"
 
 #if defined(__AVX2__) && defined(__FMA__)

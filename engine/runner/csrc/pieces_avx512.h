@@ -301,13 +301,7 @@ void fold_block(const Piece& p, F index, int64_t b0, int64_t count, const float*
     }
     j0 = j1;
   }
-  if (ok) {
-    for (int64_t j = 0; j < count; ++j) {
-      if (!ok[b0 + j]) {
-        for (int64_t g = 0; g < group; ++g) scores[g * kBlock + j] = -FLT_MAX;
-      }
-    }
-  }
+  mask_out(scores, ok, b0, count, group);
   fold_scores(scores, count, group, d, m, l, a);
   float* vscale = x.value_scales.data();  // int8 values' (scale, zero) per row, as floats
   float* vzero = x.value_zeros.data();

@@ -158,13 +158,7 @@ struct PiecesJob {
                      x.scores.data() + j0);
           j0 = j1;
         }
-        if (ok) {
-          for (int64_t j = 0; j < count; ++j) {
-            if (!ok[b0 + j]) {
-              for (int64_t g = 0; g < group; ++g) x.scores[g * kBlock + j] = -FLT_MAX;
-            }
-          }
-        }
+        mask_out(x.scores.data(), ok, b0, count, group);
         fold_scores(x.scores.data(), count, group, d, m, l, a);
         accumulate(x.scores.data(), vrows, count, group, d, a);
       }
@@ -195,13 +189,7 @@ struct PiecesJob {
                          x.kbuf.data(), 0);
       j0 = j1;
     }
-    if (ok) {
-      for (int64_t j = 0; j < count; ++j) {
-        if (!ok[b0 + j]) {
-          for (int64_t g = 0; g < group; ++g) scores[g * kBlock + j] = -FLT_MAX;
-        }
-      }
-    }
+    mask_out(scores, ok, b0, count, group);
     fold_scores(scores, count, group, d, m, l, a);
     plain256::accumulate<T>(scores, vrows, count, group, d, a, 0);
   }
