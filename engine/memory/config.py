@@ -79,6 +79,12 @@ class FrameConfig:
         (engine/sessions/frame_text.py; docs/decisions/076-answer-read-afresh.md). Needs the
         text prior's token ids; without them the answer reads memory. "memory": attention over
         the frame's stored keys and values, as the seeds do.
+    contrast: context-aware decoding's alpha (CAD, Shi et al. 2023) for an answer read
+        afresh: each next token is scored (1 + alpha) log p(y | frame) - alpha log p(y | the
+        request without retrieved rows or window), so tokens the model would write without
+        the document (counting on from a number it copied) lose to those the frame supports.
+        It costs a second, short row in every decode step. 0 (default) turns it off
+        (engine/runner/contrast.py; docs/decisions/097-context-aware-decoding.md).
     tier: where memory blocks live. "device" (default) keeps them beside the model; "host"
         keeps them in (page-locked) host memory and copies only the rows a forward retrieves
         to the device, so a GPU holds sinks, window, summaries and indices while the bulk of
@@ -117,6 +123,7 @@ class FrameConfig:
     prior_order: str = "relevance"
     prior_match: str = "hybrid"
     answer_read: str = "afresh"
+    contrast: float = 0.0
 
     def tail_start(self, total: int) -> int:
         """Where the last `tail` tokens of an append of `total` tokens begin (they are
@@ -281,8 +288,17 @@ def parse_memory_spec(spec: MemorySpec | None, *, max_positions: int) -> FrameCo
     return config
 
 
+MAX_CONTRAST = 4.0  # CAD's alpha: the paper uses 0.5-1; far above, the frame alone decides
+
+
 def _check_value(name: str, value: Any, kind: type) -> Any:
     param = f"memory.{name}"
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidRequest(f"memory.{name} must be a number", param=param)
+        if not 0 <= value <= MAX_CONTRAST:
+            raise InvalidRequest(f"memory.{name} must be from 0 to {MAX_CONTRAST}", param=param)
+        return float(value)
     if kind is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise InvalidRequest(f"memory.{name} must be an integer", param=param)

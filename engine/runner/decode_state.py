@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.runner.attention import forward_through, require_longserve_attention
+from engine.runner.contrast import PairedRow
 from engine.runner.decode_step import decode_rows, decoder_of
 from engine.runner.kv_cache import KVBatch, KVCache
 from engine.runner.rows import DecodeRow, KVRow
@@ -38,8 +39,9 @@ class DecodeState(Protocol):
 
     def pop_retrieval_seconds(self) -> float: ...
 
-    def decode_row(self, token_id: int) -> DecodeRow:
-        """Appending token_id as a row of a batched decode forward (engine/runner/rows.py)."""
+    def decode_row(self, token_id: int) -> DecodeRow | PairedRow:
+        """Appending token_id as a row of a batched decode forward (engine/runner/rows.py), or
+        two (a PairedRow: context-aware decoding, engine/runner/contrast.py)."""
         ...
 
 
@@ -99,12 +101,30 @@ def decode_batch(
 ) -> torch.Tensor:
     """Append token_ids[b] to states[b] for every b in one forward, whatever each state's
     path, row b with adapters[b] (engine/runner/adapter.py) where given and not None; logits
-    (B, vocab). On failure no state has changed."""
+    (B, vocab). On failure no state has changed. A state whose row is a PairedRow
+    (engine/runner/contrast.py) takes two rows and gets back their `combine`d logits."""
     rows = [state.decode_row(t) for state, t in zip(states, token_ids, strict=True)]
-    for row, adapter in zip(rows, adapters or (), strict=False):
-        if adapter is not None:
-            row.adapter = adapter  # type: ignore[attr-defined]  # read by the lean decode step
-    return decode_rows(model, rows, token_ids)
+    adapters = list(adapters or ()) + [None] * (len(rows) - len(adapters or ()))
+    flat: list[DecodeRow] = []
+    flat_ids: list[int] = []
+    spans: list[tuple[int, int]] = []  # row b's parts: flat[start:stop]
+    for row, token_id, adapter in zip(rows, token_ids, adapters, strict=True):
+        parts = row.parts if isinstance(row, PairedRow) else (row,)
+        spans.append((len(flat), len(flat) + len(parts)))
+        for part in parts:
+            if adapter is not None:
+                part.adapter = adapter  # type: ignore[attr-defined]  # read by the lean decode step
+            flat.append(part)
+            flat_ids.append(token_id)
+    logits = decode_rows(model, flat, flat_ids)
+    if len(flat) == len(rows):
+        return logits
+    return torch.stack(
+        [
+            row.combine(logits[start:stop]) if isinstance(row, PairedRow) else logits[start]
+            for row, (start, stop) in zip(rows, spans, strict=True)
+        ]
+    )
 
 
 def prefill_chunks(

@@ -7,6 +7,10 @@ KV cache, and the answer is generated there. The same tokens through their store
 values (each block's read in its own place in the document, none of them seeing the others)
 answered far worse than read afresh (docs/decisions/076-answer-read-afresh.md). The answer's
 tokens join the session's memory when the request ends (`flush`), one forward.
+
+With the memory knob `contrast` (CAD's alpha, engine/runner/contrast.py) above 0, a second
+plain cache reads the same request without what retrieval and the window brought (the sinks and
+the request's own tokens), and each next token is scored by how much the frame raises it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from typing import Any
 
 import torch
 
-from engine.runner.decode_state import KVCacheState
+from engine.runner.contrast import PairedRow, contrast
+from engine.runner.decode_state import KVCacheState, decode_batch
 from engine.runner.rows import DecodeRow
 from engine.sessions.memory_state import MemoryState
 
@@ -28,6 +33,8 @@ class FrameTextState:
         self.strategy = inner.strategy
         self._model, self._kv_dtype = model, kv_dtype
         self._kv: KVCacheState | None = None  # the frame read afresh, once a forward retrieved
+        self._bare: KVCacheState | None = None  # the request without its frame (contrast > 0)
+        self._alpha = float(getattr(inner.memory.config, "contrast", 0.0))
         self._base = 0  # tokens of the frame in _kv; later ones are the answer's
         self._offered: list[int] = []  # tokens stepped on _kv, the session's memory still owes
 
@@ -36,10 +43,10 @@ class FrameTextState:
         return self.inner.num_tokens + len(self._owed())
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self._kv is not None:  # more prompt after the answer began: both read it
+        if self._kv is not None:  # more prompt after the answer began: every cache reads it
             self.flush()
             self.inner.prefill(input_ids)
-            return self._kv.prefill(input_ids)
+            return self._contrasted(self._kv.prefill(input_ids), input_ids)
         memory = self.inner.memory
         memory.forget_selection()
         logits = self.inner.prefill(input_ids)
@@ -49,19 +56,35 @@ class FrameTextState:
         self._kv = KVCacheState(self._model, kv_dtype=self._kv_dtype)
         logits = self._kv.prefill(torch.tensor(ids, dtype=torch.long))
         self._base = self._kv.num_tokens
-        return logits
+        if self._alpha > 0:  # the sinks (system prompt, the session's start), then the request
+            sinks = torch.tensor(ids[: memory.n_sinks], dtype=torch.long)
+            self._bare = KVCacheState(self._model, kv_dtype=self._kv_dtype)
+            self._bare.prefill(sinks)
+        return self._contrasted(logits, input_ids)
 
     def step(self, token_id: int) -> torch.Tensor:
+        if self._bare is not None:  # both rows in one forward, as a batch would run them
+            return decode_batch(self._model, [self], [token_id])[0]
         if self._kv is None:
             return self.inner.step(token_id)
         self._offer(token_id)
         return self._kv.step(token_id)
 
-    def decode_row(self, token_id: int) -> DecodeRow:
+    def decode_row(self, token_id: int) -> DecodeRow | PairedRow:
         if self._kv is None:
             return self.inner.decode_row(token_id)
         self._offer(token_id)
+        if self._bare is not None:
+            return PairedRow(
+                self._kv.decode_row(token_id), self._bare.decode_row(token_id), self._alpha
+            )
         return self._kv.decode_row(token_id)
+
+    def _contrasted(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """logits with the frame, contrasted with the bare cache once it has read input_ids."""
+        if self._bare is None:
+            return logits
+        return contrast(logits, self._bare.prefill(input_ids), self._alpha)
 
     def pop_retrieval_seconds(self) -> float:
         return self.inner.pop_retrieval_seconds()

@@ -1,0 +1,113 @@
+"""Context-aware decoding (memory knob `contrast`, engine/runner/contrast.py): an answer read
+afresh scored against the same request without its frame.
+
+On the tiny random model: the scores' arithmetic, that a session's answer is exactly the
+contrast of its two plain caches (alone and batched beside another request), that the knob is
+checked, and that the turn is kept as without it. Whether answers improve is `bench recall`'s
+business (docs/decisions/097-context-aware-decoding.md)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.memory.config import parse_memory_spec
+from engine.protocol import InvalidRequest, MemorySpec, SamplingParams
+from engine.runner.contrast import PLAUSIBLE, PUSHED_DOWN, contrast
+from engine.runner.decode_state import KVCacheState, decode_batch
+from engine.sessions.frame_text import FrameTextState
+from engine.sessions.memory_state import MemoryState
+from tests.engine.test_frame_text import SPEC, _memory
+
+
+def test_a_token_the_frame_raises_beats_one_written_either_way():
+    # token 0: likely with the frame and without it; token 1: likely only with the frame
+    with_frame = torch.tensor([2.0, 1.8, 0.5, -9.0])
+    bare = torch.tensor([4.0, -2.0, 0.0, 0.0])
+    assert int(with_frame.argmax()) == 0
+    scores = contrast(with_frame, bare, 0.5)
+    assert int(scores.argmax()) == 1
+    framed, plain = with_frame.log_softmax(-1), bare.log_softmax(-1)
+    torch.testing.assert_close(scores[:3], 1.5 * framed[:3] - 0.5 * plain[:3])
+    # token 3 is under PLAUSIBLE of the frame's best: pushed down, still finite
+    assert framed[3] < framed.max() + math.log(PLAUSIBLE)
+    assert scores[3] < scores[:3].min() - PUSHED_DOWN / 2 and torch.isfinite(scores[3])
+
+
+def test_alpha_zero_keeps_the_frame_s_choices():
+    with_frame, bare = torch.randn(50), torch.randn(50)
+    scores = contrast(with_frame, bare, 0.0)
+    plausible = with_frame.log_softmax(-1) >= with_frame.log_softmax(-1).max() + math.log(PLAUSIBLE)
+    torch.testing.assert_close(scores[plausible], with_frame.log_softmax(-1)[plausible])
+    assert int(scores.argmax()) == int(with_frame.argmax())
+
+
+def test_the_answer_contrasts_the_frame_with_the_bare_request(tiny_loaded):
+    model = tiny_loaded.model
+    memory, doc = _memory(model, 300)
+    memory.config = memory._frame.config = parse_memory_spec(
+        MemorySpec("segments", {**SPEC, "contrast": 0.5}), max_positions=8192
+    )
+    memory.set_query(f"t{int(doc[150])}")
+    state = FrameTextState(MemoryState(memory, "segments"), model, "model")
+    question = torch.tensor([11, 12, 13, 14])
+    with torch.inference_mode():
+        logits = state.prefill(question)
+        ids = memory.frame_ids()
+        assert ids is not None
+        plain, bare = KVCacheState(model), KVCacheState(model)
+        framed = plain.prefill(torch.tensor(ids))
+        bare.prefill(torch.tensor(ids[:8]))  # the sinks
+        torch.testing.assert_close(logits, contrast(framed, bare.prefill(question), 0.5))
+        token = int(logits.argmax())
+        for _ in range(3):
+            logits = state.step(token)
+            want = contrast(plain.step(token), bare.step(token), 0.5)
+            torch.testing.assert_close(logits, want)
+            token = int(logits.argmax())
+        # batched beside a plain request: the same scores, and the plain row its own
+        other = KVCacheState(model)
+        alone = KVCacheState(model)
+        other.prefill(torch.tensor([5, 6, 7]))
+        alone.prefill(torch.tensor([5, 6, 7]))
+        both = decode_batch(model, [other, state], [9, token])
+        torch.testing.assert_close(both[0], alone.step(9))
+        torch.testing.assert_close(both[1], contrast(plain.step(token), bare.step(token), 0.5))
+    state.flush()
+    assert memory.num_tokens == 300 + 4 + 4  # the question and every answer token
+
+
+@pytest.mark.parametrize("value", [-0.5, 4.5, "1", True, float("nan")])
+def test_contrast_is_checked(value):
+    with pytest.raises(InvalidRequest, match="memory.contrast"):
+        parse_memory_spec(MemorySpec("segments", {"contrast": value}), max_positions=8192)
+
+
+def test_contrast_takes_numbers():
+    def parsed(params):
+        return parse_memory_spec(MemorySpec("segments", params), max_positions=8192).contrast
+
+    assert parsed({}) == 0.0
+    assert parsed({"contrast": 1}) == 1.0
+    assert parsed({"contrast": 0.5}) == 0.5
+
+
+async def test_a_contrasted_session_keeps_the_turn(make_engine):
+    engine = make_engine()
+    backend = engine._frame_backend
+    if backend.encoder is None:
+        pytest.skip("no sentence encoder installed: the frame's token ids are not kept")
+    sampling = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    held = {}
+    for name, alpha in (("plain", 0.0), ("cad", 0.5)):
+        spec = MemorySpec("segments", {**SPEC, "contrast": alpha})
+        await engine.create_session(name, spec)
+        text = " ".join(f"line {i} of the log." for i in range(120))
+        [p async for p in engine.ingest(f"d-{name}", name, text)]
+        question = [{"role": "user", "content": "Which line?"}]
+        deltas = [d async for d in engine.generate(name, question, sampling, session_id=name)]
+        assert deltas[-1].completion_tokens == 4
+        held[name] = backend.conversations[name].memory.num_tokens
+    assert held["cad"] == held["plain"]
