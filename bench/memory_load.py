@@ -10,7 +10,10 @@ running one on loopback, --base-url):
    question per session, whose first question embeds its blocks for the text prior). One JSON
    line per level
    (output tokens/s, TTFT, ITL as bench/load.py reports them), then each level's output
-   throughput relative to N = 1.
+   throughput relative to N = 1. With --variants NAME=JSON, each variant's memory knobs get
+   sessions of their own on the same documents and the levels run variant after variant on
+   the same server, then each level's throughput and median ITL against the first variant's
+   (a knob's cost in one run, e.g. `--variants plain='{}' cad='{"contrast": 0.5}'`).
 2. `reading`: a streaming plain request's inter-token latency alone, then while another
    request sends a --read-tokens document inline (read through memory): ITL mean/median/p99,
    and the reader's own time, alone and with the stream beside it.
@@ -143,33 +146,71 @@ async def run(args: argparse.Namespace) -> None:
         model = (await client.models.list()).data[0].id
         headers = {"Authorization": f"Bearer {args.api_key}"}
         http = httpx.Client(base_url=f"{base}/v1", headers=headers, timeout=600)
-        lines = []
         if args.sessions:
-            ids = []
-            for text in docs:
-                spec = {"strategy": args.strategy, **args.knobs}
-                session_id, tokens, seconds = upload(http, spec, text, 3600)
-                ids.append(session_id)
-            print(json.dumps({"bench": "memory_load", "sessions": len(ids), "doc_tokens": tokens,
-                              "knobs": args.knobs}))  # fmt: skip
-            # every session answers once first: its first question embeds its blocks for the
-            # text prior (a one-off per document, which would land in whichever level asks first)
-            hello = [{"role": "user", "content": "Hi"}]
-            await asyncio.gather(*(stream(client, model, hello, 4, session_id=i) for i in ids))
-            for concurrency in args.concurrency:
-                line = await sessions_level(client, model, ids, concurrency, args)
-                print(json.dumps(line), flush=True)
-                lines.append(line)
-            first = lines[0]["output_token_throughput"]
-            ratios = {
-                str(line["concurrency"]): round(line["output_token_throughput"] / first, 2)
-                for line in lines
-            }
-            print(json.dumps({"bench": "memory_load", "workload": "sessions", "vs_first": ratios}))
+            levels = {}
+            for name, knobs in (args.variants or {"": {}}).items():
+                knobs = {**args.knobs, **knobs}
+                levels[name] = await sessions_levels(client, http, model, docs, knobs, args, name)
+            if args.variants:
+                print(json.dumps(against_first(levels)))
         if args.read_tokens:
             for line in await reading(client, model, long_doc, args):
                 print(json.dumps(line), flush=True)
         await client.close()
+
+
+async def sessions_levels(client, http, model, docs, knobs, args, variant: str) -> list[dict]:
+    """The `sessions` workload on sessions of `knobs`: a line per concurrency level."""
+    ids = []
+    for text in docs:
+        session_id, tokens, seconds = upload(http, {"strategy": args.strategy, **knobs}, text, 3600)
+        ids.append(session_id)
+    print(json.dumps({"bench": "memory_load", "sessions": len(ids), "doc_tokens": tokens,
+                      "knobs": knobs, "variant": variant}))  # fmt: skip
+    # every session answers once first: its first question embeds its blocks for the text
+    # prior (a one-off per document, which would land in whichever level asks first)
+    hello = [{"role": "user", "content": "Hi"}]
+    await asyncio.gather(*(stream(client, model, hello, 4, session_id=i) for i in ids))
+    lines = []
+    for concurrency in args.concurrency:
+        line = await sessions_level(client, model, ids, concurrency, args)
+        line["variant"] = variant
+        print(json.dumps(line), flush=True)
+        lines.append(line)
+    first = lines[0]["output_token_throughput"]
+    ratios = {
+        str(line["concurrency"]): round(line["output_token_throughput"] / first, 2)
+        for line in lines
+    }
+    print(json.dumps({"bench": "memory_load", "workload": "sessions", "variant": variant,
+                      "vs_first": ratios}))  # fmt: skip
+    return lines
+
+
+def against_first(levels: dict[str, list[dict]]) -> dict:
+    """Each variant's throughput and median ITL at each level over the first variant's."""
+    names = list(levels)
+    base = {line["concurrency"]: line for line in levels[names[0]]}
+    out: dict = {"bench": "memory_load", "workload": "sessions", "against": names[0]}
+    for name in names[1:]:
+        out[name] = {
+            str(c): {
+                "throughput": round(
+                    line["output_token_throughput"] / base[c]["output_token_throughput"], 3
+                ),
+                "median_itl": round(line["median_itl_ms"] / base[c]["median_itl_ms"], 3),
+            }  # fmt: skip
+            for line in levels[name]
+            if (c := line["concurrency"]) in base
+        }
+    return out
+
+
+def _variant(text: str) -> tuple[str, dict]:
+    name, sep, knobs = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=JSON, got {text!r}")
+    return name, json.loads(knobs)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -181,6 +222,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--knobs", type=json.loads, default={}, help="the sessions' memory knobs (JSON)"
     )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        type=_variant,
+        help="NAME=JSON memory knobs, each measured in turn on the same server (over --knobs)",
+    )
     parser.add_argument("--kind", default="docs", choices=["manpages", "docs", "docstrings"])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--requests-per-client", type=int, default=2)
@@ -189,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stream-delay", type=float, default=5.0)
     add_server_arguments(parser)
     args = parser.parse_args(argv)
+    args.variants = dict(args.variants) if args.variants else None
     if args.sessions is None:
         args.sessions = max(args.concurrency)
     if args.sessions and args.sessions < max(args.concurrency):
