@@ -56,7 +56,10 @@ class FrameTextState:
         self._kv = KVCacheState(self._model, kv_dtype=self._kv_dtype)
         logits = self._kv.prefill(torch.tensor(ids, dtype=torch.long))
         self._base = self._kv.num_tokens
-        if self._alpha > 0:  # the sinks (system prompt, the session's start), then the request
+        # the bare request: the sinks (system prompt, the session's start), then this prefill
+        # call's tokens (an inline document's question is one call: prefill_cuts), not what
+        # earlier calls read (an inline document, or a question longer than a chunk's start)
+        if self._alpha > 0:
             sinks = torch.tensor(ids[: memory.n_sinks], dtype=torch.long)
             self._bare = KVCacheState(self._model, kv_dtype=self._kv_dtype)
             self._bare.prefill(sinks)
