@@ -15,10 +15,12 @@ import torch
 
 from engine.memory.config import parse_memory_spec
 from engine.protocol import InvalidRequest, MemorySpec, SamplingParams
+from engine.runner.adapter import read_adapter
 from engine.runner.contrast import PLAUSIBLE, PUSHED_DOWN, contrast
 from engine.runner.decode_state import KVCacheState, decode_batch
 from engine.sessions.frame_text import FrameTextState
 from engine.sessions.memory_state import MemoryState
+from tests.engine.test_adapter import write_adapter
 from tests.engine.test_frame_text import SPEC, _memory
 
 
@@ -77,6 +79,28 @@ def test_the_answer_contrasts_the_frame_with_the_bare_request(tiny_loaded):
         torch.testing.assert_close(both[1], contrast(plain.step(token), bare.step(token), 0.5))
     state.flush()
     assert memory.num_tokens == 300 + 4 + 4  # the question and every answer token
+
+
+def test_an_adapter_steps_both_rows(tiny_loaded, tmp_path):
+    model = tiny_loaded.model
+    adapter = read_adapter(write_adapter(tmp_path / "a.safetensors", model), model)
+    memory, doc = _memory(model, 300)
+    memory.config = memory._frame.config = parse_memory_spec(
+        MemorySpec("segments", {**SPEC, "contrast": 1.0}), max_positions=8192
+    )
+    memory.set_query(f"t{int(doc[150])}")
+    state = FrameTextState(MemoryState(memory, "segments"), model, "model")
+    with torch.inference_mode():
+        state.prefill(torch.tensor([11, 12, 13, 14]))
+        ids = memory.frame_ids()
+        assert ids is not None
+        plain, bare = KVCacheState(model), KVCacheState(model)
+        plain.prefill(torch.tensor(ids))
+        bare.prefill(torch.tensor([*ids[:8], 11, 12, 13, 14]))
+        for token in (21, 22):
+            got = adapter.step(state, token)
+            want = contrast(adapter.step(plain, token), adapter.step(bare, token), 1.0)
+            torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("value", [-0.5, 4.5, "1", True, float("nan")])
