@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from engine.memory.config import parse_memory_spec
-from engine.protocol import InvalidRequest, MemorySpec, SamplingParams
+from engine.protocol import InvalidRequest, MemorySpec
 from engine.runner.adapter import read_adapter
 from engine.runner.contrast import PLAUSIBLE, PUSHED_DOWN, contrast
 from engine.runner.decode_state import KVCacheState, decode_batch
 from engine.sessions.frame_text import FrameTextState
 from engine.sessions.memory_state import MemoryState
 from tests.engine.test_adapter import write_adapter
-from tests.engine.test_frame_text import SPEC, _memory
+from tests.engine.test_frame_text import SPEC, _memory, held_after_a_question
 
 
 def test_a_token_the_frame_raises_beats_one_written_either_way():
@@ -46,23 +46,33 @@ def test_alpha_zero_keeps_the_frame_s_choices():
     assert int(scores.argmax()) == int(with_frame.argmax())
 
 
-def test_the_answer_contrasts_the_frame_with_the_bare_request(tiny_loaded):
-    model = tiny_loaded.model
+QUESTION = [11, 12, 13, 14]
+
+
+def _asked(model, alpha: float):
+    """A 300-token session of `contrast` alpha asked QUESTION: its memory, answer state, the
+    prefill's logits and the frame's token ids."""
     memory, doc = _memory(model, 300)
-    memory.config = memory._frame.config = parse_memory_spec(
-        MemorySpec("segments", {**SPEC, "contrast": 0.5}), max_positions=8192
-    )
+    spec = MemorySpec("segments", {**SPEC, "contrast": alpha})
+    memory.config = memory._frame.config = parse_memory_spec(spec, max_positions=8192)
     memory.set_query(f"t{int(doc[150])}")
     state = FrameTextState(MemoryState(memory, "segments"), model, "model")
-    question = torch.tensor([11, 12, 13, 14])
     with torch.inference_mode():
-        logits = state.prefill(question)
-        ids = memory.frame_ids()
-        assert ids is not None
+        logits = state.prefill(torch.tensor(QUESTION))
+    ids = memory.frame_ids()
+    assert ids is not None
+    return memory, state, logits, ids
+
+
+def test_the_answer_contrasts_the_frame_with_the_bare_request(tiny_loaded):
+    model = tiny_loaded.model
+    memory, state, logits, ids = _asked(model, 0.5)
+    with torch.inference_mode():
         plain, bare = KVCacheState(model), KVCacheState(model)
         framed = plain.prefill(torch.tensor(ids))
         bare.prefill(torch.tensor(ids[:8]))  # the sinks
-        torch.testing.assert_close(logits, contrast(framed, bare.prefill(question), 0.5))
+        want = contrast(framed, bare.prefill(torch.tensor(QUESTION)), 0.5)
+        torch.testing.assert_close(logits, want)
         token = int(logits.argmax())
         for _ in range(3):
             logits = state.step(token)
@@ -84,19 +94,11 @@ def test_the_answer_contrasts_the_frame_with_the_bare_request(tiny_loaded):
 def test_an_adapter_steps_both_rows(tiny_loaded, tmp_path):
     model = tiny_loaded.model
     adapter = read_adapter(write_adapter(tmp_path / "a.safetensors", model), model)
-    memory, doc = _memory(model, 300)
-    memory.config = memory._frame.config = parse_memory_spec(
-        MemorySpec("segments", {**SPEC, "contrast": 1.0}), max_positions=8192
-    )
-    memory.set_query(f"t{int(doc[150])}")
-    state = FrameTextState(MemoryState(memory, "segments"), model, "model")
+    _, state, _, ids = _asked(model, 1.0)
     with torch.inference_mode():
-        state.prefill(torch.tensor([11, 12, 13, 14]))
-        ids = memory.frame_ids()
-        assert ids is not None
         plain, bare = KVCacheState(model), KVCacheState(model)
         plain.prefill(torch.tensor(ids))
-        bare.prefill(torch.tensor([*ids[:8], 11, 12, 13, 14]))
+        bare.prefill(torch.tensor([*ids[:8], *QUESTION]))
         for token in (21, 22):
             got = adapter.step(state, token)
             want = contrast(adapter.step(plain, token), adapter.step(bare, token), 1.0)
@@ -120,18 +122,7 @@ def test_contrast_takes_numbers():
 
 async def test_a_contrasted_session_keeps_the_turn(make_engine):
     engine = make_engine()
-    backend = engine._frame_backend
-    if backend.encoder is None:
+    if engine._frame_backend.encoder is None:
         pytest.skip("no sentence encoder installed: the frame's token ids are not kept")
-    sampling = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    held = {}
-    for name, alpha in (("plain", 0.0), ("cad", 0.5)):
-        spec = MemorySpec("segments", {**SPEC, "contrast": alpha})
-        await engine.create_session(name, spec)
-        text = " ".join(f"line {i} of the log." for i in range(120))
-        [p async for p in engine.ingest(f"d-{name}", name, text)]
-        question = [{"role": "user", "content": "Which line?"}]
-        deltas = [d async for d in engine.generate(name, question, sampling, session_id=name)]
-        assert deltas[-1].completion_tokens == 4
-        held[name] = backend.conversations[name].memory.num_tokens
-    assert held["cad"] == held["plain"]
+    plain = await held_after_a_question(engine, "plain", {"contrast": 0.0})
+    assert await held_after_a_question(engine, "cad", {"contrast": 0.5}) == plain

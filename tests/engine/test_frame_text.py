@@ -101,20 +101,22 @@ def test_answer_read_is_checked():
         parse_memory_spec(MemorySpec("segments", {"answer_read": "text"}), max_positions=8192)
 
 
+async def held_after_a_question(engine, name: str, knobs: dict) -> int:
+    """Tokens a new session (SPEC and knobs) holds after a document and a 4-token answer."""
+    sampling = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    await engine.create_session(name, MemorySpec("segments", {**SPEC, **knobs}))
+    text = " ".join(f"line {i} of the log." for i in range(120))
+    [p async for p in engine.ingest(f"d-{name}", name, text)]
+    question = [{"role": "user", "content": "Which line?"}]
+    deltas = [d async for d in engine.generate(name, question, sampling, session_id=name)]
+    assert deltas[-1].completion_tokens == 4
+    return engine._frame_backend.conversations[name].memory.num_tokens
+
+
 async def test_a_session_answers_afresh_and_keeps_the_turn(make_engine):
     engine = make_engine()
-    backend = engine._frame_backend
-    if backend.encoder is None:
+    if engine._frame_backend.encoder is None:
         pytest.skip("no sentence encoder installed: the frame's token ids are not kept")
-    sampling = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    held = {}
-    for mode in ("memory", "afresh"):
-        spec = MemorySpec("segments", {**SPEC, "answer_read": mode})
-        await engine.create_session(mode, spec)
-        text = " ".join(f"line {i} of the log." for i in range(120))
-        [p async for p in engine.ingest(f"d-{mode}", mode, text)]
-        question = [{"role": "user", "content": "Which line?"}]
-        deltas = [d async for d in engine.generate(mode, question, sampling, session_id=mode)]
-        assert deltas[-1].completion_tokens == 4
-        held[mode] = backend.conversations[mode].memory.num_tokens
-    assert held["afresh"] == held["memory"]  # the same question and answer length, read whole
+    memory = await held_after_a_question(engine, "memory", {"answer_read": "memory"})
+    afresh = await held_after_a_question(engine, "afresh", {"answer_read": "afresh"})
+    assert afresh == memory  # the same question and answer length, read whole
