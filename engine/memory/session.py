@@ -178,11 +178,6 @@ class SessionMemory(EncodingTransfer):
         window = ids[frame.n_sinks + frame.moved :]
         return np.concatenate([ids[: frame.n_sinks], ids[rows], window]).tolist()
 
-    @property
-    def n_sinks(self) -> int:
-        """The sinks' tokens at the frame's start (frame_ids' first ones)."""
-        return self._frame.n_sinks
-
     def forget_selection(self) -> None:
         """Drop what the last forward retrieved, so `frame_ids` tells whether the next one did."""
         self._frame.last_selected.clear()

@@ -34,7 +34,7 @@ class FrameTextState:
         self._model, self._kv_dtype = model, kv_dtype
         self._kv: KVCacheState | None = None  # the frame read afresh, once a forward retrieved
         self._bare: KVCacheState | None = None  # the request without its frame (contrast > 0)
-        self._alpha = float(getattr(inner.memory.config, "contrast", 0.0))
+        self._alpha = inner.memory.config.contrast
         self._base = 0  # tokens of the frame in _kv; later ones are the answer's
         self._offered: list[int] = []  # tokens stepped on _kv, the session's memory still owes
 
@@ -58,9 +58,10 @@ class FrameTextState:
         self._base = self._kv.num_tokens
         # the bare request: the sinks (system prompt, the session's start), then this prefill
         # call's tokens (an inline document's question is one call: prefill_cuts), not what
-        # earlier calls read (an inline document, or a question longer than a chunk's start)
+        # earlier calls read (an inline document, or a question longer than a chunk's start).
+        # A frame that retrieved has memory past its sinks, so they are all `sinks` tokens.
         if self._alpha > 0:
-            sinks = torch.tensor(ids[: memory.n_sinks], dtype=torch.long)
+            sinks = torch.tensor(ids[: memory.config.sinks], dtype=torch.long)
             self._bare = KVCacheState(self._model, kv_dtype=self._kv_dtype)
             self._bare.prefill(sinks)
         return self._contrasted(logits, input_ids)
