@@ -85,6 +85,12 @@ class FrameConfig:
         the document (counting on from a number it copied) lose to those the frame supports.
         It costs a second, short row in every decode step. 0 (default) turns it off
         (engine/runner/contrast.py; docs/decisions/097-context-aware-decoding.md).
+    copy_numbers: for an answer read afresh, the shortest digit run that must copy a number
+        the frame holds: once the answer's run reaches this many digits it may only continue
+        as a prefix of one of the frame's numbers and end where that number ends, so codes,
+        amounts and dates are copied, not invented or counted on (engine/runner/copy_numbers.py;
+        docs/decisions/098-numbers-copied.md). Shorter runs are free. 0 (default) turns it off;
+        needs a tokenizer with one token per digit.
     tier: where memory blocks live. "device" (default) keeps them beside the model; "host"
         keeps them in (page-locked) host memory and copies only the rows a forward retrieves
         to the device, so a GPU holds sinks, window, summaries and indices while the bulk of
@@ -124,6 +130,7 @@ class FrameConfig:
     prior_match: str = "hybrid"
     answer_read: str = "afresh"
     contrast: float = 0.0
+    copy_numbers: int = 0
 
     def tail_start(self, total: int) -> int:
         """Where the last `tail` tokens of an append of `total` tokens begin (they are
@@ -256,6 +263,7 @@ _MAY_BE_ZERO = {
     "read_window",
     "prior_k",
     "prior_u",
+    "copy_numbers",
 }
 _MAY_BE_NEGATIVE = {"r"}
 
@@ -288,6 +296,7 @@ def parse_memory_spec(spec: MemorySpec | None, *, max_positions: int) -> FrameCo
     return config
 
 
+MAX_LEAST = 32  # copy_numbers: a run this long is a code by any reading
 MAX_CONTRAST = 4.0  # CAD's alpha: the paper uses 0.5-1; far above, the frame alone decides
 
 
@@ -306,6 +315,8 @@ def _check_value(name: str, value: Any, kind: type) -> Any:
             return value
         if value < 0 or (value == 0 and name not in _MAY_BE_ZERO):
             raise InvalidRequest(f"memory.{name} must be positive", param=param)
+        if name == "copy_numbers" and value > MAX_LEAST:
+            raise InvalidRequest(f"memory.{name} must be from 0 to {MAX_LEAST}", param=param)
         return value
     if not isinstance(value, str):
         raise InvalidRequest(f"memory.{name} must be a string", param=param)

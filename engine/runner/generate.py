@@ -272,9 +272,17 @@ class Generation:
                     assert self._grammars is not None, "response_format needs the engine's grammars"
                     self._constraint = self._grammars.constraint(sampling.response_format)
             allowed = logits if self._constraint is None else self._constraint.mask(logits)
+            # an answer read afresh with copy_numbers (engine/sessions/frame_text.py)
+            numbers = getattr(self.state, "number_copy", None)
+            if numbers is not None:
+                copied = numbers.mask(allowed)
+                if copied is not allowed and bool(torch.isfinite(copied).any()):
+                    allowed = copied  # else the grammar allows no digit it needs: grammar wins
             token_id = sample_token(allowed, sampling, self._counts, self._generator)
             if self._constraint is not None:
                 self._constraint.advance(token_id)
+            if numbers is not None:
+                numbers.advance(token_id)
             if sampling.logprobs:
                 self._pending_logprobs.append(
                     _logprob_entry(self._tokenizer, logits, token_id, sampling.top_logprobs)

@@ -10,6 +10,7 @@ table is written on the device thread only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import AsyncIterator, Callable, Generator
 from typing import TYPE_CHECKING, Literal
@@ -37,6 +38,7 @@ from engine.protocol import (
     SessionTurn,
 )
 from engine.runner.adapter import AnswerAdapter
+from engine.runner.copy_numbers import digit_tokens
 from engine.runner.generate import Generation
 from engine.scheduler.stream import aborted_delta, on_device, submit
 from engine.scheduler.worker import Worker
@@ -101,6 +103,17 @@ class FrameBackend:
                 f"unknown memory strategy {spec.strategy!r}; expected one of {STRATEGIES}",
                 param="memory",
             )
+        if (spec.params or {}).get("copy_numbers") and self._digits is None:
+            raise InvalidRequest(
+                "memory.copy_numbers needs a tokenizer that gives each digit a token of its own; "
+                "this model's does not",
+                param="memory.copy_numbers",
+            )
+
+    @functools.cached_property
+    def _digits(self) -> tuple[int, ...] | None:
+        """The tokenizer's digit tokens, or None where digits share tokens (copy_numbers)."""
+        return digit_tokens(self.decoding.tokenizer)
 
     # -- the session backend (asyncio side) ------------------------------------------------------
 
@@ -210,7 +223,8 @@ class FrameBackend:
     # -- the device thread ----------------------------------------------------------------------
 
     def _answering(self, state: MemoryState) -> MemoryState | FrameTextState:
-        return answering(state, self.model, self.kv_dtype)  # frame_text.py
+        digits = self._digits if state.memory.config.copy_numbers else None
+        return answering(state, self.model, self.kv_dtype, digits)  # frame_text.py
 
     def new_memory(self, spec: MemorySpec) -> SessionMemory:
         """A memory of this engine's model, with the text prior when the engine has one."""

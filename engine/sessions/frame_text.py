@@ -10,7 +10,8 @@ tokens join the session's memory when the request ends (`flush`), one forward.
 
 With the memory knob `contrast` (CAD's alpha, engine/runner/contrast.py) above 0, a second
 plain cache reads the same request without what retrieval and the window brought (the sinks and
-the request's own tokens), and each next token is scored by how much the frame raises it.
+the request's own tokens), and each next token is scored by how much the frame raises it. With `copy_numbers`, long digit
+runs of the answer copy numbers the frame holds (`number_copy`, engine/runner/copy_numbers.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from engine.runner.contrast import PairedRow, contrast
+from engine.runner.copy_numbers import NumberCopy
 from engine.runner.decode_state import KVCacheState, decode_batch
 from engine.runner.rows import DecodeRow
 from engine.sessions.memory_state import MemoryState
@@ -28,7 +30,9 @@ from engine.sessions.memory_state import MemoryState
 class FrameTextState:
     """A MemoryState whose answer runs on a plain cache of the question's frame tokens."""
 
-    def __init__(self, inner: MemoryState, model: Any, kv_dtype: str) -> None:
+    def __init__(
+        self, inner: MemoryState, model: Any, kv_dtype: str, digits: tuple[int, ...] | None = None
+    ) -> None:
         self.inner = inner
         self.strategy = inner.strategy
         self._model, self._kv_dtype = model, kv_dtype
@@ -37,6 +41,8 @@ class FrameTextState:
         self._alpha = inner.memory.config.contrast
         self._base = 0  # tokens of the frame in _kv; later ones are the answer's
         self._offered: list[int] = []  # tokens stepped on _kv, the session's memory still owes
+        self._digits = digits  # the tokenizer's digit tokens (copy_numbers)
+        self.number_copy: NumberCopy | None = None  # the answer's digit runs, once a frame is read
 
     @property
     def num_tokens(self) -> int:
@@ -56,6 +62,9 @@ class FrameTextState:
         self._kv = KVCacheState(self._model, kv_dtype=self._kv_dtype)
         logits = self._kv.prefill(torch.tensor(ids, dtype=torch.long))
         self._base = self._kv.num_tokens
+        least = memory.config.copy_numbers
+        if least and self._digits is not None:
+            self.number_copy = NumberCopy(self._digits, ids, least)
         # the bare request: the sinks (system prompt, the session's start), then this prefill
         # call's tokens (an inline document's question is one call: prefill_cuts), not what
         # earlier calls read (an inline document, or a question longer than a chunk's start).
@@ -112,8 +121,11 @@ class FrameTextState:
         self._offered = [*self._owed(), token_id]
 
 
-def answering(state: MemoryState, model: Any, kv_dtype: str) -> MemoryState | FrameTextState:
-    """The state a request's answer runs on: its memory's, or (answer_read "afresh") this."""
+def answering(
+    state: MemoryState, model: Any, kv_dtype: str, digits: tuple[int, ...] | None = None
+) -> MemoryState | FrameTextState:
+    """The state a request's answer runs on: its memory's, or (answer_read "afresh") this.
+    digits: the tokenizer's digit tokens, for the knob copy_numbers."""
     if state.memory.config.answer_read != "afresh":
         return state
-    return FrameTextState(state, model, kv_dtype)
+    return FrameTextState(state, model, kv_dtype, digits)
