@@ -10,8 +10,9 @@ tokens join the session's memory when the request ends (`flush`), one forward.
 
 With the memory knob `contrast` (CAD's alpha, engine/runner/contrast.py) above 0, a second
 plain cache reads the same request without what retrieval and the window brought (the sinks and
-the request's own tokens), and each next token is scored by how much the frame raises it. With `copy_numbers`, long digit
-runs of the answer copy numbers the frame holds (`number_copy`, engine/runner/copy_numbers.py).
+the request's own tokens), and each next token is scored by how much the frame raises it.
+With `copy_numbers`, long digit runs of the answer copy numbers the frame holds
+(`number_copy`, engine/runner/copy_numbers.py).
 """
 
 from __future__ import annotations
