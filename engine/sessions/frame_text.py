@@ -10,7 +10,8 @@ tokens join the session's memory when the request ends (`flush`), one forward.
 
 With the memory knob `contrast` (CAD's alpha, engine/runner/contrast.py) above 0, a second
 plain cache reads the same request without what retrieval and the window brought (the sinks and
-the request's own tokens), and each next token is scored by how much the frame raises it.
+the request's own tokens, at most the window's last local_window of them), and each next token
+is scored by how much the frame raises it.
 With `copy_numbers`, long digit runs of the answer copy numbers the frame holds
 (`number_copy`, engine/runner/copy_numbers.py).
 """
@@ -98,7 +99,9 @@ class FrameTextState:
         """logits with the frame, contrasted with the bare cache once it has read input_ids."""
         if self._bare is None:
             return logits
-        return contrast(logits, self._bare.prefill(input_ids), self._alpha)
+        # no more of a long call than the frame's window holds: the bare row stays small
+        window = self.inner.memory.config.local_window
+        return contrast(logits, self._bare.prefill(input_ids.reshape(-1)[-window:]), self._alpha)
 
     def pop_retrieval_seconds(self) -> float:
         return self.inner.pop_retrieval_seconds()

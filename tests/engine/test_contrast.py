@@ -49,8 +49,8 @@ def test_alpha_zero_keeps_the_frame_s_choices():
 QUESTION = [11, 12, 13, 14]
 
 
-def _asked(model, alpha: float):
-    """A 300-token session of `contrast` alpha asked QUESTION: its memory, answer state, the
+def _asked(model, alpha: float, question: list[int] = QUESTION):
+    """A 300-token session of `contrast` alpha asked `question`: its memory, answer state, the
     prefill's logits and the frame's token ids."""
     memory, doc = _memory(model, 300)
     spec = MemorySpec("segments", {**SPEC, "contrast": alpha})
@@ -58,7 +58,7 @@ def _asked(model, alpha: float):
     memory.set_query(f"t{int(doc[150])}")
     state = FrameTextState(MemoryState(memory, "segments"), model, "model")
     with torch.inference_mode():
-        logits = state.prefill(torch.tensor(QUESTION))
+        logits = state.prefill(torch.tensor(question))
     ids = memory.frame_ids()
     assert ids is not None
     return memory, state, logits, ids
@@ -91,6 +91,21 @@ def test_the_answer_contrasts_the_frame_with_the_bare_request(tiny_loaded):
     assert memory.num_tokens == 300 + 4 + 4  # the question and every answer token
 
 
+def test_the_bare_request_reads_no_more_than_the_window(tiny_loaded):
+    """A question longer than local_window (SPEC: 64): the bare row reads the sinks and its
+    last 64 tokens, as much of it as the frame's window holds, not the whole call."""
+    model = tiny_loaded.model
+    question = [100 + i for i in range(150)]
+    _, state, logits, ids = _asked(model, 0.5, question)
+    with torch.inference_mode():
+        plain, bare = KVCacheState(model), KVCacheState(model)
+        framed = plain.prefill(torch.tensor(ids))
+        bare.prefill(torch.tensor(ids[:8]))  # the sinks
+        want = contrast(framed, bare.prefill(torch.tensor(question[-64:])), 0.5)
+        torch.testing.assert_close(logits, want)
+        assert state._bare is not None and state._bare.num_tokens == 8 + 64
+
+
 def test_an_adapter_steps_both_rows(tiny_loaded, tmp_path):
     model = tiny_loaded.model
     adapter = read_adapter(write_adapter(tmp_path / "a.safetensors", model), model)
@@ -115,7 +130,8 @@ def test_contrast_takes_numbers():
     def parsed(params):
         return parse_memory_spec(MemorySpec("segments", params), max_positions=8192).contrast
 
-    assert parsed({}) == 0.0
+    assert parsed({}) == 0.5
+    assert parsed({"contrast": 0}) == 0.0
     assert parsed({"contrast": 1}) == 1.0
     assert parsed({"contrast": 0.5}) == 0.5
 
