@@ -64,13 +64,13 @@ class FrameConfig:
         least to the most relevant, so the block nearest EmbQ sits right before the window and
         the question (docs/decisions/024-prior-order-relevance.md). "document": every
         retrieved row in document order.
-    prior_match: how the prior scores a block. "hybrid" (default): EmbQ . EmbD plus half the
-        IDF-weighted share of the question's words the block holds (lexical.py), pinning only
-        the lines within 0.1 of the best when those words single blocks out, so fewer
-        same-kind sentences reach an answer read afresh. "named": hybrid, and the margin also
-        keeps every line whose block holds all the names the question gives (its capitalized
-        words and words with digits), so all of a key's facts stay (decision 086). "dense":
-        EmbQ . EmbD alone, the prior_k best (docs/decisions/074-lexical-prior.md,
+    prior_match: how the prior scores a block. "named" (default): hybrid, and the margin
+        also keeps every line whose block holds all the names the question gives (its
+        capitalized words and words with digits), so all of a key's facts stay (decisions 086,
+        099). "hybrid": EmbQ . EmbD plus half the IDF-weighted share of the question's words
+        the block holds (lexical.py), pinning only the lines within 0.1 of the best when those
+        words single blocks out, so fewer same-kind sentences reach an answer read afresh.
+        "dense": EmbQ . EmbD alone, the prior_k best (docs/decisions/074-lexical-prior.md,
         082-hybrid-prior-with-answers-read-afresh.md).
     answer_read: how a question's answer reads what its retrieval chose. "afresh" (default):
         the frame's tokens (sinks, the retrieved rows of the last layer, the window with the
@@ -83,8 +83,8 @@ class FrameConfig:
         afresh: each next token is scored (1 + alpha) log p(y | frame) - alpha log p(y | the
         request without retrieved rows or window), so tokens the model would write without
         the document (counting on from a number it copied) lose to those the frame supports.
-        It costs a second, short row in every decode step. 0 (default) turns it off
-        (engine/runner/contrast.py; docs/decisions/097-context-aware-decoding.md).
+        It costs a second, short row in every decode step. 0.5 by default; 0 turns it off
+        (engine/runner/contrast.py; docs/decisions/097-context-aware-decoding.md, 099).
     copy_numbers: for an answer read afresh, the shortest digit run that must copy a number
         the frame holds: once the answer's run reaches this many digits it may only continue
         as a prefix of one of the frame's numbers and end where that number ends, so codes,
@@ -127,9 +127,9 @@ class FrameConfig:
     prior_k: int = 8
     prior_u: int = 1
     prior_order: str = "relevance"
-    prior_match: str = "hybrid"
+    prior_match: str = "named"
     answer_read: str = "afresh"
-    contrast: float = 0.0
+    contrast: float = 0.5
     copy_numbers: int = 0
 
     def tail_start(self, total: int) -> int:

@@ -20,7 +20,7 @@ from engine.sessions.memory_state import MemoryState
 from tests.engine.test_text_prior import WordEncoder, words
 
 SPEC = {"sinks": 8, "local_window": 64, "chunk_size": 32, "block": 16, "k": 1, "u": 0}
-SPEC |= {"prior_k": 1, "prior_u": 0}
+SPEC |= {"prior_k": 1, "prior_u": 0, "contrast": 0.0}  # the plain read; test_contrast.py adds alpha
 
 
 def _memory(model, doc_len: int, seed: int = 0) -> tuple[SessionMemory, torch.Tensor]:

@@ -110,12 +110,12 @@ def test_a_forks_prior_keeps_its_own_words():
     assert len(prior._words) == 8
 
 
-def test_prior_match_is_a_checked_knob_hybrid_by_default():
+def test_prior_match_is_a_checked_knob_named_by_default():
     config = parse_memory_spec(MemorySpec("segments", {"prior_match": "dense"}), max_positions=8192)
     assert config.prior_match == "dense"
     named = parse_memory_spec(MemorySpec("segments", {"prior_match": "named"}), max_positions=8192)
     assert named.prior_match == "named"
-    assert parse_memory_spec(MemorySpec("segments"), max_positions=8192).prior_match == "hybrid"
+    assert parse_memory_spec(MemorySpec("segments"), max_positions=8192).prior_match == "named"
     with pytest.raises(InvalidRequest) as e:
         parse_memory_spec(MemorySpec("segments", {"prior_match": "bm25"}), max_positions=8192)
     assert e.value.param == "memory.prior_match"
