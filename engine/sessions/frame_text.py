@@ -10,8 +10,8 @@ tokens join the session's memory when the request ends (`flush`), one forward.
 
 With the memory knob `contrast` (CAD's alpha, engine/runner/contrast.py) above 0, a second
 plain cache reads the same request without what retrieval and the window brought (the sinks and
-the request's own tokens, at most the window's last local_window of them), and each next token
-is scored by how much the frame raises it.
+the request's own tokens after any inline document, at most local_window of a call), and each
+next token is scored by how much the frame raises it.
 With `copy_numbers`, long digit runs of the answer copy numbers the frame holds
 (`number_copy`, engine/runner/copy_numbers.py).
 """
@@ -41,6 +41,7 @@ class FrameTextState:
         self._kv: KVCacheState | None = None  # the frame read afresh, once a forward retrieved
         self._bare: KVCacheState | None = None  # the request without its frame (contrast > 0)
         self._alpha = inner.memory.config.contrast
+        self._bare_logits: torch.Tensor | None = None  # the bare row's, at its last token
         self._base = 0  # tokens of the frame in _kv; later ones are the answer's
         self._offered: list[int] = []  # tokens stepped on _kv, the session's memory still owes
         self._digits = digits  # the tokenizer's digit tokens (copy_numbers)
@@ -51,10 +52,11 @@ class FrameTextState:
         return self.inner.num_tokens + len(self._owed())
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        document = self.inner.document_left  # this call's first tokens may end a document
         if self._kv is not None:  # more prompt after the answer began: every cache reads it
             self.flush()
             self.inner.prefill(input_ids)
-            return self._contrasted(self._kv.prefill(input_ids), input_ids)
+            return self._contrasted(self._kv.prefill(input_ids), input_ids, document)
         memory = self.inner.memory
         memory.forget_selection()
         logits = self.inner.prefill(input_ids)
@@ -67,15 +69,14 @@ class FrameTextState:
         least = memory.config.copy_numbers
         if least and self._digits is not None:
             self.number_copy = NumberCopy(self._digits, ids, least)
-        # the bare request: the sinks (system prompt, the session's start), then this prefill
-        # call's tokens (an inline document's question is one call: prefill_cuts), not what
-        # earlier calls read (an inline document, or a question longer than a chunk's start).
-        # A frame that retrieved has memory past its sinks, so they are all `sinks` tokens.
+        # the bare request: the sinks (system prompt, the session's start), then the request's
+        # tokens from this call on that are not an inline document's, however prefill cut them
+        # (a reused prefix moves the cuts). A frame that retrieved has memory past its sinks.
         if self._alpha > 0:
             sinks = torch.tensor(ids[: memory.config.sinks], dtype=torch.long)
             self._bare = KVCacheState(self._model, kv_dtype=self._kv_dtype)
-            self._bare.prefill(sinks)
-        return self._contrasted(logits, input_ids)
+            self._bare_logits = self._bare.prefill(sinks)
+        return self._contrasted(logits, input_ids, document)
 
     def step(self, token_id: int) -> torch.Tensor:
         if self._bare is not None:  # both rows in one forward, as a batch would run them
@@ -95,13 +96,17 @@ class FrameTextState:
             )
         return self._kv.decode_row(token_id)
 
-    def _contrasted(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """logits with the frame, contrasted with the bare cache once it has read input_ids."""
+    def _contrasted(self, logits: torch.Tensor, input_ids: torch.Tensor, skip: int) -> torch.Tensor:
+        """logits with the frame, contrasted with the bare cache once it has read input_ids past
+        their first `skip` (an inline document's)."""
         if self._bare is None:
             return logits
         # no more of a long call than the frame's window holds: the bare row stays small
-        window = self.inner.memory.config.local_window
-        return contrast(logits, self._bare.prefill(input_ids.reshape(-1)[-window:]), self._alpha)
+        ids = input_ids.reshape(-1)[skip:][-self.inner.memory.config.local_window :]
+        if ids.numel():
+            self._bare_logits = self._bare.prefill(ids)
+        assert self._bare_logits is not None
+        return contrast(logits, self._bare_logits, self._alpha)
 
     def pop_retrieval_seconds(self) -> float:
         return self.inner.pop_retrieval_seconds()

@@ -85,6 +85,11 @@ class MemoryState:
                 writer(self.memory.state_hash, encoding)
         return logits
 
+    @property
+    def document_left(self) -> int:
+        """Tokens of the prompt's document prefill has yet to read (0 once it is read)."""
+        return max(self._document_end - self._read, 0) if self._document_end is not None else 0
+
     def step(self, token_id: int) -> torch.Tensor:
         return self.prefill(torch.tensor([token_id], dtype=torch.long))
 
