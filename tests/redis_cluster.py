@@ -11,7 +11,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,15 +31,17 @@ def find_redis_cli(redis_server: str) -> str | None:
     return str(beside) if beside.is_file() else shutil.which("redis-cli")
 
 
-def free_cluster_port() -> int:
-    """A free port whose cluster bus port (+10000) is free too."""
+def free_cluster_port(taken: Collection[int] = ()) -> int:
+    """A free port whose cluster bus port (+10000) is free too, none of `taken` (ports handed
+    out but not yet bound: the OS may offer one again, and a node would be lost)."""
     while True:
         port = free_port()
-        if port + CLUSTER_BUS_OFFSET > 65535:
+        bus = port + CLUSTER_BUS_OFFSET
+        if bus > 65535 or {port, bus} & {p + d for p in taken for d in (0, CLUSTER_BUS_OFFSET)}:
             continue
         with socket.socket() as sock:
             try:
-                sock.bind((HOST, port + CLUSTER_BUS_OFFSET))
+                sock.bind((HOST, bus))
             except OSError:
                 continue
         return port
@@ -102,7 +104,7 @@ class RedisClusterProcesses:
         for i in range((1 + replicas) * primaries):
             node_dir = directory / f"node{i}"
             node_dir.mkdir(parents=True)
-            port = free_cluster_port()
+            port = free_cluster_port(taken=self.nodes)
             self.nodes[port] = RedisProcess(
                 server,
                 node_dir,
