@@ -79,17 +79,22 @@ def decode_answer(
     new_tokens: int,
     question: str = "",
     kv_dtype: str = "model",
+    read: int = 0,
 ):
-    """Append ids to memory (a question: its tail forwarded on its own), decode greedily. With
-    the text prior attached, the question is its query and the answer reads as the server's
-    (answer_read)."""
+    """Append ids[read:] to memory, which holds ids[:read] (a question: its tail forwarded on
+    its own), decode greedily. With the text prior attached, the question is its query, the
+    prompt's body is an inline document as the server cuts it (everything before the tail,
+    moved to memory once read), and the answer reads as the server's (answer_read)."""
     device = next(memory.model.parameters()).device
     state: Any = MemoryState(memory, None)
     if memory.prior is not None:
+        body = memory.config.tail_start(len(ids))  # engine/sessions/frame_backend.py's cut
+        document_end = body if read < body < len(ids) else None
+        state = MemoryState(memory, None, document_end, read=read)
         memory.set_query(prior_query(question))
         if memory.config.answer_read == "afresh":
             state = FrameTextState(state, memory.model, kv_dtype)
-    logits = state.prefill(torch.tensor(ids, device=device))
+    logits = state.prefill(torch.tensor(ids[read:], device=device))
     out: list[int] = []
     for _ in range(new_tokens):
         token = int(logits.argmax())
@@ -140,13 +145,13 @@ def answers_sharing_prefix(
         if read > body:  # cannot happen for prompts of one length; stay exact if it does
             yield i, *answer_with_memory(model, tokenizer, ids, spec, new_tokens, kv_dtype)
             continue
-        cut = max(read, min(shared, body) // chunk * chunk)
+        cut = max(read, min(shared, body - 1) // chunk * chunk)  # the document ends in the fork
         if cut > read:
             base.append(torch.tensor(ids[read:cut], device=device), document=True)
             read = cut
         memory = base.fork() if i + 1 < len(prompts) else base
         question = str(tokenizer.decode(ids[-64:])) if prior is not None else ""
-        text, memory = decode_answer(tokenizer, memory, ids[read:], new_tokens, question, kv_dtype)
+        text, memory = decode_answer(tokenizer, memory, ids, new_tokens, question, kv_dtype, read)
         yield i, text, memory
         # the caller is done with this fork: drop it before the next one is made, so at most
         # the base and one fork are alive (a 32K tokens-strategy cell was OOM-killed at 24 GB)

@@ -52,3 +52,27 @@ def test_shared_prefix_gives_the_answers_of_whole_prompts(strategy):
             rtol=0,
         )
         assert shared[i][1].num_tokens == memory.num_tokens
+
+
+def test_served_answers_sharing_a_prefix_are_those_of_whole_prompts():
+    """--served: the text prior attached, the body an inline document as the server cuts it,
+    contrast's bare row on; forking the shared opening still changes no answer."""
+    from bench.passkey import decode_answer
+    from engine.memory.session import SessionMemory
+
+    from .test_text_prior import WordEncoder, words
+
+    model = tiny("llama")
+    filler = torch.randint(10, 300, (400,), generator=torch.Generator().manual_seed(2)).tolist()
+    prompts = [filler[:at] + [1, 2, 3 + i] + filler[at:] + [4, 5] for i, at in enumerate((60, 200))]
+    spec = MemorySpec("segments", dict(SPECS["segments"], prior_k=1, prior_u=0, contrast=0.5))
+    prior = (WordEncoder(), words)
+    shared = {
+        i: text for i, text, _ in answers_sharing_prefix(model, Ids, prompts, spec, 3, prior=prior)
+    }
+    for i, ids in enumerate(prompts):
+        memory = SessionMemory(model, spec)
+        memory.attach_prior(*prior)
+        with torch.inference_mode():
+            text, _ = decode_answer(Ids, memory, ids, 3, Ids.decode(ids[-64:]))
+        assert shared[i] == text
