@@ -86,11 +86,10 @@ def decode_answer(
     prompt's body is an inline document as the server cuts it (everything before the tail,
     moved to memory once read), and the answer reads as the server's (answer_read)."""
     device = next(memory.model.parameters()).device
-    state: Any = MemoryState(memory, None)
+    body = memory.config.tail_start(len(ids))  # engine/sessions/frame_backend.py's cut
+    served = memory.prior is not None and read < body < len(ids)
+    state: Any = MemoryState(memory, None, body if served else None, read=read)
     if memory.prior is not None:
-        body = memory.config.tail_start(len(ids))  # engine/sessions/frame_backend.py's cut
-        document_end = body if read < body < len(ids) else None
-        state = MemoryState(memory, None, document_end, read=read)
         memory.set_query(prior_query(question))
         if memory.config.answer_read == "afresh":
             state = FrameTextState(state, memory.model, kv_dtype)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.passkey import answer_with_memory, answers_sharing_prefix
+from bench.passkey import answer_with_memory, answers_sharing_prefix, decode_answer
+from engine.memory.session import SessionMemory
 from engine.protocol import MemorySpec
 
 from .test_memory_frame import tiny
+from .test_text_prior import WordEncoder, words
 
 FRAME = dict(sinks=8, local_window=32, chunk_size=16, block=8, tail=4, read_window=16)
 SPECS = {
@@ -57,11 +59,6 @@ def test_shared_prefix_gives_the_answers_of_whole_prompts(strategy):
 def test_served_answers_sharing_a_prefix_are_those_of_whole_prompts():
     """--served: the text prior attached, the body an inline document as the server cuts it,
     contrast's bare row on; forking the shared opening still changes no answer."""
-    from bench.passkey import decode_answer
-    from engine.memory.session import SessionMemory
-
-    from .test_text_prior import WordEncoder, words
-
     model = tiny("llama")
     filler = torch.randint(10, 300, (400,), generator=torch.Generator().manual_seed(2)).tolist()
     prompts = [filler[:at] + [1, 2, 3 + i] + filler[at:] + [4, 5] for i, at in enumerate((60, 200))]
