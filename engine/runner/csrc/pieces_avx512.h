@@ -289,9 +289,9 @@ void fold_block(const Piece& p, F index, int64_t b0, int64_t count, const float*
       }
       if (grouped) {
         switch (group) {
-          case 1: score_group<uint8_t, 1>(qs, krows + j0, j1 - j0, d, bias, sc, scores + j0); break;
-          case 2: score_group<uint8_t, 2>(qs, krows + j0, j1 - j0, d, bias, sc, scores + j0); break;
-          default: score_group<uint8_t, 3>(qs, krows + j0, j1 - j0, d, bias, sc, scores + j0); break;
+          case 1: score_group<uint8_t, 1>(qs, krows + j0, j1 - j0, d, bias, sc, scores + j0, p.ahead); break;
+          case 2: score_group<uint8_t, 2>(qs, krows + j0, j1 - j0, d, bias, sc, scores + j0, p.ahead); break;
+          default: score_group<uint8_t, 3>(qs, krows + j0, j1 - j0, d, bias, sc, scores + j0, p.ahead); break;
         }
       } else {
         score<float>(qs, kfloats + j0, j1 - j0, group, d, bias, sc, scores + j0);

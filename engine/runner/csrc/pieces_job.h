@@ -39,7 +39,9 @@ struct PiecesJob {
     for (size_t i = 0; i < pieces; ++i) check(i);
     for (const int64_t n : lengths) total += n;
     splits = std::max<int64_t>(1, std::min(splits_, total));
-    chunk = (total + splits - 1) / splits;
+    // whole blocks a task: runs of retrieved memory blocks stay block-aligned (next_offset)
+    chunk = ((total + splits - 1) / splits + kBlock - 1) / kBlock * kBlock;
+    splits = (total + chunk - 1) / chunk;
     const auto options = queries[0].options();
     acc = torch::zeros({heads, splits, group, d}, options);
     maxes = torch::full({heads, splits, group}, -FLT_MAX, options);
@@ -87,6 +89,20 @@ struct PiecesJob {
 
   int64_t tasks() const { return heads * splits; }
 
+  // Rows from the block at b0 to the next whole block of the task's run (up to hi), when each
+  // of that block's rows is this one's row plus the same offset (contiguous rows, or memory
+  // blocks retrieved in the order they are held); else 0, nothing to prefetch. at: the
+  // piece's row of each key, or null for rows in order.
+  static int64_t next_offset(const int64_t* at, int64_t b0, int64_t hi) {
+    if (b0 + 2 * kBlock > hi) return 0;
+    if (at == nullptr) return kBlock;
+    const int64_t offset = at[b0 + kBlock] - at[b0];
+    for (int64_t j = 1; j < kBlock; ++j) {
+      if (at[b0 + kBlock + j] - at[b0 + j] != offset) return 0;
+    }
+    return offset;
+  }
+
   // Task `task` (a kv head's chunk of the pieces' keys) into its slot of acc, maxes and sums
   void run(int64_t task, TaskScratch& x) {
     x.fit(group, d);
@@ -119,16 +135,21 @@ struct PiecesJob {
       for (int64_t b0 = lo; b0 < hi; b0 += kBlock) {
         const int64_t count = std::min(kBlock, hi - b0);
         const auto index = [at, b0](int64_t j) { return at ? at[b0 + j] : b0 + j; };
+        // the next block's rows prefetched beside this block's, where k and v step alike
+        const int64_t ahead = k.stride(1) == v.stride(1) ? next_offset(at, b0, hi) * k.stride(1)
+                                                         : 0;
 #ifdef LONGSERVE_PIECES_AVX512
         if (x.wide) {  // read in place as held, 16 lanes at a time (pieces_avx512.h)
+          pieces512::Piece here = piece;
+          here.ahead = ahead;
           if (type == at::kByte) {
-            pieces512::fold_block<uint8_t>(piece, index, b0, count, qp, per, group, d, sc, ok,
+            pieces512::fold_block<uint8_t>(here, index, b0, count, qp, per, group, d, sc, ok,
                                            *x.wide, m, l, a);
           } else if (type == at::kHalf) {
-            pieces512::fold_block<at::Half>(piece, index, b0, count, qp, per, group, d, sc, ok,
+            pieces512::fold_block<at::Half>(here, index, b0, count, qp, per, group, d, sc, ok,
                                             *x.wide, m, l, a);
           } else {
-            pieces512::fold_block<float>(piece, index, b0, count, qp, per, group, d, sc, ok,
+            pieces512::fold_block<float>(here, index, b0, count, qp, per, group, d, sc, ok,
                                          *x.wide, m, l, a);
           }
           continue;
@@ -137,9 +158,9 @@ struct PiecesJob {
 #ifdef LONGSERVE_PLAIN_AVX2
         if (k.scalar_type() != at::kByte && plain256::takes(group, d)) {  // rows read as held
           if (k.scalar_type() == at::kHalf) {
-            fold_held<at::Half>(k, v, h, index, b0, count, qp, per, ok, x, m, l, a);
+            fold_held<at::Half>(k, v, h, index, b0, count, qp, per, ok, x, m, l, a, ahead);
           } else {
-            fold_held<float>(k, v, h, index, b0, count, qp, per, ok, x, m, l, a);
+            fold_held<float>(k, v, h, index, b0, count, qp, per, ok, x, m, l, a, ahead);
           }
           continue;
         }
@@ -172,7 +193,7 @@ struct PiecesJob {
   template <typename T, typename F>
   void fold_held(const torch::Tensor& k, const torch::Tensor& v, int64_t h, F index, int64_t b0,
                  int64_t count, const float* qp, int64_t per, const bool* ok, TaskScratch& x,
-                 float* m, float* l, float* a) const {
+                 float* m, float* l, float* a, int64_t ahead) const {
     const T* kh = k.data_ptr<T>() + h * k.stride(0);
     const T* vh = v.data_ptr<T>() + h * v.stride(0);
     const T* krows[kBlock];
@@ -186,12 +207,12 @@ struct PiecesJob {
       const int64_t qi = (b0 + j0) / per;
       const int64_t j1 = std::min(count, (qi + 1) * per - b0);
       plain256::score<T>(qp + qi * group * d, krows + j0, j1 - j0, group, d, sc, scores + j0,
-                         x.kbuf.data(), 0);
+                         x.kbuf.data(), ahead);
       j0 = j1;
     }
     mask_out(scores, ok, b0, count, group);
     fold_scores(scores, count, group, d, m, l, a);
-    plain256::accumulate<T>(scores, vrows, count, group, d, a, 0);
+    plain256::accumulate<T>(scores, vrows, count, group, d, a, ahead);
   }
 #endif
 
