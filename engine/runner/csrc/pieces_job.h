@@ -126,7 +126,7 @@ struct PiecesJob {
 #ifdef LONGSERVE_PIECES_AVX512
       const auto type = k.scalar_type();
       const auto &kp = key_params[i], &vp = value_params[i];
-      const pieces512::Piece piece =
+      pieces512::Piece piece =
           !x.wide                ? pieces512::Piece{}
           : type == at::kByte    ? pieces512::piece<uint8_t>(k, v, kp, vp, qgroup, h)
           : type == at::kHalf    ? pieces512::piece<at::Half>(k, v, kp, vp, 0, h)
@@ -140,16 +140,15 @@ struct PiecesJob {
                                                          : 0;
 #ifdef LONGSERVE_PIECES_AVX512
         if (x.wide) {  // read in place as held, 16 lanes at a time (pieces_avx512.h)
-          pieces512::Piece here = piece;
-          here.ahead = ahead;
+          piece.ahead = ahead;
           if (type == at::kByte) {
-            pieces512::fold_block<uint8_t>(here, index, b0, count, qp, per, group, d, sc, ok,
+            pieces512::fold_block<uint8_t>(piece, index, b0, count, qp, per, group, d, sc, ok,
                                            *x.wide, m, l, a);
           } else if (type == at::kHalf) {
-            pieces512::fold_block<at::Half>(here, index, b0, count, qp, per, group, d, sc, ok,
+            pieces512::fold_block<at::Half>(piece, index, b0, count, qp, per, group, d, sc, ok,
                                             *x.wide, m, l, a);
           } else {
-            pieces512::fold_block<float>(here, index, b0, count, qp, per, group, d, sc, ok,
+            pieces512::fold_block<float>(piece, index, b0, count, qp, per, group, d, sc, ok,
                                          *x.wide, m, l, a);
           }
           continue;
