@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,9 +26,14 @@ class GrowingBuffer:
     whole on every commit).
 
     pin: keep the data in page-locked host memory (a host tier feeding a CUDA device), so
-    copies of retrieved rows to the device can run asynchronously."""
+    copies of retrieved rows to the device can run asynchronously.
+
+    A copy (`__deepcopy__`, a session's fork) shares the data until a write would touch rows
+    another live holder still views: that writer then takes its own copy first. So a fork
+    costs no copy of memory, and appends past every holder's rows stay in place."""
 
     quantized = False  # as QuantizedBuffer (quantized.py), which memory blocks may be instead
+    _share: _Share | None = None  # the holders of this data, once copied
 
     def __init__(
         self,
@@ -44,13 +51,27 @@ class GrowingBuffer:
     on_disk = False  # as MappedBuffer (mapped.py, the disk tier) while its rows are there
 
     def append(self, x: torch.Tensor) -> None:  # x (heads, n, dim)
+        share = self._share
+        if share is None:
+            self._append(x)
+            return
+        with share.lock:  # a check and its write, whole, against the other holders'
+            self._append(x)
+
+    def _append(self, x: torch.Tensor) -> None:
         n = x.shape[1]
         capacity = self.data.shape[1]
-        if self.start + self.size + n > capacity:
+        end = self.start + self.size
+        share = self._share
+        if end + n > capacity:
             self._make_room(n)
+        elif share is not None and end < share.frontier and self._others_view(end, end + n):
+            self._grow(capacity)  # rows another holder reads: this buffer's own copy first
         end = self.start + self.size
         self.data[:, end : end + n] = x.to(self.data.device)
         self.size += n
+        if self._share is not None:  # rows past the frontier are no holder's yet
+            self._share.frontier = max(self._share.frontier, end + n)
 
     def reserve(self, n: int) -> None:
         """Room for n more rows in one allocation (a document of known length): no doubling
@@ -61,10 +82,12 @@ class GrowingBuffer:
     def _make_room(self, n: int) -> None:
         """Room for n more rows after the live ones."""
         capacity = self.data.shape[1]
-        if self.size + n <= capacity // 2:
-            self._to_front()
-        else:
+        if self.size + n > capacity // 2:
             self._grow(max(2 * capacity, self.size + n, 256))
+        elif self._others_view(0, self.size):
+            self._grow(capacity)  # moving the rows would write over rows another holder views
+        else:
+            self._to_front()
 
     def _grow(self, capacity: int) -> None:
         """Room for `capacity` rows, the live rows moved to the front."""
@@ -73,6 +96,24 @@ class GrowingBuffer:
             grown = grown.pin_memory()
         grown[:, : self.size] = self.view()
         self.data, self.start = grown, 0
+        self._leave_share()
+
+    def _others_view(self, first: int, end: int) -> bool:
+        """Whether another live holder of this data views any of its rows [first, end)."""
+        share = self._share
+        if share is None:
+            return False
+        others = [b for b in share.holders if b is not self]
+        if not others:
+            self._share = None  # every copy is gone: the data is this buffer's alone
+            return False
+        return any(b.start < end and first < b.start + b.size for b in others)
+
+    def _leave_share(self) -> None:
+        """This buffer moved to data of its own."""
+        if self._share is not None:
+            self._share.holders.discard(self)
+            self._share = None
 
     def _to_front(self) -> None:
         """Move the live rows to the front, in pieces no longer than the gap they close (a
@@ -93,13 +134,17 @@ class GrowingBuffer:
         self.pin = pin and device.type == "cpu" and torch.cuda.is_available()
         self.data = data.pin_memory() if self.pin else data.clone()
         self.start = 0
+        self._leave_share()
 
     def __deepcopy__(self, memo: dict[int, object]) -> GrowingBuffer:
-        """A copy of the held rows only (SessionMemory.fork): spare capacity is not copied."""
+        """A copy (SessionMemory.fork) sharing this buffer's data: rows are copied only when
+        a write would touch rows the other still views (append, _make_room)."""
         copy = GrowingBuffer.__new__(GrowingBuffer)
-        copy.pin, copy.start, copy.size = self.pin, 0, self.size
-        data = self.view().clone(memory_format=torch.contiguous_format)
-        copy.data = data.pin_memory() if self.pin else data
+        copy.pin, copy.start, copy.size, copy.data = self.pin, self.start, self.size, self.data
+        share = self._share = self._share or _Share(self)
+        with share.lock:
+            share.holders.add(copy)
+        copy._share = share
         memo[id(self)] = copy
         return copy
 
@@ -138,6 +183,19 @@ class GrowingBuffer:
         """Bytes of the rows held (the capacity behind them, grown by doubling, is up to twice
         that while a session grows)."""
         return self.size * self.data.shape[0] * self.data.shape[2] * self.data.element_size()
+
+
+class _Share:
+    """The buffers holding one data tensor since a copy (weakly: a dropped fork leaves by
+    itself), the lock their writes take, and the first row none of them has reached."""
+
+    __slots__ = ("frontier", "holders", "lock")
+
+    def __init__(self, first: GrowingBuffer) -> None:
+        self.holders: weakref.WeakSet[GrowingBuffer] = weakref.WeakSet([first])
+        self.lock = threading.Lock()
+        # no holder views or has written a row at or past this one: appends there need no check
+        self.frontier = first.start + first.size
 
 
 @dataclass

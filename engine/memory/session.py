@@ -371,8 +371,9 @@ class SessionMemory(EncodingTransfer):
     def fork(self) -> SessionMemory:
         """An independent copy of this memory (frame, blocks, summaries, indices, chain hash)
         sharing the model: what one request reads extra chunks into (a collection's EmbQ
-        selection) without changing the session. Costs a copy of the session's own tensors,
-        no forward."""
+        selection) without changing the session. No forward, and no copy of its keys and
+        values: the fork's buffers share them until a write would touch rows the other holds
+        (engine/memory/buffers.py); its small tensors are copied."""
         shared: dict[int, object] = {}
         for module in self.model.modules():
             shared[id(module)] = module

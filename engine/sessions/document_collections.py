@@ -185,8 +185,9 @@ class DocumentCollections:
         the session's memory itself: the next question selects its own chunks, and a memory
         that kept every selection would grow into the whole collection and fill its frame with
         chunks picked for earlier questions. Re-forking per request (rather than caching a fork
-        per selection) costs one copy of the session's own tensors and no forward; a cache
-        could not be reused anyway, since every turn changes the session. The turn (question
+        per selection) costs no forward and no copy of the session's keys and values (a fork
+        shares them until it writes over rows the session holds: engine/memory/buffers.py); a
+        cache could not be reused anyway, since every turn changes the session. The turn (question
         and answer) then joins the session's own memory, one forward over its tokens, so later
         questions can refer to it as in any session.
         """
