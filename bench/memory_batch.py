@@ -1,7 +1,8 @@
 """A batched decode step of B memory rows against one, in process (issue #16's lever).
 
 A --tokens document of real text is read once into a session (segments by default; --knobs
-adds memory knobs), forked B times, and `decode_batch` steps all forks in one forward, as the
+adds memory knobs), forked B times (each fork with keys and values of its own, as distinct
+sessions hold: `fork(private=True)`), and `decode_batch` steps all forks in one forward, as the
 server batches concurrent questions on memory. For each --kv-dtypes entry (what sinks and
 window hold; default the server's), each --memory-dtypes entry and each --rows B: the median
 ms per step over --steps after two warm-up steps, and the tokens/s of B rows relative to one
@@ -49,7 +50,8 @@ from engine.sessions.memory_state import MemoryState
 
 def step_ms(model, memory: SessionMemory, strategy: str, rows: int, token: int, steps: int):
     """Median ms of a decode step of `rows` forks of memory, after two warm-up steps."""
-    states = [MemoryState(memory.fork(), strategy) for _ in range(rows)]
+    # each row its own frame, as distinct sessions hold (forks would share the rows)
+    states = [MemoryState(memory.fork(private=True), strategy) for _ in range(rows)]
     return median_step_ms(model, states, token, steps)
 
 

@@ -6,8 +6,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -138,7 +141,15 @@ class GrowingBuffer:
 
     def __deepcopy__(self, memo: dict[int, object]) -> GrowingBuffer:
         """A copy (SessionMemory.fork) sharing this buffer's data: rows are copied only when
-        a write would touch rows the other still views (append, _make_room)."""
+        a write would touch rows the other still views (append, _make_room). Inside
+        `private_copies`, a copy of its own rows with the same room after them."""
+        if _private.get():
+            own = GrowingBuffer.__new__(GrowingBuffer)
+            own.pin, own.start, own.size = self.pin, 0, self.size
+            own.data = self.data[:, self.start :].clone(memory_format=torch.contiguous_format)
+            own.data = own.data.pin_memory() if self.pin else own.data
+            memo[id(self)] = own
+            return own
         copy = GrowingBuffer.__new__(GrowingBuffer)
         copy.pin, copy.start, copy.size, copy.data = self.pin, self.start, self.size, self.data
         share = self._share = self._share or _Share(self)
@@ -183,6 +194,20 @@ class GrowingBuffer:
         """Bytes of the rows held (the capacity behind them, grown by doubling, is up to twice
         that while a session grows)."""
         return self.size * self.data.shape[0] * self.data.shape[2] * self.data.element_size()
+
+
+_private: contextvars.ContextVar[bool] = contextvars.ContextVar("private_copies", default=False)
+
+
+@contextlib.contextmanager
+def private_copies() -> Iterator[None]:
+    """Buffers copied inside the block (a fork) get rows of their own, not shared ones: what a
+    bench of distinct sessions' frames needs (bench/memory_batch.py)."""
+    token = _private.set(True)
+    try:
+        yield
+    finally:
+        _private.reset(token)
 
 
 class _Share:

@@ -17,12 +17,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from engine.memory.buffers import private_copies
 from engine.memory.config import parse_memory_spec
 from engine.memory.decode_row import MemoryRow
 from engine.memory.frame import Frame
@@ -368,18 +370,19 @@ class SessionMemory(EncodingTransfer):
     def model_dtype(self) -> torch.dtype:
         return self._frame._dtype
 
-    def fork(self) -> SessionMemory:
+    def fork(self, private: bool = False) -> SessionMemory:
         """An independent copy of this memory (frame, blocks, summaries, indices, chain hash)
         sharing the model: what one request reads extra chunks into (a collection's EmbQ
         selection) without changing the session. No forward, and no copy of its keys and
         values: the fork's buffers share them until a write would touch rows the other holds
-        (engine/memory/buffers.py); its small tensors are copied."""
+        (engine/memory/buffers.py); its small tensors are copied. private: keys and values
+        of its own (a bench's stand-in for a distinct session)."""
         shared: dict[int, object] = {}
         for module in self.model.modules():
             shared[id(module)] = module
         for tensor in (*self.model.parameters(), *self.model.buffers()):
             shared[id(tensor)] = tensor
-        with torch.inference_mode():
+        with torch.inference_mode(), private_copies() if private else nullcontext():
             return copy.deepcopy(self, shared)
 
     def _chunks(self, total: int, tail: bool = True) -> list[tuple[int, int]]:

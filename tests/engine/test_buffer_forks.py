@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from engine.memory.buffers import GrowingBuffer
+from engine.memory.buffers import GrowingBuffer, private_copies
 from engine.memory.session import SessionMemory
 from engine.protocol import MemorySpec
 
@@ -80,6 +80,18 @@ def test_a_dropped_copy_leaves_the_data_to_the_original():
     assert torch.equal(parent.view(), torch.cat((rows(0, 100), rows(2000, 3)), 1))
 
 
+def test_a_private_copy_has_rows_and_room_of_its_own():
+    parent = filled(100)
+    with private_copies():
+        own = copy.deepcopy(parent)
+    assert own.data.data_ptr() != parent.data.data_ptr()
+    assert own.data.shape == parent.data.shape  # the same room after the rows
+    own.append(rows(1000, 5))
+    parent.append(rows(2000, 5))
+    assert torch.equal(own.view()[:, 100:], rows(1000, 5))
+    assert torch.equal(parent.view()[:, 100:], rows(2000, 5))
+
+
 def test_random_appends_and_drops_on_many_copies_match_private_lists():
     """Every holder reads what a private copy of its own would hold, whatever the order."""
     rng = random.Random(0)
@@ -132,3 +144,7 @@ def test_a_fork_copies_no_memory_and_both_go_on_as_if_alone(memory_dtype):
         again = SessionMemory(model, spec)
         again.append(ids)
         torch.testing.assert_close(fork_logits, again.append(more), rtol=0, atol=0)
+        own = memory.fork(private=True)._frame.layers[0]
+        own_v = own.mem_v.codes.data if memory_dtype == "int8" else own.mem_v.data
+        now = store.mem_v.codes.data if memory_dtype == "int8" else store.mem_v.data
+        assert own_v.data_ptr() != now.data_ptr()
