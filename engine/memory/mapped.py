@@ -7,12 +7,16 @@ up to max_rows, and rows never written take no disk. The file is unlinked as soo
 mapped: nothing is left behind when the server stops or dies, and its space returns when the
 region is freed. Pages a decode step reads come through the page cache, which the kernel
 keeps as an LRU and reclaims under pressure; none of it is the process's anonymous memory.
+The mapping is advised random: the kernel's readahead around each fault, into a file that is
+mostly holes, made writes 3-7× slower and retrieval's cold reads slower too (decision 102).
 `budget` bounds the bytes the regions' rows in use span, over every session. Why, and what
 it costs: docs/decisions/077-memory-on-disk.md.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import tempfile
 import threading
@@ -80,6 +84,7 @@ class Region:
         finally:
             os.unlink(path)
             os.close(fd)
+        _advise_random(flat)
         self.storage = flat.view(heads, self.rows, dim)
         self.capacity = 0
         self._taken = [0]  # bytes taken from the budget, returned when the storage is freed
@@ -100,6 +105,21 @@ class Region:
 
     def data(self) -> torch.Tensor:
         return self.storage[:, : self.capacity]
+
+
+_MADV_RANDOM = 1  # Linux's: no readahead on faults in the range
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if os.name == "posix" else None
+
+
+def _advise_random(mapped: torch.Tensor) -> None:
+    """Ask the kernel for no readahead on this whole mapping (a hint: nothing if refused)."""
+    if _libc is None or not mapped.numel():
+        return
+    start = mapped.data_ptr()
+    page = os.sysconf("SC_PAGE_SIZE")
+    base = start - start % page
+    length = start - base + mapped.numel() * mapped.element_size()
+    _libc.madvise(ctypes.c_void_p(base), ctypes.c_size_t(length), _MADV_RANDOM)
 
 
 def _give_back(arena: DiskArena, taken: list[int]) -> None:

@@ -285,3 +285,22 @@ def test_the_prefix_cache_keeps_its_copies_in_the_disk_tier(tmp_path):
     cache.put("tenant", memory)
     [entry] = cache._entries.values()
     assert entry.memory._frame.on_disk and not memory._frame.on_disk
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's smaps")
+def test_a_regions_mapping_is_advised_random(tmp_path):
+    """No readahead into the sparse files (decision 102): the kernel marks the mapping `rr`."""
+    region = DiskArena(str(tmp_path), 1 << 30, 4096).region(2, 64, torch.float16)
+    start = region.storage.data_ptr()
+    flags = None
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            first = line.split()[0]
+            if "-" in first and not first.endswith(":"):
+                low, high = (int(x, 16) for x in first.split("-"))
+                inside = low <= start < high
+            elif inside and line.startswith("VmFlags:"):
+                flags = line.split()[1:]
+                break
+    assert flags is not None and "rr" in flags
