@@ -87,8 +87,8 @@ class GrowingBuffer:
         capacity = self.data.shape[1]
         if self.size + n > capacity // 2:
             self._grow(max(2 * capacity, self.size + n, 256))
-        elif self._others_view(0, self.size):
-            self._grow(capacity)  # moving the rows would write over rows another holder views
+        elif self._others_view(0, self.size + n):
+            self._grow(capacity)  # the moved rows and the new ones would cover another's
         else:
             self._to_front()
 

@@ -68,6 +68,17 @@ def test_moving_rows_to_the_front_never_writes_over_a_copys_rows():
     assert torch.equal(parent.view(), torch.cat((rows(250, 6), rows(7000, 10)), 1))
 
 
+def test_the_rows_appended_after_a_move_to_the_front_never_cover_a_copys_rows():
+    parent = filled(256)  # capacity 256, full
+    fork = copy.deepcopy(parent)
+    fork.drop_front(25)
+    fork.drop_back(216)  # the fork reads rows 25-39 only
+    parent.drop_front(236)  # 20 rows left at 236-255: the next append moves them to the front
+    parent.append(rows(9000, 30))  # rows 0-19 moved, then 20-49 written: over the fork's 25-39
+    assert torch.equal(fork.view(), rows(25, 15))
+    assert torch.equal(parent.view(), torch.cat((rows(236, 20), rows(9000, 30)), 1))
+
+
 def test_a_dropped_copy_leaves_the_data_to_the_original():
     parent = filled(100)
     fork = copy.deepcopy(parent)
@@ -92,9 +103,10 @@ def test_a_private_copy_has_rows_and_room_of_its_own():
     assert torch.equal(parent.view()[:, 100:], rows(2000, 5))
 
 
-def test_random_appends_and_drops_on_many_copies_match_private_lists():
+@pytest.mark.parametrize("seed", range(6))
+def test_random_appends_and_drops_on_many_copies_match_private_lists(seed):
     """Every holder reads what a private copy of its own would hold, whatever the order."""
-    rng = random.Random(0)
+    rng = random.Random(seed)
     buffers, truths, counter = [filled(10)], [list(range(10))], 10_000
     for _ in range(2000):
         i = rng.randrange(len(buffers))
