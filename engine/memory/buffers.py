@@ -200,10 +200,10 @@ _private: contextvars.ContextVar[bool] = contextvars.ContextVar("private_copies"
 
 
 @contextlib.contextmanager
-def private_copies() -> Iterator[None]:
-    """Buffers copied inside the block (a fork) get rows of their own, not shared ones: what a
-    bench of distinct sessions' frames needs (bench/memory_batch.py)."""
-    token = _private.set(True)
+def private_copies(private: bool = True) -> Iterator[None]:
+    """Buffers copied inside the block (a fork) get rows of their own, not shared ones (unless
+    `private` is False): what a bench of distinct sessions' frames needs (bench/memory_batch.py)."""
+    token = _private.set(private)
     try:
         yield
     finally:

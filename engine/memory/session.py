@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -373,16 +372,14 @@ class SessionMemory(EncodingTransfer):
     def fork(self, private: bool = False) -> SessionMemory:
         """An independent copy of this memory (frame, blocks, summaries, indices, chain hash)
         sharing the model: what one request reads extra chunks into (a collection's EmbQ
-        selection) without changing the session. No forward, and no copy of its keys and
-        values: the fork's buffers share them until a write would touch rows the other holds
-        (engine/memory/buffers.py); its small tensors are copied. private: keys and values
-        of its own (a bench's stand-in for a distinct session)."""
+        selection) without changing the session: no forward; keys and values shared until
+        a write would touch the other's rows (buffers.py), or, `private`, copied."""
         shared: dict[int, object] = {}
         for module in self.model.modules():
             shared[id(module)] = module
         for tensor in (*self.model.parameters(), *self.model.buffers()):
             shared[id(tensor)] = tensor
-        with torch.inference_mode(), private_copies() if private else nullcontext():
+        with torch.inference_mode(), private_copies(private):
             return copy.deepcopy(self, shared)
 
     def _chunks(self, total: int, tail: bool = True) -> list[tuple[int, int]]:
